@@ -1,0 +1,62 @@
+# switchyard — every task has a name here. Two matter to users:
+#   make run    set everything up and start the router on the embedded default
+#   make test   set everything up and run every check CI runs
+# Everything the build needs is installed from here (CI starts from a clean clone).
+
+CARGO  ?= cargo
+PYTHON ?= python3
+VENV   := .venv
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: all run test setup build release lint fmt clippy test-rust test-python bench clean
+
+all: build plugins
+
+include mk/guests.mk
+
+## setup: toolchain pieces the build needs (idempotent)
+setup:
+	@rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
+
+## run: build the router and the built-in policies, then start reference engines + router
+run: setup plugins release
+	./target/release/switchyard up --host $(HOST) --port $(PORT) --plugins plugins
+
+release:
+	$(CARGO) build --release -p switchyard --bin switchyard
+
+build:
+	$(CARGO) build -p switchyard --bin switchyard
+
+## test: everything CI checks
+test: setup plugins guests build lint test-rust test-python
+
+lint: fmt clippy
+
+fmt:
+	$(CARGO) fmt --all --check
+
+clippy:
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy -- -D warnings
+
+test-rust:
+	$(CARGO) test --workspace
+
+# The official OpenAI Python client against `switchyard up` (the venv is created on first use).
+$(VENV)/.installed: tests/python/requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet -r tests/python/requirements.txt
+	touch $@
+
+test-python: $(VENV)/.installed build plugins
+	SWITCHYARD_BIN=$(CURDIR)/target/debug/switchyard $(VENV)/bin/pytest -q tests/python
+
+## bench: criterion micro-benchmarks and the KV transfer benchmark (not part of `make test`)
+bench: plugins
+	$(CARGO) bench -p switchyard
+
+clean:
+	$(CARGO) clean
+	rm -f plugins/*.wasm
