@@ -1,0 +1,277 @@
+//! The policy against a transcription of MLC's router over a table of clusters, plus the cases
+//! MLC does not have (roles, unhealthy endpoints, retries).
+
+use switchyard_policy::testing::{Harness, check_plan, endpoints, request};
+use switchyard_policy::types::{FailureKind, Role};
+use switchyard_policy::{Plan, PolicyError};
+
+use super::Disagg;
+
+const FACTORS: [f64; 3] = [0.0, 0.1, 0.5];
+const PROMPT_LENS: [u32; 4] = [1, 2, 17, 3000];
+
+/// MLC's `_handle_completion_disagg`, transcribed: prefill on server 0, decode on
+/// `min(range(1, n), key=num_running)`, `kv_window_end = -1 if f == 0 else int((1-f)*len)`.
+fn mlc_reference(loads: &[u32], prompt_len: u32, factor: f64) -> Plan {
+    let decode = (1..loads.len()).min_by_key(|&i| loads[i]).expect("n >= 2") as u32;
+    let end = if factor == 0.0 {
+        -1
+    } else {
+        ((1.0 - factor) * f64::from(prompt_len)).floor() as i32
+    };
+    Plan::disagg(0, decode, end)
+}
+
+/// In-flight patterns for `n` endpoints: idle, ascending, descending, ties, and pseudo-random.
+fn load_patterns(n: u32) -> Vec<Vec<u32>> {
+    let mut seed = 0x9E37_79B9_u32 ^ n;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 17;
+        seed ^= seed << 5;
+        seed % 5
+    };
+    let mut patterns = vec![
+        vec![0; n as usize],
+        (0..n).collect(),
+        (0..n).rev().collect(),
+        (0..n).map(|i| i % 2).collect(),
+    ];
+    patterns.extend((0..4).map(|_| (0..n).map(|_| next()).collect()));
+    patterns
+}
+
+fn disagg(factor: f64) -> Harness<Disagg> {
+    Harness::init(&format!(r#"{{"pd_balance_factor": {factor}}}"#)).expect("valid factor")
+}
+
+#[test]
+fn matches_mlc_on_healthy_roleless_clusters() {
+    let mut checked = 0;
+    for factor in FACTORS {
+        let mut policy = disagg(factor);
+        for n in 2..=8 {
+            for loads in load_patterns(n) {
+                let ctx = endpoints(n).with_in_flight(&loads).context();
+                for len in PROMPT_LENS {
+                    let plan = policy.translate(&request(len), &ctx);
+                    let expected = mlc_reference(&loads, len, factor);
+                    check_plan(&expected, len, &ctx.endpoints).expect("MLC's plan is valid");
+                    assert_eq!(
+                        plan,
+                        Ok(expected),
+                        "n={n} loads={loads:?} len={len} f={factor}"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 3 * 7 * 8 * 4);
+}
+
+#[test]
+fn one_endpoint_gets_the_whole_request() {
+    let mut policy = disagg(0.1);
+    for len in PROMPT_LENS {
+        assert_eq!(
+            policy.translate(&request(len), &endpoints(1).context()),
+            Ok(Plan::forward(0))
+        );
+    }
+    // Only one healthy endpoint left in a larger cluster: the same.
+    let ctx = endpoints(3).unhealthy(0).unhealthy(1).context();
+    assert_eq!(policy.translate(&request(17), &ctx), Ok(Plan::forward(2)));
+}
+
+#[test]
+fn no_healthy_endpoint_is_unavailable() {
+    let mut policy = disagg(0.0);
+    let ctx = endpoints(2).unhealthy(0).unhealthy(1).context();
+    assert!(matches!(
+        policy.translate(&request(17), &ctx),
+        Err(PolicyError::Unavailable(_))
+    ));
+    let empty = endpoints(0).context();
+    assert!(matches!(
+        policy.translate(&request(17), &empty),
+        Err(PolicyError::Unavailable(_))
+    ));
+}
+
+#[test]
+fn unhealthy_endpoints_are_skipped() {
+    let mut policy = disagg(0.0);
+    // Endpoint 0 down: the lowest healthy id prefills, the least loaded other one decodes.
+    let ctx = endpoints(4)
+        .with_in_flight(&[0, 5, 3, 1])
+        .unhealthy(0)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(1, 3, -1))
+    );
+    // The least loaded decode candidate is down: the next one.
+    let ctx = endpoints(4)
+        .with_in_flight(&[0, 5, 0, 1])
+        .unhealthy(2)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 3, -1))
+    );
+}
+
+#[test]
+fn roles_pick_the_prefill_and_steer_decode() {
+    let mut policy = disagg(0.0);
+    // A prefill-role endpoint prefills, wherever it is.
+    let ctx = endpoints(4)
+        .with_in_flight(&[2, 4, 9, 3])
+        .role(2, Role::Prefill)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(2, 0, -1))
+    );
+    // Another prefill-role endpoint is not used for decode while a decode/any one exists...
+    let ctx = endpoints(4)
+        .with_in_flight(&[0, 0, 7, 8])
+        .role(0, Role::Prefill)
+        .role(1, Role::Prefill)
+        .role(2, Role::Decode)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 2, -1))
+    );
+    // ...but it is when nothing else is healthy.
+    let ctx = endpoints(3)
+        .role(0, Role::Prefill)
+        .role(1, Role::Prefill)
+        .unhealthy(2)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 1, -1))
+    );
+    // A down prefill-role endpoint is skipped; endpoint 0 prefills as in MLC.
+    let ctx = endpoints(3).role(1, Role::Prefill).unhealthy(1).context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 2, -1))
+    );
+    // A decode role on endpoint 0 is only a hint: with no prefill-role endpoint, 0 prefills.
+    let ctx = endpoints(3).role(0, Role::Decode).context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 1, -1))
+    );
+}
+
+#[test]
+fn retries_avoid_the_failed_endpoint() {
+    let mut policy = disagg(0.0);
+    let loads = [0, 0, 1, 2];
+    // Decode failed on 1: the next least-loaded endpoint decodes.
+    let ctx = endpoints(4)
+        .with_in_flight(&loads)
+        .retry(2, FailureKind::Preempted, 1)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 2, -1))
+    );
+    // Prefill failed on 0: the lowest other id prefills.
+    let ctx = endpoints(4)
+        .with_in_flight(&loads)
+        .retry(2, FailureKind::EndpointError, 0)
+        .context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(1, 2, -1))
+    );
+    // Two endpoints: the survivor serves the request alone rather than reuse the failed one.
+    let ctx = endpoints(2).retry(3, FailureKind::Timeout, 1).context();
+    assert_eq!(policy.translate(&request(17), &ctx), Ok(Plan::forward(0)));
+    // Nothing else is healthy: the failed endpoint is the last resort.
+    let ctx = endpoints(2)
+        .unhealthy(0)
+        .retry(2, FailureKind::Preempted, 1)
+        .context();
+    assert_eq!(policy.translate(&request(17), &ctx), Ok(Plan::forward(1)));
+    // On the first attempt last-failure is ignored (the host never sets it there).
+    let ctx = endpoints(3).retry(1, FailureKind::Preempted, 1).context();
+    assert_eq!(
+        policy.translate(&request(17), &ctx),
+        Ok(Plan::disagg(0, 1, -1))
+    );
+}
+
+#[test]
+fn every_plan_passes_the_routers_checks() {
+    for factor in FACTORS {
+        let mut policy = disagg(factor);
+        for n in 1..=8 {
+            for failed in 0..n {
+                for down in 0..n {
+                    let ctx = endpoints(n)
+                        .with_in_flight(&load_patterns(n)[5])
+                        .role(n - 1, Role::Prefill)
+                        .unhealthy(down)
+                        .retry(2, FailureKind::EndpointError, failed)
+                        .context();
+                    for len in PROMPT_LENS {
+                        match policy.translate(&request(len), &ctx) {
+                            Ok(plan) => {
+                                let checked = check_plan(&plan, len, &ctx.endpoints);
+                                assert_eq!(checked, Ok(()), "{plan:?} n={n} len={len}");
+                                if n > 2 {
+                                    assert!(!uses(&plan, failed), "{plan:?} reuses {failed}");
+                                }
+                            }
+                            Err(e) => assert_eq!(n, 1, "n={n}: {e:?}"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn uses(plan: &Plan, id: u32) -> bool {
+    use switchyard_policy::Step;
+    plan.steps.iter().any(|s| match s {
+        Step::PrepRecv(p) => p.decode == id,
+        Step::RemoteSend(r) => r.prefill == id || r.decode == id,
+        Step::StartGenerate(g) => g.decode == id,
+        Step::Forward(e) => *e == id,
+    })
+}
+
+#[test]
+fn config_is_checked_in_init() {
+    assert_eq!(
+        Harness::<Disagg>::init("{}").map(|h| h.policy().clone()),
+        Ok(Disagg {
+            pd_balance_factor: 0.0
+        })
+    );
+    assert!(Harness::<Disagg>::init("").is_ok());
+    assert!(Harness::<Disagg>::init(r#"{"pd_balance_factor": 0.99}"#).is_ok());
+    let err = |config: &str| Harness::<Disagg>::init(config).expect_err(config);
+    assert_eq!(
+        err(r#"{"pd_balance_factor": 1}"#),
+        "pd_balance_factor must be at least 0 and below 1, got 1"
+    );
+    assert!(err(r#"{"pd_balance_factor": -0.1}"#).contains("got -0.1"));
+    assert!(err(r#"{"pd_balance_factor": "0.5"}"#).contains("must be a number"));
+    assert!(err(r#"{"pd_balance": 0.5}"#).contains("unknown config key \"pd_balance\""));
+    assert!(err("not json").contains("not valid JSON"));
+}
+
+#[test]
+fn describes_itself_as_rust_needing_no_tokens() {
+    let info = disagg(0.0).describe();
+    assert_eq!((info.language.as_str(), info.prompt_tokens), ("rust", 0));
+}
