@@ -1,0 +1,72 @@
+# Example policies in three languages, built from source (never committed as .wasm):
+#   make examples-toolchains   componentize-py in .venv-guests, componentize-js in examples/slo-js
+#   make examples              target/examples/{priority-rust,prefix-aware-python,slo-js}.wasm
+#   make examples-test         their native tests, then the host loading each built example
+# Each component is rebuilt only when its sources change: Python and JavaScript componentize
+# take 10-20 s each. Included by the top-level Makefile.
+
+CARGO  ?= cargo
+PYTHON ?= python3
+NPM    ?= npm
+NODE   ?= node
+
+# Versions known to build against wit/policy.wit; bump deliberately (see examples/README.md).
+COMPONENTIZE_PY_VERSION := 0.25.1
+
+EXAMPLES_OUT    := target/examples
+GUEST_VENV      := .venv-guests
+EXAMPLES_WIT    := wit/policy.wit
+EXAMPLES_CARGO_OUT := $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip2/guest
+
+PRIORITY_SRC := $(wildcard examples/priority-rust/src/*.rs) examples/priority-rust/Cargo.toml \
+	$(wildcard sdk/src/*.rs) sdk/Cargo.toml
+PREFIX_SRC   := $(wildcard examples/prefix-aware-python/src/*.py)
+SLO_SRC      := examples/slo-js/src/policy.js examples/slo-js/build.mjs
+
+EXAMPLES := $(EXAMPLES_OUT)/priority-rust.wasm $(EXAMPLES_OUT)/prefix-aware-python.wasm \
+	$(EXAMPLES_OUT)/slo-js.wasm
+
+.PHONY: examples examples-toolchains examples-test
+
+## examples: build the example policies into target/examples/*.wasm
+examples: $(EXAMPLES)
+
+## examples-toolchains: install componentize-py and componentize-js (idempotent)
+examples-toolchains: $(GUEST_VENV)/.installed examples/slo-js/node_modules/.installed
+
+# The venv ignores itself (`*` in its own .gitignore), so the root .gitignore needs no entry.
+$(GUEST_VENV)/.installed: mk/examples.mk
+	$(PYTHON) -m venv $(GUEST_VENV)
+	printf '*\n' > $(GUEST_VENV)/.gitignore
+	$(GUEST_VENV)/bin/pip install --quiet componentize-py==$(COMPONENTIZE_PY_VERSION)
+	touch $@
+
+# Not `npm ci`: npm 11 calls this lock "out of sync" because it lists other platforms' optional
+# binaries without versions (npm/cli#4828). `install --no-save` installs the locked versions
+# and never rewrites the lock.
+examples/slo-js/node_modules/.installed: examples/slo-js/package.json examples/slo-js/package-lock.json
+	cd examples/slo-js && $(NPM) install --no-save --no-audit --no-fund
+	touch $@
+
+# Cargo decides what to rebuild; make only skips calling it when nothing changed.
+$(EXAMPLES_OUT)/priority-rust.wasm: $(PRIORITY_SRC) $(EXAMPLES_WIT)
+	@rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
+	$(CARGO) build --target wasm32-wasip2 --profile guest -p priority-rust-policy
+	@mkdir -p $(@D)
+	cp $(EXAMPLES_CARGO_OUT)/priority_rust_policy.wasm $@.partial && mv $@.partial $@
+
+# The python path holds only the policy's own modules: componentize-py bundles what it finds.
+$(EXAMPLES_OUT)/prefix-aware-python.wasm: $(PREFIX_SRC) $(EXAMPLES_WIT) $(GUEST_VENV)/.installed
+	@mkdir -p $(@D)
+	$(GUEST_VENV)/bin/componentize-py -d $(EXAMPLES_WIT) -w policy componentize \
+		-p examples/prefix-aware-python/src prefix_aware -o $@.partial
+	mv $@.partial $@
+
+$(EXAMPLES_OUT)/slo-js.wasm: $(SLO_SRC) $(EXAMPLES_WIT) examples/slo-js/node_modules/.installed
+	cd examples/slo-js && $(NODE) build.mjs $(abspath $@)
+
+## examples-test: native tests of the examples, then the host loading each built component
+examples-test: examples
+	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
+	$(CARGO) test -p priority-rust-policy
+	$(CARGO) test -p switchyard --test examples
