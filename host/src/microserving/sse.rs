@@ -1,0 +1,117 @@
+//! Engine SSE streams → typed chunks.
+//!
+//! An engine streams `data: <CompletionResponse JSON>\n\n` per chunk and ends with
+//! `data: [DONE]\n\n`. A stream that ends without `[DONE]` was cut (the engine died or the
+//! connection dropped) and is reported as an error, never as a short success.
+
+use std::pin::Pin;
+
+use bytes::Bytes;
+use eventsource_stream::Eventsource;
+use futures::{Stream, StreamExt};
+
+use super::wire::CompletionResponse;
+
+/// Why a chunk stream failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SseError {
+    #[error("reading the stream: {0}")]
+    Transport(String),
+    #[error("a chunk is not a completion response: {0}")]
+    BadChunk(String),
+    #[error("the stream ended without [DONE]")]
+    Truncated,
+}
+
+/// A stream of engine chunks, ending after `[DONE]`.
+pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<CompletionResponse, SseError>> + Send>>;
+
+/// Parse an SSE byte stream into chunks.
+pub fn parse_chunks<S, E>(bytes: S) -> ChunkStream
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let events = bytes.eventsource();
+    let state = (Box::pin(events), false);
+    Box::pin(futures::stream::unfold(
+        state,
+        |(mut events, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                match events.next().await {
+                    None => return Some((Err(SseError::Truncated), (events, true))),
+                    Some(Err(e)) => {
+                        return Some((Err(SseError::Transport(e.to_string())), (events, true)));
+                    }
+                    Some(Ok(event)) => {
+                        let data = event.data.trim();
+                        if data.is_empty() {
+                            continue;
+                        }
+                        if data == "[DONE]" {
+                            return None;
+                        }
+                        return match serde_json::from_str::<CompletionResponse>(data) {
+                            Ok(chunk) => Some((Ok(chunk), (events, false))),
+                            Err(e) => {
+                                Some((Err(SseError::BadChunk(e.to_string())), (events, true)))
+                            }
+                        };
+                    }
+                }
+            }
+        },
+    ))
+}
+
+/// A complete (non-streaming) answer presented as a one-chunk stream.
+pub fn single_chunk(response: CompletionResponse) -> ChunkStream {
+    Box::pin(futures::stream::once(async move { Ok(response) }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream_of(parts: &[&'static str]) -> ChunkStream {
+        let parts: Vec<Result<Bytes, std::io::Error>> = parts
+            .iter()
+            .map(|p| Ok(Bytes::from_static(p.as_bytes())))
+            .collect();
+        parse_chunks(futures::stream::iter(parts))
+    }
+
+    #[tokio::test]
+    async fn chunks_split_anywhere_parse_and_done_ends_the_stream() {
+        let chunks: Vec<_> = stream_of(&[
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"he\",\"finish_reason\":null}]}\n",
+            "\ndata: {\"id\":\"a\",\"choices\":[{\"index\":0,\"te",
+            "xt\":\"llo\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n",
+        ])
+        .collect()
+        .await;
+        let texts: Vec<_> = chunks
+            .into_iter()
+            .map(|c| c.expect("chunk").choices[0].text.clone())
+            .collect();
+        assert_eq!(texts, ["he", "llo"]);
+    }
+
+    #[tokio::test]
+    async fn a_stream_without_done_is_truncated() {
+        let chunks: Vec<_> = stream_of(&["data: {\"id\":\"a\",\"choices\":[]}\n\n"])
+            .collect()
+            .await;
+        assert_eq!(chunks.len(), 2);
+        assert!(matches!(chunks[1], Err(SseError::Truncated)));
+    }
+
+    #[tokio::test]
+    async fn garbage_is_a_bad_chunk() {
+        let chunks: Vec<_> = stream_of(&["data: not json\n\n"]).collect().await;
+        assert!(matches!(chunks[0], Err(SseError::BadChunk(_))));
+    }
+}
