@@ -1,0 +1,572 @@
+//! The reference engine as separate processes on loopback: the disaggregated flow yields exactly
+//! the tokens of a single engine over both KV transports, preemption and reservation expiry free
+//! their pages, protocol violations are 400s, and golden request/response pairs hold.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+use serde_json::{Value, json};
+use switchyard::kv::KvAddrInfo;
+use switchyard::test_util::EngineProcess;
+
+/// A decode engine (device rank 1) and a prefill engine (rank 0) that can push KV into it.
+struct Pair {
+    p: EngineProcess,
+    d: EngineProcess,
+}
+
+impl Pair {
+    fn spawn(transport: &str, extra: &[&str]) -> Pair {
+        let mut d_args = vec!["--device-rank", "1", "--kv-transport", transport];
+        d_args.extend(extra);
+        let d = EngineProcess::spawn(&d_args);
+        let peer = format!("1={}", d.kv_addr);
+        let mut p_args = vec![
+            "--device-rank",
+            "0",
+            "--kv-transport",
+            transport,
+            "--kv-peer",
+            &peer,
+        ];
+        p_args.extend(extra);
+        let p = EngineProcess::spawn(&p_args);
+        Pair { p, d }
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("reqwest client")
+}
+
+async fn post(url: &str, body: &Value) -> (u16, String) {
+    let response = client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("engine reachable");
+    let status = response.status().as_u16();
+    (status, response.text().await.expect("body"))
+}
+
+async fn post_json(url: &str, body: &Value) -> Value {
+    let (status, text) = post(url, body).await;
+    assert_eq!(status, 200, "POST {url} {body} -> {text}");
+    serde_json::from_str(&text).expect("JSON body")
+}
+
+/// The `data:` payloads of an SSE body, `[DONE]` included.
+fn sse_payloads(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter(|event| !event.is_empty())
+        .map(|event| {
+            event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad SSE event {event:?}"))
+                .to_owned()
+        })
+        .collect()
+}
+
+/// Text and finish reason of a streamed completion.
+fn streamed_text(body: &str) -> (String, String) {
+    let payloads = sse_payloads(body);
+    assert_eq!(
+        payloads.last().map(String::as_str),
+        Some("[DONE]"),
+        "{body}"
+    );
+    let mut text = String::new();
+    let mut finish = String::new();
+    for payload in &payloads[..payloads.len() - 1] {
+        let chunk: Value = serde_json::from_str(payload).expect("chunk JSON");
+        for choice in chunk["choices"].as_array().expect("choices") {
+            text.push_str(choice["text"].as_str().expect("text"));
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                finish = reason.to_owned();
+            }
+        }
+    }
+    (text, finish)
+}
+
+fn metric(text: &str, name: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.strip_prefix(' ')))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+async fn metrics(engine: &EngineProcess) -> String {
+    client()
+        .get(engine.endpoint("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text")
+}
+
+/// Polls `/metrics` until `cond` holds on the named metric, for at most 20 s.
+async fn wait_for_metric(engine: &EngineProcess, name: &str, cond: impl Fn(f64) -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let text = metrics(engine).await;
+        if metric(&text, name).is_some_and(&cond) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} never reached the expected value:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// === token identity ===
+
+struct Case {
+    prompt: Vec<u32>,
+    end: i64,
+    body: Value,
+}
+
+/// Random prompts (1–2000 token ids), balance windows, sampling settings, and repeated or
+/// shared-prefix prompts so prefix-cache hits occur.
+fn cases(seed: u64, n: usize) -> Vec<Case> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut previous: Vec<Vec<u32>> = Vec::new();
+    (0..n)
+        .map(|_| {
+            let prompt: Vec<u32> = match (rng.random_range(0..4), previous.last()) {
+                (0, Some(p)) => p.clone(),
+                (1, Some(p)) => {
+                    let keep = rng.random_range(1..=p.len());
+                    let extra = rng.random_range(1..300);
+                    p[..keep].iter().copied().chain((0..extra).map(|_| rng.random_range(0..256))).collect()
+                }
+                _ => {
+                    let len = if rng.random_bool(0.2) { rng.random_range(1..8) } else { rng.random_range(1..=2000) };
+                    (0..len).map(|_| rng.random_range(0..256)).collect()
+                }
+            };
+            previous.push(prompt.clone());
+            let len = prompt.len() as f64;
+            let end = if rng.random_bool(0.4) { -1 } else { ((1.0 - rng.random_range(0.01..1.0)) * len) as i64 };
+            let mut body = json!({"model": null, "prompt": prompt, "max_tokens": rng.random_range(1..40),
+                "n": 1, "stream": false, "debug_config": {}});
+            if rng.random_bool(0.5) {
+                body["temperature"] = json!(rng.random_range(0.3..1.5));
+                body["top_p"] = json!(rng.random_range(0.5..1.0));
+                body["seed"] = json!(rng.random_range(0..1000));
+            }
+            Case { prompt, end, body }
+        })
+        .collect()
+}
+
+/// MLC's disaggregated sequence against a pair; returns the streamed text and finish reason.
+async fn disaggregated(pair: &Pair, case: &Case, id: &str) -> (String, String) {
+    let mut body = case.body.clone();
+    body["user"] = json!(id);
+    body["end"] = json!(case.end);
+    let prep = post_json(&pair.d.endpoint("/microserving/prep_recv"), &body).await;
+    let matched = prep["prefix_matched_length"]
+        .as_i64()
+        .expect("prefix_matched_length");
+    let len = case.prompt.len() as i64;
+    let end = if case.end < 0 {
+        len + case.end
+    } else {
+        case.end
+    };
+    assert!((0..=end).contains(&matched), "matched {matched}, end {end}");
+    if matched < end {
+        let mut send = case.body.clone();
+        send["user"] = json!(id);
+        send["begin"] = json!(matched);
+        send["end"] = json!(end);
+        send["kv_addr_info"] = prep["kv_append_metadata"].clone();
+        send["recv_rank"] = json!(pair.d.device_rank);
+        assert_eq!(
+            post_json(&pair.p.endpoint("/microserving/remote_send"), &send).await,
+            json!({})
+        );
+    }
+    let mut start = case.body.clone();
+    start["user"] = json!(id);
+    start["begin"] = json!(end);
+    start["stream"] = json!(true);
+    let (status, text) = post(&pair.d.endpoint("/microserving/start_generate"), &start).await;
+    assert_eq!(status, 200, "{text}");
+    streamed_text(&text)
+}
+
+async fn token_identity(transport: &str, seed: u64) {
+    let pair = Pair::spawn(transport, &["--prefix-cache"]);
+    for (i, case) in cases(seed, 30).iter().enumerate() {
+        let alone = post_json(&pair.d.endpoint("/v1/completions"), &case.body).await;
+        let expected = (
+            alone["choices"][0]["text"]
+                .as_str()
+                .expect("text")
+                .to_owned(),
+            alone["choices"][0]["finish_reason"]
+                .as_str()
+                .expect("finish_reason")
+                .to_owned(),
+        );
+        let id = format!("cmpl-{seed:016x}{i:016x}");
+        let got = disaggregated(&pair, case, &id).await;
+        assert_eq!(
+            got,
+            expected,
+            "case {i}: {} tokens, end {}",
+            case.prompt.len(),
+            case.end
+        );
+    }
+    let d = metrics(&pair.d).await;
+    assert!(
+        metric(&d, "switchyard_engine_prefix_matched_tokens_total").unwrap_or(0.0) > 0.0,
+        "{d}"
+    );
+    let p = metrics(&pair.p).await;
+    assert!(
+        metric(&p, "switchyard_engine_remote_send_received_total").unwrap_or(0.0) > 0.0,
+        "{p}"
+    );
+}
+
+#[tokio::test]
+async fn disaggregated_tokens_match_a_single_engine_over_tcp() {
+    token_identity("tcp", 0x7cb).await;
+}
+
+#[tokio::test]
+async fn disaggregated_tokens_match_a_single_engine_over_shm() {
+    token_identity("shm", 0x5e3).await;
+}
+
+#[tokio::test]
+async fn a_wrong_slot_changes_the_output() {
+    // Decoding on D with KV for the wrong positions must not silently give the right tokens:
+    // push prompt[0:end) KV shifted by one slot (one position short, one slot too late).
+    let pair = Pair::spawn("tcp", &[]);
+    let prompt: Vec<u32> = (0..64).map(|i| (i * 37 % 95 + 32) as u32).collect();
+    let body = json!({"prompt": prompt, "max_tokens": 16});
+    let alone = post_json(&pair.d.endpoint("/v1/completions"), &body).await;
+    let mut prep = body.clone();
+    prep["user"] = json!("cmpl-shifted");
+    prep["end"] = json!(-1);
+    let meta = post_json(&pair.d.endpoint("/microserving/prep_recv"), &prep).await;
+    let mut send = body.clone();
+    send["begin"] = json!(0);
+    send["end"] = json!(62);
+    send["recv_rank"] = json!(1);
+    // Positions 0..62 go one slot late: into the reservation's slots 1..=62.
+    let meta = meta["kv_append_metadata"].as_str().expect("metadata");
+    let reserved = KvAddrInfo::decode(meta).expect("valid metadata");
+    send["kv_addr_info"] = json!(KvAddrInfo::from_slots(reserved.slots().skip(1)).encode());
+    assert_eq!(
+        post_json(&pair.p.endpoint("/microserving/remote_send"), &send).await,
+        json!({})
+    );
+    let mut start = body.clone();
+    start["user"] = json!("cmpl-shifted");
+    start["begin"] = json!(63);
+    let shifted = post_json(&pair.d.endpoint("/microserving/start_generate"), &start).await;
+    assert_ne!(shifted["choices"][0]["text"], alone["choices"][0]["text"]);
+}
+
+// === preemption, expiry, violations ===
+
+#[tokio::test]
+async fn kv_pressure_preempts_the_last_request_and_frees_its_pages() {
+    // 20 pages of 16: one request (50 + 200 tokens, 16 pages) fits, two do not. The realistic
+    // profile at half speed keeps all three running at once (~0.5 s each).
+    let d = EngineProcess::spawn(&[
+        "--kv-pages",
+        "20",
+        "--profile",
+        "llama3-8b-h100",
+        "--time-scale",
+        "0.5",
+    ]);
+    let requests = (0..3).map(|i| {
+        let prompt: Vec<u32> = (0..50).map(|j| ((i * 50 + j) % 95 + 32) as u32).collect();
+        let body = json!({"prompt": prompt, "max_tokens": 200, "stream": true});
+        let url = d.endpoint("/v1/completions");
+        async move { post(&url, &body).await }
+    });
+    let outcomes: Vec<(String, String)> = futures_join_all(requests)
+        .await
+        .into_iter()
+        .map(|(status, body)| {
+            assert_eq!(status, 200, "{body}");
+            streamed_text(&body)
+        })
+        .collect();
+    let preempted: Vec<_> = outcomes.iter().filter(|o| o.1 == "preempt").collect();
+    assert!(!preempted.is_empty(), "{outcomes:?}");
+    assert!(
+        outcomes.iter().any(|o| o.1 == "length" || o.1 == "stop"),
+        "{outcomes:?}"
+    );
+    wait_for_metric(&d, "switchyard_engine_kv_pages_used", |v| v == 0.0).await;
+    let text = metrics(&d).await;
+    assert_eq!(
+        metric(&text, "switchyard_engine_preemptions_total"),
+        Some(preempted.len() as f64)
+    );
+}
+
+async fn futures_join_all<F: std::future::Future + Send + 'static>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output>
+where
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.map(tokio::spawn).collect();
+    let mut out = Vec::new();
+    for handle in handles {
+        out.push(handle.await.expect("task"));
+    }
+    out
+}
+
+#[tokio::test]
+async fn a_reservation_without_start_generate_expires() {
+    let d = EngineProcess::spawn(&["--reservation-ttl-ms", "300"]);
+    let body =
+        json!({"prompt": vec![65; 100], "user": "cmpl-abandoned", "end": -1, "debug_config": {}});
+    post_json(&d.endpoint("/microserving/prep_recv"), &body).await;
+    // 100 - 1 positions = 7 pages of 16, held until the TTL passes.
+    wait_for_metric(&d, "switchyard_engine_kv_pages_used", |v| v == 7.0).await;
+    wait_for_metric(&d, "switchyard_engine_reservations_expired_total", |v| {
+        v == 1.0
+    })
+    .await;
+    wait_for_metric(&d, "switchyard_engine_kv_pages_used", |v| v == 0.0).await;
+    // start_generate for the expired reservation is now a protocol violation.
+    let mut start = body.clone();
+    start["begin"] = json!(99);
+    assert_eq!(
+        post(&d.endpoint("/microserving/start_generate"), &start)
+            .await
+            .0,
+        400
+    );
+}
+
+#[tokio::test]
+async fn protocol_violations_are_400_and_the_engine_stays_up() {
+    let d = EngineProcess::spawn(&[]);
+    let base = json!({"prompt": [1, 2, 3, 4, 5, 6, 7, 8], "debug_config": {}, "user": "cmpl-v"});
+    let with = |fields: Value| {
+        let mut b = base.clone();
+        for (k, v) in fields.as_object().expect("object") {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let violations = [
+        ("/microserving/prep_recv", with(json!({"end": 8}))),
+        ("/microserving/prep_recv", with(json!({"end": -9}))),
+        ("/microserving/prep_recv", with(json!({}))),
+        (
+            "/microserving/remote_send",
+            with(json!({"begin": 3, "end": 3, "kv_addr_info": "AwAAAAAAAABbMF0=", "recv_rank": 0})),
+        ),
+        (
+            "/microserving/remote_send",
+            with(json!({"begin": 0, "end": 8, "kv_addr_info": "AwAAAAAAAABbMF0=", "recv_rank": 0})),
+        ),
+        (
+            "/microserving/remote_send",
+            with(
+                json!({"begin": 0, "end": 5, "kv_addr_info": "CwAAAAAAAABbMSw0MDk2LDYzXQ==", "recv_rank": 0}),
+            ),
+        ),
+        (
+            "/microserving/remote_send",
+            with(json!({"begin": 0, "end": 5, "kv_addr_info": "not base64!", "recv_rank": 0})),
+        ),
+        ("/microserving/start_generate", with(json!({"begin": 2}))),
+        ("/v1/completions", json!({"prompt": []})),
+        ("/v1/completions", json!({"prompt": [1, 999]})),
+        ("/v1/completions", json!({"prompt": "x", "max_tokens": 0})),
+        ("/v1/completions", json!({"prompt": "x", "n": 2})),
+        ("/v1/completions", json!({"max_tokens": 3})),
+    ];
+    for (path, body) in &violations {
+        let (status, text) = post(&d.endpoint(path), body).await;
+        assert_eq!(status, 400, "{path} {body} -> {text}");
+        let error: Value = serde_json::from_str(&text).expect("error JSON");
+        assert!(
+            error["error"]["message"].is_string() && error["error"]["type"].is_string(),
+            "{text}"
+        );
+    }
+    let (status, _) = post_raw(&d.endpoint("/v1/completions"), "{not json").await;
+    assert_eq!(status, 400);
+
+    // Duplicate id in flight.
+    post_json(
+        &d.endpoint("/microserving/prep_recv"),
+        &with(json!({"end": -1})),
+    )
+    .await;
+    assert_eq!(
+        post(
+            &d.endpoint("/microserving/prep_recv"),
+            &with(json!({"end": -1}))
+        )
+        .await
+        .0,
+        400
+    );
+    // begin past the prepared window.
+    assert_eq!(
+        post(
+            &d.endpoint("/microserving/start_generate"),
+            &with(json!({"begin": 9}))
+        )
+        .await
+        .0,
+        400
+    );
+    // The engine is up and the reservation still works.
+    let (status, text) = post(
+        &d.endpoint("/microserving/start_generate"),
+        &with(json!({"begin": 7})),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
+}
+
+async fn post_raw(url: &str, body: &'static str) -> (u16, String) {
+    let response = client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .expect("engine reachable");
+    (
+        response.status().as_u16(),
+        response.text().await.expect("body"),
+    )
+}
+
+// === golden fixtures ===
+
+fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/microserving")
+}
+
+/// `expected` matches `actual` when objects have the same keys, arrays the same length, and
+/// every leaf is equal, except the type patterns `"<string>"`, `"<int>"`, `"<bool>"`, `"<any>"`.
+fn matches_shape(expected: &Value, actual: &Value, path: &str) -> Result<(), String> {
+    match (expected, actual) {
+        (Value::String(p), _) if p == "<any>" => Ok(()),
+        (Value::String(p), Value::String(_)) if p == "<string>" => Ok(()),
+        (Value::String(p), Value::Number(n)) if p == "<int>" && n.is_i64() => Ok(()),
+        (Value::String(p), Value::Bool(_)) if p == "<bool>" => Ok(()),
+        (Value::Object(e), Value::Object(a)) => {
+            let (ek, ak): (Vec<_>, Vec<_>) = (e.keys().collect(), a.keys().collect());
+            if ek != ak {
+                return Err(format!("{path}: keys {ak:?}, expected {ek:?}"));
+            }
+            e.iter()
+                .try_for_each(|(k, v)| matches_shape(v, &a[k], &format!("{path}.{k}")))
+        }
+        (Value::Array(e), Value::Array(a)) if e.len() == a.len() => e
+            .iter()
+            .zip(a)
+            .enumerate()
+            .try_for_each(|(i, (e, a))| matches_shape(e, a, &format!("{path}[{i}]"))),
+        _ if expected == actual => Ok(()),
+        _ => Err(format!("{path}: got {actual}, expected {expected}")),
+    }
+}
+
+#[tokio::test]
+async fn golden_fixtures_hold() {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .expect("fixtures dir")
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    files.sort();
+    assert!(
+        files.len() >= 4,
+        "fixtures missing in {}",
+        fixtures_dir().display()
+    );
+    for file in files {
+        let fixture: Value = serde_json::from_str(&std::fs::read_to_string(&file).expect("read"))
+            .expect("fixture JSON");
+        let name = file
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        // Each fixture gets a fresh engine, so slot ids in kv_append_metadata are predictable.
+        let engine = EngineProcess::spawn(&[]);
+        for (i, step) in fixture["steps"]
+            .as_array()
+            .expect("steps")
+            .iter()
+            .enumerate()
+        {
+            let path = step["path"].as_str().expect("path");
+            let (status, text) = match step["method"].as_str() {
+                Some("GET") => {
+                    let r = client()
+                        .get(engine.endpoint(path))
+                        .send()
+                        .await
+                        .expect("GET");
+                    (r.status().as_u16(), r.text().await.expect("text"))
+                }
+                _ => post(&engine.endpoint(path), &step["request"]).await,
+            };
+            let context = format!("{name} step {i} ({path})");
+            assert_eq!(
+                Some(u64::from(status)),
+                step["status"].as_u64(),
+                "{context}: {text}"
+            );
+            let actual = if step.get("sse").is_some() {
+                Value::Array(
+                    sse_payloads(&text)
+                        .into_iter()
+                        .map(|p| serde_json::from_str(&p).unwrap_or(Value::String(p)))
+                        .collect(),
+                )
+            } else {
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{context}: {e}: {text}"))
+            };
+            let expected = step.get("sse").unwrap_or(&step["response"]);
+            if let Err(e) = matches_shape(expected, &actual, "$") {
+                panic!("{context}: {e}\nfull response: {actual}");
+            }
+        }
+    }
+}
+
+#[test]
+fn shape_matcher_rejects_mismatches() {
+    let expected = json!({"a": "<int>", "b": ["<string>", 1]});
+    assert!(matches_shape(&expected, &json!({"a": 3, "b": ["x", 1]}), "$").is_ok());
+    assert!(matches_shape(&expected, &json!({"a": "3", "b": ["x", 1]}), "$").is_err());
+    assert!(matches_shape(&expected, &json!({"a": 3, "b": ["x", 2]}), "$").is_err());
+    assert!(matches_shape(&expected, &json!({"a": 3, "b": ["x"]}), "$").is_err());
+    assert!(matches_shape(&expected, &json!({"a": 3, "b": ["x", 1], "c": null}), "$").is_err());
+}
