@@ -4,8 +4,16 @@
 //! the host names a generated type. [`validate`] turns a [`Plan`] into a [`ValidPlan`] for one
 //! prompt length and endpoint snapshot; only a `ValidPlan` can be executed.
 
+mod execute;
+mod relay;
+mod retry;
 mod validate;
 
+pub use execute::{AttemptId, ExecError, Execute, Executor, Generation, StepKind};
+pub use relay::{Delivered, Event};
+pub use retry::{
+    Planner, RetryPolicy, RetryPolicyError, RouteError, RouteRequest, Router, Summary,
+};
 pub use validate::{PlanError, RemoteSend, ValidPlan, validate};
 
 /// An endpoint's index in the router's endpoint list.
