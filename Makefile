@@ -13,7 +13,8 @@ PORT   ?= 8000
 
 all: build plugins
 
-include mk/guests.mk
+# Guest builds (built-in policies, test guests, examples) live in mk/*.mk.
+include $(wildcard mk/*.mk)
 
 ## setup: toolchain pieces the build needs (idempotent)
 setup:
@@ -30,7 +31,7 @@ build:
 	$(CARGO) build -p switchyard --bin switchyard
 
 ## test: everything CI checks
-test: setup plugins guests build lint test-rust test-python
+test: setup plugins guests examples build lint test-rust test-python
 
 lint: fmt clippy
 
@@ -39,7 +40,8 @@ fmt:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy -- -D warnings
+	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
+		-p misbehave-policy -p other-world -p priority-rust-policy -- -D warnings
 
 test-rust:
 	$(CARGO) test --workspace
@@ -52,6 +54,7 @@ $(VENV)/.installed: tests/python/requirements.txt
 
 test-python: $(VENV)/.installed build plugins
 	SWITCHYARD_BIN=$(CURDIR)/target/debug/switchyard $(VENV)/bin/pytest -q tests/python
+	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
 
 ## bench: criterion micro-benchmarks and the KV transfer benchmark (not part of `make test`)
 bench: plugins
