@@ -4,9 +4,9 @@
 //! Cluster::new(Vec<EndpointSpec>)      ids in order, device ranks = prefix sums of GPUs (as MLC)
 //!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
-//!   mark_unhealthy(id) / set_health(id, ok)
+//!   mark_unhealthy(id) / set_health(id, ok) / set_kv_usage(id, usage)
 //!   url(id) / device_rank(id) / is_ready()
-//! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness probes
+//! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness + KV usage probes
 //! ```
 
 mod health;
@@ -67,6 +67,18 @@ pub(crate) struct EndpointState {
     /// endpoint has been ready once.
     ever_ready: AtomicBool,
     in_flight: AtomicU32,
+    /// The engine's KV pool usage as `f32` bits; [`NO_KV_USAGE`] when unknown.
+    kv_usage: AtomicU32,
+}
+
+/// `kv_usage` bits meaning "unknown": a NaN, which no measured usage in `[0, 1]` can be.
+const NO_KV_USAGE: u32 = u32::MAX;
+
+impl EndpointState {
+    fn kv_usage(&self) -> Option<f32> {
+        let bits = self.kv_usage.load(Ordering::Acquire);
+        (bits != NO_KV_USAGE).then(|| f32::from_bits(bits))
+    }
 }
 
 /// Every endpoint the router routes to, by id.
@@ -76,7 +88,7 @@ pub struct Cluster {
 }
 
 /// The row `/admin/endpoints` shows for an endpoint.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct EndpointStatus {
     pub id: u32,
     pub url: String,
@@ -84,6 +96,7 @@ pub struct EndpointStatus {
     pub device_rank: u32,
     pub healthy: bool,
     pub in_flight: u32,
+    pub kv_usage: Option<f32>,
 }
 
 impl Cluster {
@@ -104,6 +117,7 @@ impl Cluster {
                     healthy: AtomicBool::new(false),
                     ever_ready: AtomicBool::new(false),
                     in_flight: AtomicU32::new(0),
+                    kv_usage: AtomicU32::new(NO_KV_USAGE),
                 })
             })
             .collect();
@@ -128,7 +142,7 @@ impl Cluster {
                 device_rank: e.device_rank,
                 healthy: e.healthy.load(Ordering::Acquire),
                 in_flight: e.in_flight.load(Ordering::Acquire),
-                kv_usage: None,
+                kv_usage: e.kv_usage(),
             })
             .collect()
     }
@@ -144,6 +158,7 @@ impl Cluster {
                 device_rank: e.device_rank,
                 healthy: e.healthy.load(Ordering::Acquire),
                 in_flight: e.in_flight.load(Ordering::Acquire),
+                kv_usage: e.kv_usage(),
             })
             .collect()
     }
@@ -180,6 +195,15 @@ impl Cluster {
             if was != healthy {
                 tracing::info!(endpoint = id, url = %e.url, healthy, "endpoint health changed");
             }
+        }
+    }
+
+    /// The share of the endpoint's KV pool in use, as its engine last reported it (`None`:
+    /// unknown). Values are clamped to `[0, 1]`.
+    pub fn set_kv_usage(&self, id: u32, usage: Option<f32>) {
+        if let Some(e) = self.endpoint(id) {
+            let bits = usage.map_or(NO_KV_USAGE, |u| u.clamp(0.0, 1.0).to_bits());
+            e.kv_usage.store(bits, Ordering::Release);
         }
     }
 
@@ -237,6 +261,19 @@ mod tests {
         drop(b);
         assert_eq!(cluster.snapshot()[1].in_flight, 0);
         assert!(cluster.in_flight(2).is_none());
+    }
+
+    #[test]
+    fn kv_usage_is_unknown_until_reported_and_clamped() {
+        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
+        assert_eq!(cluster.snapshot()[0].kv_usage, None);
+        cluster.set_kv_usage(0, Some(0.25));
+        cluster.set_kv_usage(1, Some(1.5));
+        let usage: Vec<_> = cluster.snapshot().iter().map(|e| e.kv_usage).collect();
+        assert_eq!(usage, [Some(0.25), Some(1.0)]);
+        assert_eq!(cluster.status()[0].kv_usage, Some(0.25));
+        cluster.set_kv_usage(0, None);
+        assert_eq!(cluster.snapshot()[0].kv_usage, None);
     }
 
     #[test]

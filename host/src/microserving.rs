@@ -8,6 +8,7 @@
 //!   start_generate(url, &StartGenerateRequest) -> ChunkStream   (SSE, or one JSON as one chunk)
 //!   forward(url, &CompletionRequest)        -> ChunkStream
 //!   ready(url)                              -> bool             (GET /v1/models == 200)
+//!   metrics(url)                            -> Option<String>   (GET /metrics, Prometheus text)
 //! ```
 //!
 //! The router always asks engines to stream, even for a non-streaming client: one code path
@@ -157,6 +158,23 @@ impl EngineClient {
             self.http.get(&url).timeout(self.timeouts.probe).send().await,
             Ok(r) if r.status() == reqwest::StatusCode::OK
         )
+    }
+
+    /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
+    /// answer within the probe timeout.
+    pub async fn metrics(&self, base: &str) -> Option<String> {
+        let url = format!("{base}/metrics");
+        let response = self
+            .http
+            .get(&url)
+            .timeout(self.timeouts.probe)
+            .send()
+            .await
+            .ok()?;
+        if response.status() != reqwest::StatusCode::OK {
+            return None;
+        }
+        response.text().await.ok()
     }
 
     async fn send<B: Serialize>(

@@ -1,9 +1,17 @@
-//! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks).
+//! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks), and the
+//! engines' KV usage for the policy snapshot.
 //!
 //! A healthy endpoint is probed every `interval`; an unhealthy one with exponential backoff
 //! from `min_backoff` to `max_backoff`, so a restarted engine comes back quickly without a
 //! dead one being hammered. Calls that fail to connect mark an endpoint unhealthy at once
 //! (`Cluster::mark_unhealthy`); only a probe marks it healthy again.
+//!
+//! KV usage rides on the same probe: a ready endpoint's `GET /metrics` is read for the
+//! reference engine's gauges `switchyard_engine_kv_pages_used` and `…_kv_pages_free`, and
+//! `used / (used + free)` becomes the snapshot's `kv_usage`. That is one small GET per
+//! endpoint per probe interval, off the request path. An engine whose metrics lack those
+//! gauges (an MLC engine's `/metrics` reports other names) or that is down reports `None`:
+//! policies must treat usage as optional, and a stale number is worse than none.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -48,8 +56,14 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
             return;
         };
         let ok = client.ready(&url).await;
+        let kv_usage = if ok {
+            client.metrics(&url).await.as_deref().and_then(kv_usage)
+        } else {
+            None
+        };
         let Some(c) = cluster.upgrade() else { return };
         c.set_health(id, ok);
+        c.set_kv_usage(id, kv_usage);
         drop(c);
         let wait = if ok {
             backoff = config.min_backoff;
@@ -60,5 +74,47 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
             wait
         };
         tokio::time::sleep(wait).await;
+    }
+}
+
+/// The reference engine's KV pool gauges (`engine::metrics`).
+const KV_PAGES_USED: &str = "switchyard_engine_kv_pages_used";
+const KV_PAGES_FREE: &str = "switchyard_engine_kv_pages_free";
+
+/// The share of the KV pool requests hold, from an engine's Prometheus text.
+fn kv_usage(metrics: &str) -> Option<f32> {
+    let used = gauge(metrics, KV_PAGES_USED)?;
+    let free = gauge(metrics, KV_PAGES_FREE)?;
+    let total = used + free;
+    (total > 0.0).then(|| (used / total) as f32)
+}
+
+/// The value of an unlabelled sample `NAME VALUE` in Prometheus text.
+fn gauge(metrics: &str, name: &str) -> Option<f64> {
+    metrics.lines().find_map(|line| {
+        let value = line.strip_prefix(name)?.strip_prefix(' ')?;
+        value.trim().parse().ok()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_usage_reads_the_reference_engines_gauges() {
+        let metrics = crate::engine::metrics::Metrics::default();
+        metrics.kv_pages_used.set(3);
+        metrics.kv_pages_free.set(9);
+        metrics.kv_pages_cached.set(5);
+        assert_eq!(kv_usage(&metrics.render()), Some(0.25));
+    }
+
+    #[test]
+    fn kv_usage_is_unknown_without_both_gauges_or_pages() {
+        assert_eq!(kv_usage("switchyard_engine_kv_pages_used 3\n"), None);
+        assert_eq!(kv_usage("vllm:gpu_cache_usage_perc 0.5\n"), None);
+        let empty = "switchyard_engine_kv_pages_used 0\nswitchyard_engine_kv_pages_free 0\n";
+        assert_eq!(kv_usage(empty), None);
     }
 }
