@@ -40,11 +40,14 @@ fmt:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p switchyard --features cuda --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
 		-p misbehave-policy -p other-world -p priority-rust-policy -- -D warnings
 
 test-rust:
 	$(CARGO) test --workspace
+# The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
+	$(CARGO) test -p switchyard --features cuda --lib kv::
 
 # The official OpenAI Python client against `switchyard up` (the venv is created on first use).
 $(VENV)/.installed: tests/python/requirements.txt

@@ -6,7 +6,8 @@
 //! pre-faulted buffers. Also: the latency of a small (16-token) transfer.
 //!
 //! `cargo bench -p switchyard --bench kv_transfer` prints a table. Without `--bench` (as under
-//! `cargo test --benches`) it runs one small round as a smoke test.
+//! `cargo test --benches`) it runs one small round as a smoke test. Built with `--features cuda`
+//! it adds the GPU group (`kv_transfer/cuda.rs`), which reports itself skipped without a GPU.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,6 +18,9 @@ use rand::seq::SliceRandom;
 use rand::{RngCore, SeedableRng};
 use switchyard::kv::{KvAddrInfo, KvShape, KvStore, KvTransport, TransportKind};
 
+#[cfg(feature = "cuda")]
+mod cuda;
+
 const PAGE: u32 = 16;
 
 struct Setup {
@@ -26,6 +30,10 @@ struct Setup {
 }
 
 fn main() {
+    #[cfg(feature = "cuda")]
+    if cuda::serve_as_child() {
+        return;
+    }
     let full = std::env::args().any(|a| a == "--bench");
     let setup = if full {
         Setup {
@@ -45,7 +53,11 @@ fn main() {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    runtime.block_on(run(setup));
+    runtime.block_on(async {
+        run(&setup).await;
+        #[cfg(feature = "cuda")]
+        cuda::run(&setup).await;
+    });
 }
 
 /// The 4096-token prompt's slots in a paged pool: pages of `PAGE` slots in random order.
@@ -58,7 +70,7 @@ fn scattered_pages(rng: &mut StdRng, tokens: u32) -> Vec<u32> {
         .collect()
 }
 
-async fn run(setup: Setup) {
+async fn run(setup: &Setup) {
     let shape = KvShape::LLAMA3_8B;
     let bpt = shape.bytes_per_token();
     let total = setup.tokens as usize * bpt;

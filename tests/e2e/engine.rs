@@ -208,8 +208,10 @@ async fn disaggregated(pair: &Pair, case: &Case, id: &str) -> (String, String) {
     streamed_text(&text)
 }
 
-async fn token_identity(transport: &str, seed: u64) {
-    let pair = Pair::spawn(transport, &["--prefix-cache"]);
+async fn token_identity(transport: &str, extra: &[&str], seed: u64) {
+    let mut args = vec!["--prefix-cache"];
+    args.extend(extra);
+    let pair = Pair::spawn(transport, &args);
     for (i, case) in cases(seed, 30).iter().enumerate() {
         let alone = post_json(&pair.d.endpoint("/v1/completions"), &case.body).await;
         let expected = (
@@ -246,12 +248,28 @@ async fn token_identity(transport: &str, seed: u64) {
 
 #[tokio::test]
 async fn disaggregated_tokens_match_a_single_engine_over_tcp() {
-    token_identity("tcp", 0x7cb).await;
+    token_identity("tcp", &[], 0x7cb).await;
 }
 
 #[tokio::test]
 async fn disaggregated_tokens_match_a_single_engine_over_shm() {
-    token_identity("shm", 0x5e3).await;
+    token_identity("shm", &[], 0x5e3).await;
+}
+
+/// Both engines keep their KV pool on GPU 0 and P pushes into D's over CUDA IPC. Needs a build
+/// with `--features switchyard/cuda` and a GPU; otherwise reported skipped by name.
+#[tokio::test]
+async fn disaggregated_tokens_match_a_single_engine_over_cuda() {
+    if let Err(e) = switchyard::kv::cuda_probe(0) {
+        // Uncaptured, so the skip shows in the run's output.
+        use std::io::Write as _;
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "SKIPPED disaggregated_tokens_match_a_single_engine_over_cuda: {e}"
+        );
+        return;
+    }
+    token_identity("cuda", &["--kv-device", "cuda:0"], 0xc0d).await;
 }
 
 #[tokio::test]
