@@ -1,0 +1,371 @@
+//! Test a policy natively with plain `cargo test`: build endpoint snapshots and requests,
+//! run `init` and `translate` without a wasm runtime, and check plans with the router's rules.
+//!
+//! ```
+//! use switchyard_policy::testing::{check_plan, endpoints, request};
+//! use switchyard_policy::types::{FailureKind, Role};
+//!
+//! let cluster = endpoints(4)
+//!     .with_in_flight(&[0, 3, 1, 1])
+//!     .unhealthy(2)
+//!     .role(0, Role::Prefill)
+//!     .retry(2, FailureKind::Preempted, 3);
+//! let ctx = cluster.context();
+//! assert_eq!(ctx.attempt, 2);
+//! assert!(!ctx.endpoints[2].healthy);
+//! let plan = switchyard_policy::Plan::disagg(0, 1, -1);
+//! assert_eq!(check_plan(&plan, request(17).prompt_len, &ctx.endpoints), Ok(()));
+//! ```
+
+use crate::export::{Policy, describe};
+use crate::types::{
+    Context, Endpoint, EndpointId, Failure, FailureKind, Outcome, Plan, PolicyError, PolicyInfo,
+    Request, Role, SendBegin, Step,
+};
+
+/// A snapshot of `n` healthy, idle, role-less endpoints with ids `0..n`, one GPU each.
+pub fn endpoints(n: u32) -> Cluster {
+    Cluster {
+        endpoints: (0..n)
+            .map(|id| Endpoint {
+                id,
+                role: Role::Any,
+                device_rank: id,
+                healthy: true,
+                in_flight: 0,
+                kv_usage: None,
+            })
+            .collect(),
+        attempt: 1,
+        last_failure: None,
+    }
+}
+
+/// An endpoint snapshot under construction, plus the attempt it is planned for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Cluster {
+    endpoints: Vec<Endpoint>,
+    attempt: u32,
+    last_failure: Option<Failure>,
+}
+
+impl Cluster {
+    /// Set in-flight counts, in id order; endpoints beyond `loads` keep theirs.
+    pub fn with_in_flight(mut self, loads: &[u32]) -> Cluster {
+        for (e, &load) in self.endpoints.iter_mut().zip(loads) {
+            e.in_flight = load;
+        }
+        self
+    }
+
+    /// Mark endpoint `id` unhealthy.
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot (a mistake in the test itself).
+    pub fn unhealthy(mut self, id: EndpointId) -> Cluster {
+        self.endpoint_mut(id).healthy = false;
+        self
+    }
+
+    /// Give endpoint `id` the role `role`.
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn role(mut self, id: EndpointId, role: Role) -> Cluster {
+        self.endpoint_mut(id).role = role;
+        self
+    }
+
+    /// Report KV usage `usage` (0.0..=1.0) for endpoint `id`.
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn kv_usage(mut self, id: EndpointId, usage: f32) -> Cluster {
+        self.endpoint_mut(id).kv_usage = Some(usage);
+        self
+    }
+
+    /// Plan attempt `attempt`, the previous one having failed with `kind` on `endpoint`.
+    pub fn retry(mut self, attempt: u32, kind: FailureKind, endpoint: EndpointId) -> Cluster {
+        self.attempt = attempt;
+        self.last_failure = Some(Failure { kind, endpoint });
+        self
+    }
+
+    /// The endpoints as built so far.
+    pub fn endpoints(&self) -> &[Endpoint] {
+        &self.endpoints
+    }
+
+    /// The `context` a policy receives for this snapshot.
+    pub fn context(&self) -> Context {
+        Context {
+            attempt: self.attempt,
+            last_failure: self.last_failure,
+            endpoints: self.endpoints.clone(),
+        }
+    }
+
+    fn endpoint_mut(&mut self, id: EndpointId) -> &mut Endpoint {
+        let n = self.endpoints.len();
+        self.endpoints
+            .get_mut(id as usize)
+            .unwrap_or_else(|| panic!("endpoint {id} is not in this {n}-endpoint snapshot"))
+    }
+}
+
+/// A request for a prompt of `prompt_len` tokens (ids `0, 1, 2, ...`, all of them in
+/// `prompt_prefix`; [`Harness::translate`] trims it to what the policy asked for).
+pub fn request(prompt_len: u32) -> Request {
+    Request {
+        id: 1,
+        prompt_len,
+        prompt_prefix: (0..prompt_len).collect(),
+        max_tokens: 16,
+        stream: false,
+        model: "test-model".into(),
+        user: None,
+        headers: Vec::new(),
+    }
+}
+
+/// A policy instance driven the way the router drives a component.
+#[derive(Debug)]
+pub struct Harness<P> {
+    policy: P,
+}
+
+impl<P: Policy> Harness<P> {
+    /// Run `P::init(config)`.
+    pub fn init(config: &str) -> Result<Harness<P>, String> {
+        Ok(Harness {
+            policy: P::init(config)?,
+        })
+    }
+
+    /// What the policy reports in `describe`.
+    pub fn describe(&self) -> PolicyInfo {
+        describe::<P>()
+    }
+
+    /// Plan `request`, after trimming its `prompt_prefix` to `P::PROMPT_TOKENS` tokens as the
+    /// router does.
+    pub fn translate(&mut self, request: &Request, context: &Context) -> Result<Plan, PolicyError> {
+        let mut request = request.clone();
+        request.prompt_prefix.truncate(P::PROMPT_TOKENS as usize);
+        self.policy.translate(&request, context)
+    }
+
+    /// Report an outcome, as the router does after a request's last attempt.
+    pub fn on_complete(&mut self, outcome: &Outcome) {
+        self.policy.on_complete(outcome);
+    }
+
+    /// The policy instance, to inspect its state.
+    pub fn policy(&self) -> &P {
+        &self.policy
+    }
+
+    /// Hot-swap as the router does: `init(config)` a new instance, then hand it this one's
+    /// exported state (when there is any).
+    pub fn swap(&self, config: &str) -> Result<Harness<P>, String> {
+        let mut next = Harness::<P>::init(config)?;
+        let state = self.policy.export_state();
+        if !state.is_empty() {
+            next.policy.import_state(&state)?;
+        }
+        Ok(next)
+    }
+}
+
+/// Check `plan` with the rules the router applies before running one: the shapes `[forward]`
+/// and `[prep-recv, remote-send?, start-generate]` on one decode endpoint, existing healthy
+/// endpoints, and positions that resolve to `0 <= p < prompt_len` with matching ends.
+pub fn check_plan(plan: &Plan, prompt_len: u32, endpoints: &[Endpoint]) -> Result<(), String> {
+    for step in &plan.steps {
+        for id in step_endpoints(step) {
+            match endpoints.get(id as usize) {
+                None => return Err(format!("endpoint {id} does not exist")),
+                Some(e) if !e.healthy => return Err(format!("endpoint {id} is unhealthy")),
+                Some(_) => {}
+            }
+        }
+    }
+    match plan.steps.as_slice() {
+        [Step::Forward(_)] => Ok(()),
+        [
+            Step::PrepRecv(prep),
+            middle @ ..,
+            Step::StartGenerate(generate),
+        ] => {
+            let end = resolve(prep.end, prompt_len)?;
+            if generate.decode != prep.decode {
+                return Err("start-generate and prep-recv are on different endpoints".into());
+            }
+            if resolve(generate.begin, prompt_len)? != end {
+                return Err("start-generate must begin at the prep-recv's end".into());
+            }
+            match middle {
+                [] => Ok(()),
+                [Step::RemoteSend(send)] => {
+                    if send.decode != prep.decode || send.prefill == send.decode {
+                        return Err(
+                            "remote-send must go from another endpoint to the decode endpoint"
+                                .into(),
+                        );
+                    }
+                    if resolve(send.end, prompt_len)? != end {
+                        return Err("remote-send must end at the prep-recv's end".into());
+                    }
+                    if let SendBegin::At(begin) = send.begin
+                        && resolve(begin, prompt_len)? > end
+                    {
+                        return Err("remote-send begins after its end".into());
+                    }
+                    Ok(())
+                }
+                _ => Err(
+                    "only one remote-send may stand between prep-recv and start-generate".into(),
+                ),
+            }
+        }
+        _ => Err(format!("not a runnable plan shape: {:?}", plan.steps)),
+    }
+}
+
+fn step_endpoints(step: &Step) -> Vec<EndpointId> {
+    match step {
+        Step::PrepRecv(s) => vec![s.decode],
+        Step::RemoteSend(s) => vec![s.prefill, s.decode],
+        Step::StartGenerate(s) => vec![s.decode],
+        Step::Forward(id) => vec![*id],
+    }
+}
+
+fn resolve(position: i32, prompt_len: u32) -> Result<u32, String> {
+    let len = i64::from(prompt_len);
+    let p = i64::from(position);
+    let resolved = if p < 0 { len + p } else { p };
+    u32::try_from(resolved)
+        .ok()
+        .filter(|&r| i64::from(r) < len)
+        .ok_or_else(|| {
+            format!("position {position} is out of range for a {prompt_len}-token prompt")
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::select::{balance_end, candidates, least_loaded};
+
+    #[test]
+    fn builders_set_what_they_say() {
+        let ctx = endpoints(3)
+            .with_in_flight(&[5, 2])
+            .unhealthy(1)
+            .role(2, Role::Decode)
+            .kv_usage(0, 0.5)
+            .retry(3, FailureKind::Timeout, 0)
+            .context();
+        assert_eq!(ctx.attempt, 3);
+        assert_eq!(
+            ctx.last_failure,
+            Some(Failure {
+                kind: FailureKind::Timeout,
+                endpoint: 0
+            })
+        );
+        let e = &ctx.endpoints;
+        assert_eq!((e[0].in_flight, e[1].in_flight, e[2].in_flight), (5, 2, 0));
+        assert_eq!(
+            (e[0].healthy, e[1].healthy, e[2].healthy),
+            (true, false, true)
+        );
+        assert_eq!(e[2].role, Role::Decode);
+        assert_eq!(e[0].kv_usage, Some(0.5));
+    }
+
+    #[test]
+    fn least_loaded_skips_unhealthy_and_breaks_ties_by_id() {
+        let ctx = endpoints(4)
+            .with_in_flight(&[3, 1, 0, 1])
+            .unhealthy(2)
+            .context();
+        assert_eq!(
+            least_loaded(&ctx.endpoints, |_| true).map(|e| e.id),
+            Some(1)
+        );
+        assert_eq!(
+            least_loaded(&ctx.endpoints, |e| e.id != 1).map(|e| e.id),
+            Some(3)
+        );
+        let none = endpoints(1).unhealthy(0).context();
+        assert_eq!(least_loaded(&none.endpoints, |_| true), None);
+    }
+
+    #[test]
+    fn candidates_drop_the_failed_endpoint_only_when_another_is_healthy() {
+        let ids = |c: &Cluster| {
+            candidates(&c.context())
+                .iter()
+                .map(|e| e.id)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            ids(&endpoints(3).retry(2, FailureKind::Preempted, 1)),
+            [0, 2]
+        );
+        assert_eq!(
+            ids(&endpoints(2).unhealthy(0).retry(2, FailureKind::Timeout, 1)),
+            [1]
+        );
+        // attempt 1 never avoids anything, whatever last-failure says.
+        assert_eq!(ids(&endpoints(2).retry(1, FailureKind::Timeout, 1)), [0, 1]);
+    }
+
+    #[test]
+    fn balance_end_matches_mlc() {
+        assert_eq!(balance_end(17, 0.0), -1);
+        assert_eq!(balance_end(17, 0.1), 15); // int(0.9 * 17) = int(15.3)
+        assert_eq!(balance_end(3000, 0.1), 2700);
+        assert_eq!(balance_end(1, 0.5), 0);
+        assert_eq!(balance_end(10, 1.5), 0); // clamped, not negative
+        assert_eq!(balance_end(10, -1.0), 9); // clamped below the prompt length
+    }
+
+    #[test]
+    fn check_plan_accepts_the_builders_and_refuses_broken_plans() {
+        let eps = endpoints(3).unhealthy(2).context().endpoints;
+        assert_eq!(check_plan(&Plan::disagg(0, 1, -1), 5, &eps), Ok(()));
+        assert_eq!(check_plan(&Plan::disagg(0, 1, 4), 5, &eps), Ok(()));
+        assert_eq!(check_plan(&Plan::forward(1), 5, &eps), Ok(()));
+        assert!(
+            check_plan(&Plan::forward(2), 5, &eps)
+                .unwrap_err()
+                .contains("unhealthy")
+        );
+        assert!(
+            check_plan(&Plan::forward(7), 5, &eps)
+                .unwrap_err()
+                .contains("does not exist")
+        );
+        assert!(
+            check_plan(&Plan::disagg(0, 1, 5), 5, &eps)
+                .unwrap_err()
+                .contains("out of range")
+        );
+        assert!(check_plan(&Plan::disagg(1, 1, -1), 5, &eps).is_err());
+        let mut truncated = Plan::disagg(0, 1, -1);
+        truncated.steps.pop();
+        assert!(check_plan(&truncated, 5, &eps).is_err());
+        assert!(check_plan(&Plan { steps: vec![] }, 5, &eps).is_err());
+    }
+
+    #[test]
+    fn generator_is_the_last_step_endpoint() {
+        assert_eq!(Plan::disagg(0, 2, -1).generator(), Some(2));
+        assert_eq!(Plan::forward(1).generator(), Some(1));
+        assert_eq!(Plan { steps: vec![] }.generator(), None);
+    }
+}
