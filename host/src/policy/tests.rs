@@ -10,14 +10,14 @@ use super::*;
 use crate::cluster::Role;
 use crate::plan::{ValidPlan, validate};
 
-fn workspace_path(relative: &str) -> PathBuf {
+pub(super) fn workspace_path(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join(relative)
 }
 
 /// The bytes of a guest built by the Makefile, or a failure that says how to build it.
-fn guest(relative: &str, make_target: &str) -> Vec<u8> {
+pub(super) fn guest(relative: &str, make_target: &str) -> Vec<u8> {
     let path = workspace_path(relative);
     std::fs::read(&path).unwrap_or_else(|e| {
         panic!(
@@ -32,7 +32,7 @@ fn misbehave() -> Vec<u8> {
 }
 
 /// A host with a short deadline, a small memory cap and no disk cache.
-fn host() -> PolicyHost {
+pub(super) fn host() -> PolicyHost {
     host_with_deadline(Duration::from_millis(20))
 }
 
@@ -52,7 +52,7 @@ fn load_misbehave(host: &PolicyHost, mode: &str) -> Policy {
         .unwrap_or_else(|e| panic!("misbehave in mode {mode} loads: {e}"))
 }
 
-fn snapshot(n: u32) -> Vec<EndpointSnapshot> {
+pub(super) fn snapshot(n: u32) -> Vec<EndpointSnapshot> {
     check::split_roles(n, &[], &[])
 }
 

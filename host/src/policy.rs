@@ -1,0 +1,407 @@
+//! Routing policies: WebAssembly components implementing `wit/policy.wit`, loaded into a
+//! sandbox and asked for a plan per request attempt.
+//!
+//! ```no_run
+//! use switchyard::policy::{PolicyContext, PolicyHost, PolicyLimits, PolicyRequest};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let host = PolicyHost::new(PolicyLimits::default())?;
+//! let policy = host.load_file("plugins/disagg.wasm".as_ref(), None)?;
+//! let prompt = [1, 2, 3];
+//! let request = PolicyRequest { id: 1, prompt: &prompt, max_tokens: 16, stream: false,
+//!     model: "m", user: None, headers: &[] };
+//! let context = PolicyContext { attempt: 1, last_failure: None, endpoints: vec![] };
+//! let plan = policy.translate(&request, &context)?; // validate with `plan::validate`
+//! # Ok(()) }
+//! ```
+//!
+//! Every call runs on a warm instance under an epoch deadline and a memory cap; a call that
+//! traps, overruns or passes the cap fails with a [`TranslateError`] and the instance is rebuilt,
+//! so a misbehaving policy fails its own requests and nothing else.
+
+mod bindings;
+mod check;
+mod cli;
+mod engine;
+mod instance;
+mod load;
+mod new;
+mod registry;
+mod sandbox;
+mod watch;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use wasmtime::component::Linker;
+
+pub use check::{CheckError, CheckReport, check};
+pub use cli::{CliError, PolicyCommand, run_cli};
+pub use registry::{
+    CallSummary, LastReload, POLICY_HEADER, PolicyRegistry, PolicyState, PolicyView,
+    QuarantineRule, RegistryConfig, RegistryError, ReloadError, ReloadOutcome, ReloadResult,
+    SelectError, Selection,
+};
+pub use watch::{DEFAULT_DEBOUNCE, PluginWatcher, WatchError, watch};
+
+use crate::cluster::EndpointSnapshot;
+use crate::plan::{EndpointId, Plan};
+use engine::PolicyEngine;
+use instance::Instances;
+use sandbox::StoreState;
+
+/// Bounds on what one policy may do.
+#[derive(Debug, Clone)]
+pub struct PolicyLimits {
+    /// Wall-clock budget of one guest call (`init`, `translate-request`, ...).
+    pub deadline: Duration,
+    /// Linear memory cap of one instance.
+    pub memory_bytes: usize,
+    /// Bytes of stdout+stderr per stream and instance forwarded to the log; the rest is dropped.
+    pub output_bytes: usize,
+    /// Where compiled components are kept across restarts; `None` keeps them in memory only.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for PolicyLimits {
+    fn default() -> Self {
+        PolicyLimits {
+            deadline: Duration::from_millis(50),
+            memory_bytes: 64 << 20,
+            output_bytes: 64 << 10,
+            cache_dir: default_cache_dir(),
+        }
+    }
+}
+
+/// `$SWITCHYARD_CACHE_DIR`, else the user's cache directory + `switchyard`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    std::env::var_os("SWITCHYARD_CACHE_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|dir| dir.join("switchyard")))
+}
+
+/// The request as a policy sees it. Only the first `PolicyInfo::prompt_tokens` tokens of
+/// `prompt` are copied into the guest.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyRequest<'a> {
+    pub id: u64,
+    pub prompt: &'a [u32],
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub model: &'a str,
+    pub user: Option<&'a str>,
+    /// The request's `x-*` headers, names lower-case.
+    pub headers: &'a [(String, String)],
+}
+
+/// What the router knows when it plans one attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyContext {
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    pub last_failure: Option<Failure>,
+    /// Every endpoint, ordered by id.
+    pub endpoints: Vec<EndpointSnapshot>,
+}
+
+/// Why the previous attempt failed, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub endpoint: EndpointId,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    Preempted,
+    EndpointError,
+    Timeout,
+}
+
+/// How a request ended, reported to the policy's `on-complete`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub request_id: u64,
+    pub status: OutcomeStatus,
+    pub attempts: u32,
+    pub generator: Option<EndpointId>,
+    pub prefix_matched: u32,
+    pub completion_tokens: u32,
+    pub ttft_us: u64,
+    pub e2e_us: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeStatus {
+    Ok,
+    Failed,
+    Cancelled,
+}
+
+/// What is known about a loaded policy.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PolicyInfo {
+    pub name: String,
+    /// sha256 of the component's bytes, lower-case hex.
+    pub sha256: String,
+    /// As the policy describes itself (`rust`, `python`, ...).
+    pub language: String,
+    /// Leading prompt tokens the policy wants to see.
+    pub prompt_tokens: u32,
+    /// The file it was loaded from, if any.
+    pub source: Option<PathBuf>,
+}
+
+/// Why a policy could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read policy file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("policy {policy}: not a WebAssembly component: {reason}")]
+    NotAComponent { policy: String, reason: String },
+    #[error("policy {policy}: config is not valid JSON: {reason}")]
+    Config { policy: String, reason: String },
+    #[error("policy {policy}: cannot compile the component: {reason}")]
+    Compile { policy: String, reason: String },
+    #[error("policy {policy}: not a switchyard policy: {reason}")]
+    WrongWorld { policy: String, reason: String },
+    #[error("policy {policy}: cannot start an instance: {reason}")]
+    Instantiate { policy: String, reason: String },
+    #[error("policy {policy}: init rejected its config: {message}")]
+    Init { policy: String, message: String },
+    #[error("policy engine: {reason}")]
+    Engine { reason: String },
+}
+
+/// Why a policy gave no plan for a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TranslateError {
+    /// The policy says no endpoint can serve the request now.
+    #[error("policy {policy}: unavailable: {message}")]
+    Unavailable { policy: String, message: String },
+    /// The policy refuses this request.
+    #[error("policy {policy}: rejected the request: {message}")]
+    Rejected { policy: String, message: String },
+    /// The policy reports a bug or unexpected state of its own.
+    #[error("policy {policy}: internal error: {message}")]
+    Internal { policy: String, message: String },
+    #[error("policy {policy}: ran past its {} ms deadline", deadline.as_millis())]
+    Deadline { policy: String, deadline: Duration },
+    #[error("policy {policy}: exceeded its memory cap of {limit_bytes} bytes")]
+    MemoryExceeded { policy: String, limit_bytes: usize },
+    #[error("policy {policy}: trapped: {reason}")]
+    Trap { policy: String, reason: String },
+    /// The instance died earlier and could not be rebuilt.
+    #[error("policy {policy}: no instance available: {reason}")]
+    Instantiate { policy: String, reason: String },
+}
+
+/// Why a policy's state could not be carried over to its next version.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("policy {policy}: export-state failed: {reason}")]
+    Export { policy: String, reason: String },
+    #[error("policy {policy}: import-state failed: {reason}")]
+    Import { policy: String, reason: String },
+}
+
+impl TranslateError {
+    /// True when the sandbox stopped the policy (trap, deadline, memory), as opposed to the
+    /// policy answering with an error of its own.
+    pub fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            TranslateError::Deadline { .. }
+                | TranslateError::MemoryExceeded { .. }
+                | TranslateError::Trap { .. }
+                | TranslateError::Instantiate { .. }
+        )
+    }
+}
+
+// === impl PolicyHost ===
+
+/// Loads policies: owns the wasmtime engine, its epoch ticker, the compile cache, the linker and
+/// the limits. Cheap to clone.
+#[derive(Clone)]
+pub struct PolicyHost {
+    inner: Arc<HostInner>,
+}
+
+struct HostInner {
+    engine: PolicyEngine,
+    linker: Linker<StoreState>,
+    limits: PolicyLimits,
+}
+
+impl PolicyHost {
+    pub fn new(limits: PolicyLimits) -> Result<Self, LoadError> {
+        let engine = PolicyEngine::new(limits.cache_dir.clone())?;
+        let linker = sandbox::linker(engine.engine())?;
+        Ok(PolicyHost {
+            inner: Arc::new(HostInner {
+                engine,
+                linker,
+                limits,
+            }),
+        })
+    }
+
+    /// Load a policy from its component bytes; `config_json` is given to its `init` (`{}` when
+    /// `None`).
+    pub fn load(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        config_json: Option<&str>,
+    ) -> Result<Policy, LoadError> {
+        load::load(&self.inner, name, bytes, config_json, None)
+    }
+
+    /// [`PolicyHost::load`], naming the file the bytes were read from.
+    pub fn load_from(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        config_json: Option<&str>,
+        source: Option<PathBuf>,
+    ) -> Result<Policy, LoadError> {
+        load::load(&self.inner, name, bytes, config_json, source)
+    }
+
+    /// Load a policy from a file; its name is the file stem (`plugins/disagg.wasm` → `disagg`).
+    pub fn load_file(&self, path: &Path, config_json: Option<&str>) -> Result<Policy, LoadError> {
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let name = path
+            .file_stem()
+            .map(|stem| stem.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        load::load(
+            &self.inner,
+            &name,
+            &bytes,
+            config_json,
+            Some(path.to_owned()),
+        )
+    }
+
+    pub fn limits(&self) -> &PolicyLimits {
+        &self.inner.limits
+    }
+
+    /// Components really compiled so far (not served by the compile cache).
+    #[cfg(test)]
+    fn compiles(&self) -> u64 {
+        self.inner.engine.compiles()
+    }
+}
+
+// === impl Policy ===
+
+/// A loaded policy with its warm instance. Cheap to clone; calls are serialized, so the policy
+/// may keep state between them.
+#[derive(Clone)]
+pub struct Policy {
+    inner: Arc<PolicyInner>,
+}
+
+struct PolicyInner {
+    info: PolicyInfo,
+    instances: Mutex<Instances>,
+}
+
+impl Policy {
+    fn new(info: PolicyInfo, instances: Instances) -> Self {
+        Policy {
+            inner: Arc::new(PolicyInner {
+                info,
+                instances: Mutex::new(instances),
+            }),
+        }
+    }
+
+    pub fn info(&self) -> &PolicyInfo {
+        &self.inner.info
+    }
+
+    /// Ask the policy for a plan. The plan is returned as the policy wrote it: validate it with
+    /// [`crate::plan::validate`] before running it.
+    pub fn translate(
+        &self,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        self.inner
+            .instances
+            .lock()
+            .translate(req, ctx, self.inner.info.prompt_tokens)
+    }
+
+    /// Tell the policy how a request ended. A failure is logged (and the instance rebuilt), never
+    /// returned: the request is over either way.
+    pub fn on_complete(&self, outcome: &Outcome) {
+        if let Err(fault) = self.inner.instances.lock().on_complete(outcome) {
+            tracing::warn!(policy = %self.inner.info.name, request_id = outcome.request_id,
+                %fault, "on-complete failed");
+        }
+    }
+
+    /// Hand `previous`'s state to this policy (`export-state` there, `import-state` here), when
+    /// both are components of the `stateful-policy` world and `previous` has state to give.
+    /// Returns the bytes carried over (0: nothing to carry).
+    pub fn carry_state_from(&self, previous: &Policy) -> Result<usize, StateError> {
+        let exported = previous.inner.instances.lock().export_state();
+        let state = match exported {
+            Ok(Some(state)) if !state.is_empty() => state,
+            Ok(_) => return Ok(0),
+            Err(fault) => {
+                return Err(StateError::Export {
+                    policy: previous.inner.info.name.clone(),
+                    reason: fault.to_string(),
+                });
+            }
+        };
+        let import_error = |reason: String| StateError::Import {
+            policy: self.inner.info.name.clone(),
+            reason,
+        };
+        match self.inner.instances.lock().import_state(&state) {
+            Ok(Ok(true)) => Ok(state.len()),
+            Ok(Ok(false)) => Ok(0),
+            Ok(Err(refused)) => Err(import_error(refused)),
+            Err(fault) => Err(import_error(fault.to_string())),
+        }
+    }
+
+    /// Instantiate a fresh store from the policy's `InstancePre` (no `init`), for the
+    /// instantiation benchmark. Not part of the API.
+    #[doc(hidden)]
+    pub fn bench_instantiate(&self) -> Result<(), TranslateError> {
+        self.inner
+            .instances
+            .lock()
+            .instantiate_only()
+            .map_err(|fault| fault.into_translate_error(&self.inner.info.name))
+    }
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("info", &self.inner.info)
+            .finish_non_exhaustive()
+    }
+}
