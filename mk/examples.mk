@@ -21,7 +21,7 @@ EXAMPLES_CARGO_OUT := $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip2/guest
 PRIORITY_SRC := $(wildcard examples/priority-rust/src/*.rs) examples/priority-rust/Cargo.toml \
 	$(wildcard sdk/src/*.rs) sdk/Cargo.toml
 PREFIX_SRC   := $(wildcard examples/prefix-aware-python/src/*.py)
-SLO_SRC      := examples/slo-js/src/policy.js examples/slo-js/build.mjs
+SLO_SRC      := examples/slo-js/src/policy.js examples/slo-js/build.mjs examples/slo-js/package.json
 
 EXAMPLES := $(EXAMPLES_OUT)/priority-rust.wasm $(EXAMPLES_OUT)/prefix-aware-python.wasm \
 	$(EXAMPLES_OUT)/slo-js.wasm

@@ -1,9 +1,11 @@
-//! `switchyard policy check|plan`: load a policy file outside the router and show what it does.
+//! `switchyard policy check|plan`: load a policy file outside the router and show what it does;
+//! `switchyard policy new`: start a policy project from a template.
 
 use std::io::Write;
 use std::path::PathBuf;
 
 use super::check::{snapshot, split_roles, synthetic_prompt};
+use super::new::{NewArgs, NewError, scaffold};
 use super::{
     CheckError, Failure, FailureKind, LoadError, PolicyContext, PolicyHost, PolicyLimits,
     PolicyRequest, TranslateError, check,
@@ -52,6 +54,8 @@ pub enum PolicyCommand {
         #[arg(long, value_delimiter = ',')]
         unhealthy: Vec<u32>,
     },
+    /// Write a new policy project (Rust, Python or JavaScript) that builds as is.
+    New(NewArgs),
 }
 
 /// Why a `policy` subcommand failed.
@@ -70,6 +74,8 @@ pub enum CliError {
     Usage(String),
     #[error("cannot write the result: {0}")]
     Output(String),
+    #[error(transparent)]
+    New(#[from] NewError),
 }
 
 impl From<CheckError> for CliError {
@@ -80,10 +86,12 @@ impl From<CheckError> for CliError {
 
 /// Run a `policy` subcommand, printing its result on stdout.
 pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
-    let host = PolicyHost::new(PolicyLimits::default())?;
+    // Built only by the commands that load a policy: scaffolding needs no wasmtime engine.
+    let host = || PolicyHost::new(PolicyLimits::default());
     match command {
+        PolicyCommand::New(args) => print(&scaffold(&args)?.to_string()),
         PolicyCommand::Check { file, config } => {
-            let policy = host.load_file(&file, config.as_deref())?;
+            let policy = host()?.load_file(&file, config.as_deref())?;
             let report = check(&policy)?;
             print(&report.to_string())
         }
@@ -117,7 +125,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
                 last_failure,
                 endpoints,
             };
-            let policy = host.load_file(&file, config.as_deref())?;
+            let policy = host()?.load_file(&file, config.as_deref())?;
             let prompt = synthetic_prompt(prompt_len);
             let request = PolicyRequest {
                 id: 1,
