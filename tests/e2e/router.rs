@@ -1,0 +1,783 @@
+//! The router in front of reference engines, all separate processes on loopback: routed
+//! output equals a single engine's, for every policy and knob; preempted streams continue
+//! seamlessly; a dead decode engine is routed around; bad input gets OpenAI errors; and the
+//! bodies the router sends carry exactly the spec's fields.
+
+use std::collections::BTreeSet;
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
+use serde_json::{Value, json};
+use switchyard::test_util::{EngineProcess, RouterProcess};
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("reqwest client")
+}
+
+async fn post(url: &str, body: &Value) -> (u16, String) {
+    let response = client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("router reachable");
+    let status = response.status().as_u16();
+    (status, response.text().await.expect("body"))
+}
+
+pub(crate) async fn post_json(url: &str, body: &Value) -> Value {
+    let (status, text) = post(url, body).await;
+    assert_eq!(status, 200, "POST {url} {body} -> {text}");
+    serde_json::from_str(&text).expect("JSON body")
+}
+
+/// The `data:` payloads of an SSE body, `[DONE]` included.
+fn sse_payloads(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter(|event| !event.trim().is_empty())
+        .map(|event| {
+            event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad SSE event {event:?}"))
+                .to_owned()
+        })
+        .collect()
+}
+
+/// What a client read from an SSE response.
+struct Streamed {
+    text: String,
+    finish: String,
+    usage: Option<Value>,
+    /// Every chunk, `[DONE]` excluded.
+    chunks: Vec<Value>,
+}
+
+/// Stream `body` from `url`: the stream must end with `[DONE]`, carry no error event, and every
+/// chunk must be an `object`; each choice's text is at the JSON pointer `text_at`.
+async fn stream_text(url: &str, body: &Value, object: &str, text_at: &str) -> Streamed {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, text) = post(url, &body).await;
+    assert_eq!(status, 200, "{text}");
+    let payloads = sse_payloads(&text);
+    assert_eq!(
+        payloads.last().map(String::as_str),
+        Some("[DONE]"),
+        "{text}"
+    );
+    let mut streamed = Streamed {
+        text: String::new(),
+        finish: String::new(),
+        usage: None,
+        chunks: Vec::new(),
+    };
+    for p in &payloads[..payloads.len() - 1] {
+        let chunk: Value = serde_json::from_str(p).expect("chunk JSON");
+        assert!(chunk.get("error").is_none(), "error event: {chunk}");
+        assert_eq!(chunk["object"], object);
+        if let Some(choice) = chunk["choices"].get(0) {
+            let delta = choice.pointer(text_at).and_then(Value::as_str);
+            streamed.text.push_str(delta.unwrap_or_default());
+            if let Some(f) = choice["finish_reason"].as_str() {
+                streamed.finish = f.to_owned();
+            }
+        }
+        if !chunk["usage"].is_null() {
+            streamed.usage = Some(chunk["usage"].clone());
+        }
+        streamed.chunks.push(chunk);
+    }
+    streamed
+}
+
+/// Streamed text, finish reason and usage of a completion.
+async fn stream_completion(url: &str, body: &Value) -> (String, String, Option<Value>) {
+    let s = stream_text(url, body, "text_completion", "/text").await;
+    (s.text, s.finish, s.usage)
+}
+
+/// Random ASCII prompts and lengths from a fixed seed.
+pub(crate) fn prompts(seed: u64, n: usize) -> Vec<(String, u32)> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let words = [
+        "kv", "cache", "prefill", "decode", "router", "token", "engine", "page", "slot", "wasm",
+    ];
+    (0..n)
+        .map(|_| {
+            let len = rng.random_range(1..60);
+            let prompt: Vec<&str> = (0..len)
+                .map(|_| words[rng.random_range(0..words.len())])
+                .collect();
+            (prompt.join(" "), rng.random_range(1..40))
+        })
+        .collect()
+}
+
+/// A single engine's own `/v1/completions` answer: the ground truth.
+pub(crate) async fn reference(
+    engine: &EngineProcess,
+    prompt: &str,
+    max_tokens: u32,
+) -> (String, String) {
+    let r = post_json(
+        &engine.endpoint("/v1/completions"),
+        &json!({"prompt": prompt, "max_tokens": max_tokens}),
+    )
+    .await;
+    let choice = &r["choices"][0];
+    (
+        choice["text"].as_str().expect("text").to_owned(),
+        choice["finish_reason"].as_str().expect("finish").to_owned(),
+    )
+}
+
+/// Every prompt, streamed and not, through the router equals the reference engine's output,
+/// and the usage adds up.
+async fn assert_router_matches(router: &str, truth: &EngineProcess, seed: u64, n: usize) {
+    let url = format!("{router}/v1/completions");
+    for (prompt, max_tokens) in prompts(seed, n) {
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens});
+        assert_completion_matches(&url, truth, &body).await;
+    }
+}
+
+/// `body` (with a string `prompt` and `max_tokens`, plus whatever else the caller adds), posted
+/// to `url` streamed and not, gets the reference engine's output, and the usage adds up.
+pub(crate) async fn assert_completion_matches(url: &str, truth: &EngineProcess, body: &Value) {
+    let prompt = body["prompt"].as_str().expect("a string prompt");
+    let max_tokens = body["max_tokens"]
+        .as_u64()
+        .and_then(|n| u32::try_from(n).ok())
+        .expect("max_tokens");
+    let (expected, expected_finish) = reference(truth, prompt, max_tokens).await;
+    let r = post_json(url, body).await;
+    let id = r["id"].as_str().expect("id");
+    assert!(id.starts_with("cmpl-") && id.len() == 5 + 32, "{id}");
+    assert_eq!(
+        r["choices"][0]["text"], expected,
+        "non-stream, prompt {prompt:?}"
+    );
+    assert_eq!(r["choices"][0]["finish_reason"], expected_finish);
+    let usage = &r["usage"];
+    assert_eq!(usage["prompt_tokens"], prompt.len(), "{r}");
+    assert_eq!(usage["completion_tokens"], expected.len(), "{r}");
+    let (text, finish, usage) = stream_completion(url, body).await;
+    assert_eq!(text, expected, "stream, prompt {prompt:?}");
+    assert_eq!(finish, expected_finish);
+    let usage = usage.expect("a usage chunk");
+    assert_eq!(usage["completion_tokens"], expected.len());
+    assert_eq!(usage["total_tokens"], prompt.len() + expected.len());
+}
+
+/// Prefill engine (rank 0) and `decodes` decode engines (ranks 1..), P able to push KV to each,
+/// behind `switchyard serve`.
+struct Disagg {
+    engines: Vec<EngineProcess>,
+    router: RouterProcess,
+}
+
+fn disagg(decodes: u32, engine_args: &[&str], router_args: &[&str]) -> Disagg {
+    let mut engines = Vec::new();
+    let mut peers = Vec::new();
+    for rank in 1..=decodes {
+        let mut args = vec![
+            "--device-rank".to_owned(),
+            rank.to_string(),
+            "--kv-transport".into(),
+            "shm".into(),
+        ];
+        args.extend(engine_args.iter().map(|a| (*a).to_owned()));
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let d = EngineProcess::spawn(&refs);
+        peers.push(format!("{rank}={}", d.kv_addr));
+        engines.push(d);
+    }
+    let mut args = vec![
+        "--device-rank".to_owned(),
+        "0".into(),
+        "--kv-transport".into(),
+        "shm".into(),
+    ];
+    for peer in &peers {
+        args.push("--kv-peer".into());
+        args.push(peer.clone());
+    }
+    args.extend(engine_args.iter().map(|a| (*a).to_owned()));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    engines.insert(0, EngineProcess::spawn(&refs));
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let router = RouterProcess::serve(&urls, router_args);
+    Disagg { engines, router }
+}
+
+pub(crate) async fn metric(url: &str, name: &str) -> f64 {
+    let text = client()
+        .get(url)
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_disaggregated_output_equals_a_single_engine() {
+    let truth = EngineProcess::spawn(&[]);
+    let up = RouterProcess::up(&[]);
+    assert_router_matches(&up.url, &truth, 1, 10).await;
+    let endpoints = post_or_get(&up.endpoint("/admin/endpoints")).await;
+    let roles: Vec<_> = endpoints["endpoints"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|e| e["role"].clone())
+        .collect();
+    assert_eq!(roles, [json!("prefill"), json!("decode"), json!("decode")]);
+    assert_eq!(
+        up.terminate().map(|s| s.success()),
+        Some(true),
+        "clean exit on SIGTERM"
+    );
+}
+
+pub(crate) async fn post_or_get(url: &str) -> Value {
+    let response = client().get(url).send().await.expect("reachable");
+    assert_eq!(response.status(), 200);
+    response.json().await.expect("JSON")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pd_balance_factor_and_round_robin_match_a_single_engine() {
+    let truth = EngineProcess::spawn(&[]);
+    let c = disagg(
+        2,
+        &[],
+        &["--policy-config", r#"{"pd_balance_factor": 0.1}"#],
+    );
+    assert_router_matches(&c.router.url, &truth, 2, 8).await;
+    let urls: Vec<&str> = c.engines.iter().map(|e| e.url.as_str()).collect();
+    let rr = RouterProcess::serve(&urls, &["--policy", "round-robin"]);
+    assert_router_matches(&rr.url, &truth, 3, 6).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_cache_hits_skip_remote_send() {
+    let truth = EngineProcess::spawn(&[]);
+    let c = disagg(1, &["--prefix-cache", "--page-size", "4"], &[]);
+    // 301 tokens: the KV window [0, 300) is whole pages, so a cache hit covers all of it.
+    let prompt = format!("{}x", "prefill decode ".repeat(20));
+    let url = c.router.endpoint("/v1/completions");
+    let body = json!({"prompt": prompt, "max_tokens": 8});
+    let (expected, _) = reference(&truth, &prompt, 8).await;
+    for _ in 0..3 {
+        assert_eq!(post_json(&url, &body).await["choices"][0]["text"], expected);
+    }
+    let p_metrics = c.engines[0].endpoint("/metrics");
+    let sends = metric(&p_metrics, "switchyard_engine_remote_send_received").await;
+    assert_eq!(sends, 1.0, "only the first request moves KV");
+    let skipped = metric(
+        &c.router.endpoint("/metrics"),
+        "switchyard_remote_sends_skipped",
+    )
+    .await;
+    assert_eq!(skipped, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn preempted_streams_continue_seamlessly() {
+    let truth = EngineProcess::spawn(&[]);
+    let c = disagg(2, &["--preempt-every", "2"], &[]);
+    let url = c.router.endpoint("/v1/completions");
+    for (prompt, max_tokens) in prompts(4, 12) {
+        let max_tokens = max_tokens.max(4);
+        let (expected, finish) = reference(&truth, &prompt, max_tokens).await;
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens});
+        let (text, got_finish, usage) = stream_completion(&url, &body).await;
+        assert_eq!(text, expected, "no duplication, no gap: prompt {prompt:?}");
+        assert_eq!(got_finish, finish);
+        let usage = usage.expect("usage");
+        assert_eq!(usage["prompt_tokens"], prompt.len());
+        assert_eq!(usage["completion_tokens"], expected.len());
+        let r = post_json(&url, &body).await;
+        assert_eq!(r["choices"][0]["text"], expected);
+        assert_eq!(r["usage"]["completion_tokens"], expected.len());
+    }
+    let preemptions = metric(&c.router.endpoint("/metrics"), "switchyard_preemptions").await;
+    assert!(
+        preemptions >= 1.0,
+        "the engines preempted something ({preemptions})"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_decode_engine_is_routed_around() {
+    let truth = EngineProcess::spawn(&[]);
+    let mut c = disagg(2, &[], &[]);
+    drop(c.engines.remove(1)); // decode endpoint 1 dies
+    let url = c.router.endpoint("/v1/completions");
+    for (prompt, max_tokens) in prompts(5, 6) {
+        let (expected, _) = reference(&truth, &prompt, max_tokens).await;
+        let body = json!({"prompt": prompt, "max_tokens": max_tokens});
+        let r = tokio::time::timeout(Duration::from_secs(30), post_json(&url, &body))
+            .await
+            .expect("nothing hangs");
+        assert_eq!(r["choices"][0]["text"], expected);
+        let (text, _, _) = stream_completion(&url, &body).await;
+        assert_eq!(text, expected);
+    }
+    let endpoints = post_or_get(&c.router.endpoint("/admin/endpoints")).await;
+    assert_eq!(endpoints["endpoints"][1]["healthy"], false);
+    assert_eq!(
+        endpoints["endpoints"][2]["in_flight"], 0,
+        "no leaked in-flight count"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_openai_errors_and_the_router_stays_up() {
+    let c = disagg(1, &[], &["--max-body-bytes", "4096"]);
+    let url = c.router.endpoint("/v1/completions");
+    let chat_url = c.router.endpoint("/v1/chat/completions");
+    let completion_cases: &[(&str, Option<&str>)] = &[
+        ("{not json", None),
+        (r#"{"prompt": 42}"#, Some("prompt")),
+        (r#"{"prompt": ""}"#, Some("prompt")),
+        (r#"{"prompt": []}"#, Some("prompt")),
+        (r#"{"prompt": "hi", "max_tokens": 0}"#, Some("max_tokens")),
+        (
+            r#"{"prompt": "hi", "max_tokens": "ten"}"#,
+            Some("max_tokens"),
+        ),
+        (r#"{"prompt": "hi", "stream": "yes"}"#, Some("stream")),
+        (r#"{"max_tokens": 3}"#, Some("prompt")),
+    ];
+    let chat_cases: &[(&str, Option<&str>)] = &[
+        ("{not json", None),
+        (r#"{"messages": "hi"}"#, Some("messages")),
+        (r#"{"messages": []}"#, Some("messages")),
+        (
+            r#"{"messages": [{"content": "no role"}]}"#,
+            Some("messages"),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}"#,
+            Some("max_tokens"),
+        ),
+        (
+            r#"{"messages": [{"role": "user", "content": "hi"}], "stream": 1}"#,
+            Some("stream"),
+        ),
+    ];
+    for (url, cases) in [(&url, completion_cases), (&chat_url, chat_cases)] {
+        for (body, param) in cases {
+            let (status, error) = post_raw(url, body).await;
+            assert_eq!(status, 400, "{url} {body} -> {error}");
+            assert_openai_error(&error, "invalid_request_error");
+            assert_eq!(error["error"]["param"].as_str(), *param, "{url} {body}");
+        }
+    }
+    let big = json!({"prompt": "x".repeat(8192)}).to_string();
+    let (status, error) = post_raw(&url, &big).await;
+    assert_eq!(status, 413, "{error}");
+    assert_openai_error(&error, "invalid_request_error");
+    let r = client()
+        .get(c.router.endpoint("/v1/nothing"))
+        .send()
+        .await
+        .expect("reachable");
+    assert_eq!(r.status(), 404);
+    assert_openai_error(
+        &r.json().await.expect("error object"),
+        "invalid_request_error",
+    );
+    // Still serving.
+    let ok = post_json(&url, &json!({"prompt": "still here", "max_tokens": 3})).await;
+    assert_eq!(ok["object"], "text_completion");
+    let models = post_or_get(&c.router.endpoint("/v1/models")).await;
+    assert_eq!(models["object"], "list");
+}
+
+/// POST `body` verbatim as JSON; the status and the (JSON) answer.
+async fn post_raw(url: &str, body: &str) -> (u16, Value) {
+    let r = client()
+        .post(url)
+        .header("content-type", "application/json")
+        .body(body.to_owned())
+        .send()
+        .await
+        .expect("reachable");
+    let status = r.status().as_u16();
+    (status, r.json().await.expect("a JSON answer"))
+}
+
+/// `{"error": {"message", "type", "param", "code"}}`, every key present.
+fn assert_openai_error(body: &Value, kind: &str) {
+    let e = &body["error"];
+    assert!(e["message"].is_string(), "{body}");
+    assert_eq!(e["type"], kind, "{body}");
+    assert!(e.get("param").is_some(), "{body}");
+    assert!(e["code"].is_string(), "{body}");
+}
+
+// === chat ===
+
+/// A model directory's own chat template (`tokenizer_config.json`), and what it renders for
+/// [`chat_messages`].
+const MODEL_DIR_TEMPLATE: &str = "{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[ASSISTANT] {% endif %}";
+const MODEL_DIR_RENDERED: &str = "[SYSTEM] Be brief.\n[USER] kv cache prefill decode\n[ASSISTANT] ";
+/// The documented default without a template: `<|role|>\ncontent\n` per message, then
+/// `<|assistant|>\n`.
+const DEFAULT_RENDERED: &str =
+    "<|system|>\nBe brief.\n<|user|>\nkv cache prefill decode\n<|assistant|>\n";
+
+fn chat_messages() -> Value {
+    json!([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "kv cache prefill decode"},
+    ])
+}
+
+/// A model directory with the reference engine's tokenizer and [`MODEL_DIR_TEMPLATE`].
+fn model_dir_with_template() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(
+        dir.path().join("tokenizer.json"),
+        switchyard::engine::BYTE_LEVEL_TOKENIZER_JSON,
+    )
+    .expect("write tokenizer.json");
+    let config = json!({"chat_template": MODEL_DIR_TEMPLATE});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string())
+        .expect("write tokenizer_config.json");
+    dir
+}
+
+/// A chat completion through `router`, streamed and not, equals the reference engine's
+/// completion of `rendered`, and the usage counts the rendered prompt.
+async fn assert_chat_matches(router: &RouterProcess, truth: &EngineProcess, rendered: &str) {
+    let max_tokens = 24;
+    let (expected, expected_finish) = reference(truth, rendered, max_tokens).await;
+    let url = router.endpoint("/v1/chat/completions");
+    let body = json!({"messages": chat_messages(), "max_tokens": max_tokens});
+    let r = post_json(&url, &body).await;
+    assert!(
+        r["id"]
+            .as_str()
+            .is_some_and(|id| id.starts_with("chatcmpl-")),
+        "{r}"
+    );
+    assert_eq!(r["object"], "chat.completion");
+    let choice = &r["choices"][0];
+    assert_eq!(choice["message"]["role"], "assistant");
+    assert_eq!(
+        choice["message"]["content"], expected,
+        "rendered {rendered:?}"
+    );
+    assert_eq!(choice["finish_reason"], expected_finish);
+    assert_eq!(r["usage"]["prompt_tokens"], rendered.len(), "{r}");
+    assert_eq!(r["usage"]["completion_tokens"], expected.len(), "{r}");
+
+    let s = stream_text(&url, &body, "chat.completion.chunk", "/delta/content").await;
+    assert_eq!(
+        s.chunks[0]["choices"][0]["delta"]["role"], "assistant",
+        "the role chunk comes first"
+    );
+    assert_eq!(s.text, expected, "streamed, rendered {rendered:?}");
+    assert_eq!(s.finish, expected_finish);
+    let usage = s.usage.expect("a usage chunk");
+    assert_eq!(usage["prompt_tokens"], rendered.len());
+    assert_eq!(usage["completion_tokens"], expected.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_equal_a_single_engine_fed_the_rendered_prompt() {
+    let truth = EngineProcess::spawn(&[]);
+    let c = disagg(1, &[], &[]);
+    assert_chat_matches(&c.router, &truth, DEFAULT_RENDERED).await;
+    let model_dir = model_dir_with_template();
+    let urls: Vec<&str> = c.engines.iter().map(|e| e.url.as_str()).collect();
+    let dir = model_dir.path().to_str().expect("UTF-8 temp path");
+    let templated = RouterProcess::serve(&urls, &["--model-dir", dir]);
+    assert_chat_matches(&templated, &truth, MODEL_DIR_RENDERED).await;
+}
+
+// === cancellation ===
+
+/// Polls `check` (which says what is still wrong, or `None`) until it passes, for at most
+/// `within`.
+async fn eventually<F, Fut>(within: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<String>>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let Some(wrong) = check().await else { return };
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still after {within:?}: {wrong}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The router's in-flight count per endpoint (`/admin/endpoints`).
+async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
+    let endpoints = post_or_get(&router.endpoint("/admin/endpoints")).await;
+    endpoints["endpoints"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|e| e["in_flight"].as_u64().expect("in_flight"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_disconnect_cancels_every_upstream_leg() {
+    // A real decode step (~5 ms): 4000 tokens take ~20 s, far longer than the test waits.
+    let c = disagg(1, &["--profile", "llama3-8b-h100"], &[]);
+    let (p, d) = (&c.engines[0], &c.engines[1]);
+    let body =
+        json!({"prompt": "prefill decode router ".repeat(8), "max_tokens": 4000, "stream": true});
+    let mut response = client()
+        .post(c.router.endpoint("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("router reachable");
+    assert_eq!(response.status(), 200);
+    let first = response
+        .chunk()
+        .await
+        .expect("body")
+        .expect("a first chunk");
+    assert!(first.starts_with(b"data: "), "{first:?}");
+
+    // The generation is live on D and counted by the router.
+    let d_metrics = d.endpoint("/metrics");
+    assert_eq!(
+        metric(&d_metrics, "switchyard_engine_running_requests").await,
+        1.0
+    );
+    assert!(metric(&d_metrics, "switchyard_engine_kv_pages_used").await > 0.0);
+    assert_eq!(router_in_flight(&c.router).await, [0, 1]);
+
+    drop(response);
+    eventually(Duration::from_secs(10), || async {
+        let in_flight = router_in_flight(&c.router).await;
+        if in_flight != [0, 0] {
+            return Some(format!("router in-flight {in_flight:?}"));
+        }
+        for (name, engine) in [("P", p), ("D", d)] {
+            let m = engine.endpoint("/metrics");
+            let running = metric(&m, "switchyard_engine_running_requests").await;
+            let used = metric(&m, "switchyard_engine_kv_pages_used").await;
+            if running != 0.0 || used != 0.0 {
+                return Some(format!("{name}: {running} running, {used} KV pages used"));
+            }
+        }
+        None
+    })
+    .await;
+    let aborted = metric(&d_metrics, "switchyard_engine_requests_aborted").await;
+    assert_eq!(
+        aborted, 1.0,
+        "D aborted the generation because the router hung up"
+    );
+    let generated = metric(&d_metrics, "switchyard_engine_generated_tokens").await;
+    assert!(
+        generated < 4000.0,
+        "cancelled early, not run to the end: {generated}"
+    );
+}
+
+// === a recording mock engine ===
+
+type Log = Arc<Mutex<Vec<(String, Value)>>>;
+
+const KV_META: &str = "CwAAAAAAAABbMSw0MDk2LDYzXQ==";
+
+/// A tiny engine that records every body and answers as the spec says.
+async fn mock_engine(log: Log) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let log = log.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let log = log.clone();
+                        async move {
+                            let path = req.uri().path().to_owned();
+                            let bytes = req
+                                .into_body()
+                                .collect()
+                                .await
+                                .map(|b| b.to_bytes())
+                                .unwrap_or_default();
+                            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+                            let (content_type, answer) = mock_answer(&path, &body);
+                            // Health and KV-usage probes are not legs of a request.
+                            if !matches!(path.as_str(), "/v1/models" | "/metrics") {
+                                log.lock().expect("log").push((path, body));
+                            }
+                            Ok::<_, Infallible>(
+                                hyper::Response::builder()
+                                    .header("content-type", content_type)
+                                    .body(Full::new(Bytes::from(answer)))
+                                    .expect("response"),
+                            )
+                        }
+                    },
+                );
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+fn mock_answer(path: &str, body: &Value) -> (&'static str, String) {
+    match path {
+        "/v1/models" => (
+            "application/json",
+            json!({"object": "list", "data": []}).to_string(),
+        ),
+        "/microserving/prep_recv" => (
+            "application/json",
+            json!({"kv_append_metadata": KV_META, "prefix_matched_length": 0}).to_string(),
+        ),
+        "/microserving/remote_send" => ("application/json", "{}".to_owned()),
+        _ => {
+            let user = body["user"].as_str().unwrap_or_default();
+            let chunk = json!({"id": user, "object": "text_completion", "created": 0, "model": "m",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "stop", "logprobs": null}], "usage": null});
+            let usage = json!({"id": user, "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "extra": null}});
+            (
+                "text/event-stream",
+                format!("data: {chunk}\n\ndata: {usage}\n\ndata: [DONE]\n\n"),
+            )
+        }
+    }
+}
+
+/// The request bodies of MLC's disaggregated flow by path
+/// (`tests/fixtures/microserving/03_disaggregated_flow.json`, from the spec).
+fn mlc_disaggregated_flow() -> std::collections::BTreeMap<String, Value> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/microserving/03_disaggregated_flow.json");
+    let text = std::fs::read_to_string(&path).expect("the golden fixture");
+    let fixture: Value = serde_json::from_str(&text).expect("fixture JSON");
+    fixture["steps"]
+        .as_array()
+        .expect("steps")
+        .iter()
+        .map(|step| {
+            let path = step["path"].as_str().expect("path").to_owned();
+            (path, step["request"].clone())
+        })
+        .collect()
+}
+
+fn keys(body: &Value) -> BTreeSet<String> {
+    body.as_object()
+        .expect("object body")
+        .keys()
+        .cloned()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_leg_carries_exactly_the_spec_fields() {
+    let log: Log = Arc::default();
+    let p = mock_engine(log.clone()).await;
+    let d = mock_engine(log.clone()).await;
+    let router = tokio::task::spawn_blocking(move || {
+        RouterProcess::serve(
+            &[&p, &d],
+            &["--endpoint-num-gpus", "2", "--endpoint-num-gpus", "1"],
+        )
+    })
+    .await
+    .expect("router starts");
+    let r = post_json(
+        &router.endpoint("/v1/completions"),
+        &json!({"prompt": "abcdef", "max_tokens": 5, "temperature": 0.0}),
+    )
+    .await;
+    assert_eq!(r["choices"][0]["text"], "ok");
+    let log = log.lock().expect("log").clone();
+    let paths: Vec<&str> = log.iter().map(|(p, _)| p.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/microserving/prep_recv",
+            "/microserving/remote_send",
+            "/microserving/start_generate"
+        ]
+    );
+    // Exactly the fields MLC's router sends on each leg, as the golden fixture records them.
+    let mlc = mlc_disaggregated_flow();
+    let (prep, send, generate) = (&log[0].1, &log[1].1, &log[2].1);
+    for (path, body) in [
+        ("/microserving/prep_recv", prep),
+        ("/microserving/remote_send", send),
+        ("/microserving/start_generate", generate),
+    ] {
+        let expected = mlc.get(path).expect("the fixture has every leg");
+        assert_eq!(keys(body), keys(expected), "{path}");
+        for field in ["n", "logprobs", "echo", "debug_config", "suffix"] {
+            assert_eq!(body[field], expected[field], "{path} {field}");
+        }
+    }
+    assert_eq!(
+        prep["end"], 5,
+        "the resolved KV window end (python -1 on a 6-token prompt)"
+    );
+    for body in [prep, send, generate] {
+        assert_eq!(body["debug_config"], json!({}));
+        assert_eq!(body["prompt"], json!([97, 98, 99, 100, 101, 102]));
+        assert_eq!(body["user"], prep["user"], "one upstream id on every leg");
+        assert_eq!(body["n"], 1);
+        assert_eq!(body["temperature"], 0.0);
+    }
+    let user = prep["user"].as_str().expect("user");
+    assert!(
+        user.starts_with("cmpl-") && user.ends_with("-1") && user.len() == 5 + 32 + 2,
+        "{user}"
+    );
+    assert_eq!(send["kv_addr_info"], KV_META, "D's metadata, verbatim");
+    assert_eq!(
+        send["recv_rank"], 2,
+        "D's device rank: the prefix sum of GPUs before it"
+    );
+    assert_eq!(
+        (send["begin"].clone(), send["end"].clone()),
+        (json!(0), json!(5))
+    );
+    assert_eq!(generate["begin"], 5);
+}
