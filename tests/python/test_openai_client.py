@@ -78,6 +78,10 @@ def test_completion_stream_equals_non_stream(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+# What the documented default chat rendering makes of the messages (no model dir, no template).
+CHAT_RENDERED = "<|user|>\nSay something\n<|assistant|>\n"
+
+
 def test_chat_non_stream_and_stream(client):
     messages = [{"role": "user", "content": "Say something"}]
     r = client.chat.completions.create(model="switchyard-reference", messages=messages, max_tokens=10)
@@ -85,14 +89,36 @@ def test_chat_non_stream_and_stream(client):
     assert r.choices[0].message.role == "assistant"
     content = r.choices[0].message.content
     assert content
-    stream = client.chat.completions.create(
-        model="switchyard-reference", messages=messages, max_tokens=10, stream=True
+    # The reference tokenizer is byte-level: one token per byte.
+    assert r.usage.prompt_tokens == len(CHAT_RENDERED.encode())
+    assert r.usage.completion_tokens == len(content.encode())
+    chunks = list(
+        client.chat.completions.create(
+            model="switchyard-reference",
+            messages=messages,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
     )
-    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == content
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_chat_equals_a_completion_of_the_rendered_prompt(client):
+    messages = [{"role": "user", "content": "Say something"}]
+    chat = client.chat.completions.create(model="switchyard-reference", messages=messages, max_tokens=10)
+    completion = client.completions.create(model="switchyard-reference", prompt=CHAT_RENDERED, max_tokens=10)
+    assert chat.choices[0].message.content == completion.choices[0].text
 
 
 def test_bad_request_is_an_openai_error(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="switchyard-reference", prompt=PROMPT, max_tokens=0)
     assert e.value.status_code == 400
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="switchyard-reference", messages=[], max_tokens=5)
+    assert e.value.body["param"] == "messages"
