@@ -605,6 +605,53 @@ async fn a_client_disconnect_cancels_every_upstream_leg() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_cannot_continue_ends_with_an_error_event_then_done() {
+    // One engine, so nothing can take over when it dies mid-stream.
+    let engine = EngineProcess::spawn(&["--profile", "llama3-8b-h100"]);
+    let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
+    let body = json!({"prompt": "kv cache ".repeat(8), "max_tokens": 4000, "stream": true});
+    let mut response = client()
+        .post(router.endpoint("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("router reachable");
+    assert_eq!(response.status(), 200);
+    let mut received = response
+        .chunk()
+        .await
+        .expect("body")
+        .expect("a first chunk")
+        .to_vec();
+    drop(engine);
+    let rest = tokio::time::timeout(Duration::from_secs(30), async {
+        let mut rest = Vec::new();
+        while let Some(chunk) = response.chunk().await.expect("the stream ends cleanly") {
+            rest.extend_from_slice(&chunk);
+        }
+        rest
+    })
+    .await
+    .expect("the stream ends: nothing hangs");
+    received.extend_from_slice(&rest);
+    let text = String::from_utf8(received).expect("UTF-8 SSE");
+    let payloads = sse_payloads(&text);
+    let n = payloads.len();
+    assert!(n >= 3, "{text}");
+    assert_eq!(payloads[n - 1], "[DONE]", "{text}");
+    let error: Value = serde_json::from_str(&payloads[n - 2]).expect("error event JSON");
+    assert_openai_error(&error, "server_error");
+    for p in &payloads[..n - 2] {
+        let chunk: Value = serde_json::from_str(p).expect("chunk JSON");
+        assert_eq!(chunk["object"], "text_completion", "{chunk}");
+        assert!(
+            chunk["choices"][0]["finish_reason"].is_null(),
+            "no finish before the error: {chunk}"
+        );
+    }
+}
+
 // === a recording mock engine ===
 
 type Log = Arc<Mutex<Vec<(String, Value)>>>;
