@@ -229,3 +229,30 @@ async fn cuda_transport_sends_scattered_runs_exactly() {
         .unwrap_err();
     assert!(out_of_range(&err, "destination"), "{err}");
 }
+
+/// `switchyard engine --kv-device cuda:0 --kv-transport cuda` starts on a GPU and fails with
+/// the probe's reason without one; a device that is not `cpu` or `cuda:N` is a flag error.
+#[tokio::test]
+async fn the_engine_keeps_its_pool_where_kv_device_says() {
+    use crate::engine::{EngineArgs, EngineError, start};
+    assert!(EngineArgs::from_flags(["--port", "0", "--kv-device", "gpu0"]).is_err());
+    let flags = [
+        "--port",
+        "0",
+        "--kv-device",
+        "cuda:0",
+        "--kv-transport",
+        "cuda",
+    ];
+    let args = EngineArgs::from_flags(flags.into_iter().chain(["--kv-pages", "8"])).unwrap();
+    assert_eq!(args.kv_device, GPU);
+    let started = start(&args).await;
+    match cuda_probe(0) {
+        Ok(_) => drop(started.expect("an engine with its pool on cuda:0")),
+        Err(probe) => assert!(
+            matches!(&started, Err(EngineError::Kv(KvError::Cuda(e))) if *e == probe),
+            "{:?}",
+            started.err()
+        ),
+    }
+}
