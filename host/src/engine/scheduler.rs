@@ -4,7 +4,8 @@
 //! event channel. The loop owns the page pool, the prefix cache, every request and the model,
 //! so there are no locks, and one step is:
 //!
-//! 1. take commands; expire prep_recv reservations past their TTL;
+//! 1. take commands and returned leases; expire prep_recv reservations past their TTL and
+//!    return quarantined pages whose time is up;
 //! 2. answer blocked prep_recv calls and admit waiting requests while pages last (FIFO);
 //! 3. run every running request once: a prefill chunk (shared token budget) or one decode token,
 //!    growing pages as it goes; when a decode needs a page and none is free, abort the *last*
@@ -13,10 +14,17 @@
 //!
 //! A request whose client went away (its event receiver is dropped) is aborted the next time the
 //! loop looks at it, and its pages are freed.
+//!
+//! A reservation's slots are opened in the pool's [`SlotGate`](crate::kv::SlotGate) when
+//! prep_recv answers and closed at start_generate or expiry, so a receiving transport writes
+//! nothing else. An expired reservation's pages are *quarantined* before reuse: until no
+//! receiver is still writing them, and, for one-sided transports that the gate cannot stop, for
+//! [`CoreConfig::expiry_quarantine`] (longer than a router waits on remote_send), so a late
+//! push cannot overwrite another request's KV.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
@@ -37,6 +45,10 @@ pub struct CoreConfig {
     pub prefill_chunk: usize,
     pub max_batch: usize,
     pub reservation_ttl: Duration,
+    /// How long an expired reservation's pages stay out of use. Zero when the transport is gated
+    /// (tcp: the receiver refuses closed slots); for one-sided transports (shm, cuda) longer than
+    /// a router waits on remote_send, so a push that starts late still lands in unused pages.
+    pub expiry_quarantine: Duration,
     /// Preempt every K-th decoding request half-way through its `max_tokens` (fault injection).
     pub preempt_every: Option<u64>,
     pub latency: Latency,
@@ -82,7 +94,8 @@ pub struct Event {
     pub finish: Option<(FinishReason, Usage)>,
 }
 
-/// A request the core refuses; the HTTP layer turns it into a 400.
+/// A request the core refuses, always for something the caller sent; the HTTP layer turns it
+/// into a 4xx.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
     #[error("request id {user:?} is already in flight on this engine")]
@@ -91,8 +104,14 @@ pub enum CoreError {
     NoReservation { user: String },
     #[error("start_generate begin {begin} is past the prep_recv window end {end}")]
     BeginPastWindow { begin: usize, end: usize },
-    #[error("the engine is shutting down")]
-    ShuttingDown,
+    /// Positions before `prefix_matched_length` live in shared prefix-cache pages, which D must
+    /// never write.
+    #[error(
+        "start_generate begin {begin} is before prefix_matched_length {matched}: those positions are shared prefix-cache pages"
+    )]
+    BeginBeforeMatched { begin: usize, matched: usize },
+    #[error("a KV transfer into the reservation of request id {user:?} is still being written")]
+    TransferInProgress { user: String },
 }
 
 /// prep_recv's answer: where P must write positions `[prefix_matched_length, end)`.
@@ -102,11 +121,23 @@ pub struct PrepRecvReply {
     pub prefix_matched_length: usize,
 }
 
-/// P's prefilled KV, held until [`Command::ReleaseLease`]: `slots[i]` holds position `begin + i`.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// P's prefilled KV, held until the lease drops: `slots[i]` holds position `begin + i`.
+///
+/// Dropping it (transfer done, failed, or its task cancelled) hands the pages back to the core
+/// over a channel of their own: not the command channel, whose disconnection is how the core
+/// learns to stop.
+#[derive(Debug)]
 pub struct SendLease {
     pub id: u64,
     pub slots: Vec<u32>,
+    returns: Sender<u64>,
+}
+
+impl Drop for SendLease {
+    fn drop(&mut self) {
+        // The core is gone when this fails, and with it the pages.
+        let _ = self.returns.send(self.id);
+    }
 }
 
 pub type Events = mpsc::UnboundedSender<Event>;
@@ -115,10 +146,7 @@ pub type Events = mpsc::UnboundedSender<Event>;
 #[derive(Debug)]
 pub enum Command {
     /// `/v1/completions`: prefill and generate.
-    Generate {
-        request: GenRequest,
-        events: Events,
-    },
+    Generate { request: GenRequest, events: Events },
     /// Reserve pages for `[0, end)`, waiting until they are free.
     PrepRecv {
         user: String,
@@ -138,9 +166,6 @@ pub enum Command {
         tokens: Vec<u32>,
         begin: usize,
         reply: oneshot::Sender<SendLease>,
-    },
-    ReleaseLease {
-        id: u64,
     },
 }
 
@@ -224,6 +249,15 @@ struct Reservation {
     deadline: Instant,
 }
 
+/// Pages of an expired reservation, kept out of use until `until` and until no receiver is
+/// writing their slots.
+#[derive(Debug)]
+struct Quarantined {
+    pages: Vec<u32>,
+    slots: Vec<u32>,
+    until: Instant,
+}
+
 /// The engine core. Build it with [`Core::new`], then run [`Core::run`] on a dedicated thread.
 pub struct Core {
     cfg: CoreConfig,
@@ -237,7 +271,10 @@ pub struct Core {
     running: Vec<Seq>,
     pending_preps: VecDeque<PendingPrep>,
     reservations: HashMap<String, Reservation>,
+    quarantine: Vec<Quarantined>,
     leases: HashMap<u64, Seq>,
+    /// Where dropped [`SendLease`]s send their id, and the receiving end the loop drains.
+    lease_returns: (Sender<u64>, Receiver<u64>),
     users: HashSet<String>,
     next_id: u64,
     decode_counter: u64,
@@ -260,7 +297,9 @@ impl Core {
             running: Vec::new(),
             pending_preps: VecDeque::new(),
             reservations: HashMap::new(),
+            quarantine: Vec::new(),
             leases: HashMap::new(),
+            lease_returns: std::sync::mpsc::channel(),
             users: HashSet::new(),
             next_id: 0,
             decode_counter: 0,
@@ -278,16 +317,24 @@ impl Core {
             if !self.take_commands(&commands, idle) {
                 return;
             }
-            self.expire_reservations(Instant::now());
-            self.serve_pending_preps();
-            self.admit_waiting();
-            let work = self.step();
-            self.publish_gauges();
-            let cost = self.cfg.latency.step(&work);
+            let cost = self.turn(Instant::now());
             if !cost.is_zero() {
                 std::thread::sleep(cost);
             }
         }
+    }
+
+    /// One pass of the loop after the commands are in, as of `now`; returns what the step cost.
+    /// Tests drive this directly with a clock of their own.
+    fn turn(&mut self, now: Instant) -> Duration {
+        self.return_leases();
+        self.expire_reservations(now);
+        self.release_quarantined(now);
+        self.serve_pending_preps(now);
+        self.admit_waiting();
+        let work = self.step();
+        self.publish_gauges();
+        self.cfg.latency.step(&work)
     }
 
     /// Blocks for a command when there is nothing to run, then drains the queue. `false` when the
@@ -315,19 +362,37 @@ impl Core {
         loop {
             match commands.try_recv() {
                 Ok(cmd) => self.handle(cmd),
-                Err(std::sync::mpsc::TryRecvError::Empty) => return true,
-                Err(std::sync::mpsc::TryRecvError::Disconnected) => return false,
+                Err(TryRecvError::Empty) => return true,
+                Err(TryRecvError::Disconnected) => return false,
             }
         }
     }
 
-    /// When the loop must wake up without a command: the next reservation expiry, or soon when
-    /// blocked requests should look again for a gone client.
+    /// Releases the pages of every lease dropped since the last look.
+    fn return_leases(&mut self) {
+        while let Ok(id) = self.lease_returns.1.try_recv() {
+            if let Some(seq) = self.leases.remove(&id) {
+                self.pool.release(&seq.pages);
+                self.freed = true;
+            }
+        }
+    }
+
+    /// When the loop must wake up without a command: the next reservation expiry or quarantine
+    /// end, or soon when blocked requests should look again for a gone client (and for pages
+    /// that leases or receivers give back, which send no command).
     fn next_deadline(&self) -> Option<Instant> {
         let expiry = self.reservations.values().map(|r| r.deadline).min();
-        let recheck = (!self.waiting.is_empty() || !self.pending_preps.is_empty())
-            .then(|| Instant::now() + Duration::from_millis(50));
-        expiry.into_iter().chain(recheck).min()
+        // A quarantine past its time but still claimed by a receiver is looked at again soon.
+        let quarantine = self
+            .quarantine
+            .iter()
+            .map(|q| q.until.max(Instant::now() + RECHECK))
+            .min();
+        let recheck =
+            (!self.waiting.is_empty() || !self.pending_preps.is_empty() || !self.leases.is_empty())
+                .then(|| Instant::now() + RECHECK);
+        [expiry, quarantine, recheck].into_iter().flatten().min()
     }
 
     fn handle(&mut self, cmd: Command) {
@@ -387,11 +452,6 @@ impl Core {
                     },
                 });
             }
-            Command::ReleaseLease { id } => {
-                if let Some(seq) = self.leases.remove(&id) {
-                    self.pool.release(&seq.pages);
-                }
-            }
         }
     }
 
@@ -429,7 +489,7 @@ impl Core {
     // === prep_recv reservations ===
 
     /// Answers blocked prep_recv calls in order while their pages fit.
-    fn serve_pending_preps(&mut self) {
+    fn serve_pending_preps(&mut self, now: Instant) {
         while let Some(prep) = self.pending_preps.front() {
             if prep.reply.is_closed() {
                 let prep = self.pending_preps.pop_front().map(|p| p.user);
@@ -455,12 +515,14 @@ impl Core {
             let matched = matched_pages.len() * ps;
             let mut pages = matched_pages;
             pages.extend(fresh);
-            let slots = (matched..prep.end).map(|pos| self.pool.slot(&pages, pos));
+            let slots = window_slots(&self.pool, &pages, matched, prep.end);
+            // Open before answering: P can push as soon as the router has the answer.
+            self.store.gate().open(slots.iter().copied());
             let reply = PrepRecvReply {
                 kv_addr_info: KvAddrInfo::from_slots(slots),
                 prefix_matched_length: matched,
             };
-            let deadline = Instant::now() + self.cfg.reservation_ttl;
+            let deadline = now + self.cfg.reservation_ttl;
             let reservation = Reservation {
                 request: prep.request,
                 pages,
@@ -473,7 +535,9 @@ impl Core {
             // Metrics first, so a caller that reads them right after the answer sees the pages.
             self.publish_gauges();
             if prep.reply.send(Ok(reply)).is_err() {
+                // Nobody learnt the slots, so nobody can be writing them.
                 if let Some(r) = self.reservations.remove(&prep.user) {
+                    self.store.gate().close(self.reservation_slots(&r));
                     self.pool.release(&r.pages);
                 }
                 self.users.remove(&prep.user);
@@ -492,12 +556,36 @@ impl Core {
             .collect();
         for user in expired {
             if let Some(r) = self.reservations.remove(&user) {
-                tracing::info!(%user, pages = r.pages.len(), "prep_recv reservation expired");
-                self.pool.release(&r.pages);
+                tracing::debug!(%user, pages = r.pages.len(), "prep_recv reservation expired");
+                let slots = self.reservation_slots(&r);
+                self.store.gate().close(slots.iter().copied());
+                self.quarantine.push(Quarantined {
+                    pages: r.pages,
+                    slots,
+                    until: now + self.cfg.expiry_quarantine,
+                });
                 self.users.remove(&user);
                 self.metrics.reservations_expired.inc();
             }
         }
+    }
+
+    /// Frees quarantined pages whose time is up and that no receiver is still writing.
+    fn release_quarantined(&mut self, now: Instant) {
+        let gate = self.store.gate();
+        let (done, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut self.quarantine)
+            .into_iter()
+            .partition(|q| q.until <= now && !gate.any_claimed(q.slots.iter().copied()));
+        self.quarantine = kept;
+        for q in done {
+            self.pool.release(&q.pages);
+            self.freed = true;
+        }
+    }
+
+    /// The slots of a reservation's window `[matched, end)`: what its prep_recv handed out.
+    fn reservation_slots(&self, r: &Reservation) -> Vec<u32> {
+        window_slots(&self.pool, &r.pages, r.matched, r.end)
     }
 
     fn start_generate(
@@ -512,11 +600,27 @@ impl Core {
         if begin > r.end {
             return Err(CoreError::BeginPastWindow { begin, end: r.end });
         }
+        if begin < r.matched {
+            return Err(CoreError::BeginBeforeMatched {
+                begin,
+                matched: r.matched,
+            });
+        }
+        // From here on only this engine touches the window.
+        if !self
+            .store
+            .gate()
+            .close_unless_claimed(&self.reservation_slots(r))
+        {
+            return Err(CoreError::TransferInProgress { user });
+        }
         let Some(r) = self.reservations.remove(&user) else {
             return Err(CoreError::NoReservation { user });
         };
         // P wrote [matched, end) behind our back: read those slots now so decode steps see the
-        // bytes that actually arrived.
+        // bytes that actually arrived. Full pages among them join the prefix cache below
+        // unverified: the router calls start_generate only after remote_send succeeded (or
+        // was not needed), which is what makes them trustworthy.
         for pos in r.matched..r.end {
             let slot = self.pool.slot(&r.pages, pos);
             self.store.read_slot(slot, &mut self.scratch);
@@ -761,8 +865,9 @@ impl Core {
             seq.tokens.push(token);
             g.generated += 1;
             self.metrics.generated_tokens.inc();
-            g.text.push(char::from_u32(token).unwrap_or('?'));
-            if let Some(at) = first_stop_match(&g.text, &g.stop) {
+            let ch = char::from_u32(token).unwrap_or('?');
+            g.text.push(ch);
+            if let Some(at) = first_stop_match(&g.text, &g.stop, ch.len_utf8()) {
                 g.text.truncate(at);
                 finish = Some(FinishReason::Stop);
             } else if g.generated >= g.max_tokens {
@@ -770,7 +875,9 @@ impl Core {
             }
         }
         if finish.is_none() && g.preempt_at == Some(g.generated) {
-            let delta = take_safe_text(g, true);
+            // Text held back as a possible stop-string start stays unsent: the preemption chunk
+            // carries no text (MLC's), and the rerun produces it again anyway.
+            let delta = take_safe_text(g, false);
             if !delta.is_empty()
                 && g.events
                     .send(Event {
@@ -803,19 +910,22 @@ impl Core {
         }
     }
 
+    /// Hands P's prefilled slots to the remote_send handler. The pages are held from here
+    /// until the lease drops, wherever that happens (a lease the handler never received drops
+    /// right here), so they always come back through [`Core::return_leases`].
     fn lease(&mut self, mut seq: Seq) {
         let Work::Prefill { begin, reply } = &mut seq.work else {
             return;
         };
-        let slots = (*begin..seq.computed)
-            .map(|pos| self.pool.slot(&seq.pages, pos))
-            .collect();
-        let lease = SendLease { id: seq.id, slots };
-        match reply.take().map(|r| r.send(lease)) {
-            Some(Ok(())) => {
-                self.leases.insert(seq.id, seq);
-            }
-            _ => self.pool.release(&seq.pages),
+        let lease = SendLease {
+            id: seq.id,
+            slots: window_slots(&self.pool, &seq.pages, *begin, seq.computed),
+            returns: self.lease_returns.0.clone(),
+        };
+        let reply = reply.take();
+        self.leases.insert(seq.id, seq);
+        if let Some(reply) = reply {
+            let _ = reply.send(lease);
         }
     }
 
@@ -837,7 +947,9 @@ impl Core {
 
     /// MLC's preemption: one chunk with `finish_reason: "preempt"`, empty text, zero usage.
     fn preempt(&mut self, seq: Seq) {
-        tracing::info!(id = seq.id, user = ?seq.user, pages = seq.pages.len(), "request preempted");
+        // Routine under KV pressure (the preemptions metric counts them): not worth a log line
+        // per request at info.
+        tracing::debug!(id = seq.id, user = ?seq.user, pages = seq.pages.len(), "request preempted");
         self.metrics.preemptions.inc();
         if let Some(events) = seq.events() {
             let _ = events.send(Event {
@@ -859,6 +971,9 @@ impl Core {
         m.kv_pages_cached.set(self.pool.cached_idle() as i64);
     }
 }
+
+/// How often an idle loop looks again at blocked work and at pages given back without a command.
+const RECHECK: Duration = Duration::from_millis(50);
 
 enum Growth {
     Ready,
@@ -893,13 +1008,26 @@ fn register_full_pages(pool: &mut PagePool, seq: &mut Seq) {
     seq.registered_pages = full;
 }
 
-/// Byte offset of the earliest stop string in `text`.
-fn first_stop_match(text: &str, stops: &[String]) -> Option<usize> {
+/// Byte offset of the earliest stop string in `text`, which had none before its last `added`
+/// bytes: a match must end in them, so only that tail is searched (a long generation with stop
+/// strings stays linear).
+fn first_stop_match(text: &str, stops: &[String], added: usize) -> Option<usize> {
+    let longest = stops.iter().map(String::len).max().unwrap_or(0);
+    let mut start = text.len().saturating_sub(added + longest.saturating_sub(1));
+    while !text.is_char_boundary(start) {
+        start -= 1;
+    }
     stops
         .iter()
         .filter(|s| !s.is_empty())
-        .filter_map(|s| text.find(s.as_str()))
+        .filter_map(|s| text[start..].find(s.as_str()))
         .min()
+        .map(|at| start + at)
+}
+
+/// The slots of positions `[from, to)` of a sequence holding `pages`.
+fn window_slots(pool: &PagePool, pages: &[u32], from: usize, to: usize) -> Vec<u32> {
+    (from..to).map(|pos| pool.slot(pages, pos)).collect()
 }
 
 /// The text not yet streamed that can no longer turn out to be the start of a stop string (all

@@ -4,6 +4,11 @@
 //! connection: run list, then the bytes of every run, read straight into its pool; one ack per
 //! request once every byte is written. The sender keeps a few idle connections per peer, writes
 //! the whole request without waiting (straight from its pool), and returns after the ack.
+//!
+//! Trust: anyone who reaches the listener can write the slots an engine has open (the pool's
+//! [`SlotGate`](super::SlotGate) refuses every other slot), so it belongs on a trusted network.
+//! The receiver bounds what one peer can hold: [`MAX_CONNECTIONS`] connections, and
+//! [`IDLE_TIMEOUT`] / [`REQUEST_TIMEOUT`] on reads.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -13,6 +18,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 
+use super::gate::WriteClaim;
 use super::runs::CopyRun;
 use super::store::Mapping;
 use super::transport::{Transfer, check_destination, check_hello};
@@ -23,6 +29,14 @@ use super::{KvError, KvStore, PeerAddr, SlotRun};
 const MAX_IDLE_PER_PEER: usize = 4;
 /// Socket buffering on each side: enough to batch small runs, and large runs bypass it.
 const IO_BUFFER_BYTES: usize = 256 << 10;
+/// Connections a receiver serves at once; more wait in the listen backlog. Senders keep at most
+/// [`MAX_IDLE_PER_PEER`] idle ones per peer, so this allows dozens of busy peers.
+const MAX_CONNECTIONS: usize = 256;
+/// An idle connection (no request started) is closed after this: senders reconnect on demand.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(300);
+/// Longest one request may take from its first byte to its last (twice a sender's default
+/// transfer bound), so a peer that stops sending cannot hold a claim on open slots forever.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(120);
 
 // === receiver ===
 
@@ -40,6 +54,9 @@ pub(crate) async fn start_receiver(
     };
     let listener = TcpListener::bind(sock_addr).await.map_err(listen_err)?;
     let bound = PeerAddr::Tcp(listener.local_addr().map_err(listen_err)?);
+    if !sock_addr.ip().is_loopback() {
+        tracing::warn!(listen = %bound, "KV tcp receiver is not on loopback: anyone who reaches it can write this engine's reserved KV slots; keep it on a trusted network");
+    }
     let task = tokio::spawn(accept_loop(listener, store, hello));
     Ok((bound, task))
 }
@@ -49,7 +66,7 @@ async fn accept_loop(listener: TcpListener, store: Arc<KvStore>, hello: Hello) {
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
+            accepted = listener.accept(), if connections.len() < MAX_CONNECTIONS => match accepted {
                 Ok((stream, peer)) => {
                     let store = store.clone();
                     connections.spawn(async move {
@@ -80,15 +97,27 @@ async fn serve_connection(
     write_half.write_all(&hello.encode()).await?;
     loop {
         let mut head = [0u8; wire::REQUEST_HEAD_LEN];
-        match reader.read_exact(&mut head).await {
-            Ok(_) => {}
-            // The sender closed an idle connection: the normal way out.
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(e),
+        match tokio::time::timeout(IDLE_TIMEOUT, reader.read_exact(&mut head)).await {
+            Ok(Ok(_)) => {}
+            // The sender closed an idle connection, or left it idle too long: the normal ways out.
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(_) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
         }
-        let runs = match read_runs(&mut reader, &head, store.num_slots()).await? {
-            Ok(runs) => runs,
-            Err(reason) => {
+        let answer =
+            tokio::time::timeout(REQUEST_TIMEOUT, serve_request(&mut reader, &head, &store))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(std::io::ErrorKind::TimedOut, "request stalled")
+                })??;
+        match answer {
+            Answer::Written(bytes) => write_half.write_all(&wire::encode_ack(Ok(bytes))).await?,
+            Answer::Refused(reason) => {
+                write_half
+                    .write_all(&wire::encode_ack(Err(&reason)))
+                    .await?;
+            }
+            Answer::Malformed(reason) => {
                 // The payload's length cannot be trusted, so the stream cannot be resynchronised:
                 // say why and close.
                 write_half
@@ -96,9 +125,41 @@ async fn serve_connection(
                     .await?;
                 return Err(std::io::Error::other(reason));
             }
-        };
-        let written = receive_payload(&mut reader, &store, &runs).await?;
-        write_half.write_all(&wire::encode_ack(Ok(written))).await?;
+        }
+    }
+}
+
+/// How one request ended, short of an I/O error.
+enum Answer {
+    /// Every byte is in the pool.
+    Written(u64),
+    /// Well-formed but not allowed (slots not open); its payload was skipped.
+    Refused(String),
+    /// Malformed run list.
+    Malformed(String),
+}
+
+/// Reads one request after its head: the run list, then its payload into the claimed slots (or
+/// past them, when the gate refuses the slots).
+async fn serve_request(
+    reader: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
+    head: &[u8; wire::REQUEST_HEAD_LEN],
+    store: &KvStore,
+) -> std::io::Result<Answer> {
+    let runs = match read_runs(reader, head, store.num_slots()).await? {
+        Ok(runs) => runs,
+        Err(reason) => return Ok(Answer::Malformed(reason)),
+    };
+    match store.gate().claim(&runs) {
+        Ok(claim) => receive_payload(reader, store, &claim)
+            .await
+            .map(Answer::Written),
+        Err(refused) => {
+            let bytes: u64 = runs.iter().map(|r| u64::from(r.len)).sum::<u64>()
+                * store.shape().bytes_per_token() as u64;
+            tokio::io::copy(&mut (&mut *reader).take(bytes), &mut tokio::io::sink()).await?;
+            Ok(Answer::Refused(refused.to_string()))
+        }
     }
 }
 
@@ -132,41 +193,48 @@ async fn read_runs(
     Ok(Ok(runs))
 }
 
-/// Reads every run's bytes straight into the pool; returns the byte count.
+/// Reads every claimed run's bytes straight into the pool; returns the byte count.
 async fn receive_payload(
     reader: &mut BufReader<tokio::net::tcp::OwnedReadHalf>,
     store: &KvStore,
-    runs: &[SlotRun],
+    claim: &WriteClaim<'_>,
 ) -> std::io::Result<u64> {
     let bpt = store.shape().bytes_per_token();
     let mut written = 0u64;
-    for run in runs {
+    for run in claim.runs() {
         let len = run.len as usize * bpt;
-        reader
-            .read_exact(reserved_slots_mut(
-                store.mapping(),
-                store.slot_offset(run.begin),
-                len,
-            ))
-            .await?;
+        #[expect(
+            unsafe_code,
+            reason = "reading the socket straight into the shared pool"
+        )]
+        // SAFETY: `run` is one of `claim`'s runs and `claim` outlives the borrow (it is held
+        // across this await).
+        let bytes =
+            unsafe { claimed_slots_mut(store.mapping(), store.slot_offset(run.begin), len) };
+        reader.read_exact(bytes).await?;
         written += len as u64;
     }
     Ok(written)
 }
 
 /// The destination bytes of a transfer, borrowed for the socket read.
+///
+/// # Safety
+/// `offset..offset + len` must be slots of a [`WriteClaim`] that lives as long as the slice: the
+/// claim keeps every other receiver out, and `KvStore::read_slot`/`write_slot` refuse claimed
+/// slots, so nothing else reads or writes these bytes in this process. (A one-sided peer
+/// writing the same pool from another process is outside the gate; engines never use a tcp
+/// receiver's pool for one.)
 #[expect(
     unsafe_code,
     reason = "reading the socket straight into the shared pool"
 )]
 #[expect(
     clippy::mut_from_ref,
-    reason = "exclusivity comes from the slot reservation"
+    reason = "exclusivity comes from the caller's WriteClaim"
 )]
-fn reserved_slots_mut(map: &Mapping, offset: usize, len: usize) -> &mut [u8] {
-    // SAFETY: these slots were reserved for this transfer by the engine (prep_recv); by the
-    // pool's ownership invariant only the transport writes them and nobody reads them until
-    // start_generate, which the router sends only after this transfer is acked.
+unsafe fn claimed_slots_mut(map: &Mapping, offset: usize, len: usize) -> &mut [u8] {
+    // SAFETY: exclusive per this fn's contract; `slice_mut` checks the bounds.
     unsafe { map.slice_mut(offset, len) }
 }
 
@@ -233,14 +301,7 @@ impl TcpSender {
 
     async fn connect(&self, rank: u32, addr: &PeerAddr) -> Result<Conn, KvError> {
         let after = self.connect_timeout;
-        let io = |what| {
-            move |source| KvError::PeerIo {
-                rank,
-                addr: addr.clone(),
-                what,
-                source,
-            }
-        };
+        let io = |what| KvError::peer_io(rank, addr, what);
         let PeerAddr::Tcp(sock_addr) = addr else {
             return Err(io("connect")(std::io::ErrorKind::InvalidInput.into()));
         };
@@ -278,14 +339,7 @@ impl TcpSender {
     async fn transfer_on(&self, conn: &mut Conn, transfer: &Transfer<'_>) -> Result<(), KvError> {
         let (rank, addr) = (transfer.rank, transfer.addr);
         check_destination(transfer.dst_runs, conn.num_slots)?;
-        let io = |what| {
-            move |source| KvError::PeerIo {
-                rank,
-                addr: addr.clone(),
-                what,
-                source,
-            }
-        };
+        let io = |what| KvError::peer_io(rank, addr, what);
         let dst_runs = super::runs::merge_slots(transfer.dst_runs.iter().flat_map(SlotRun::slots));
         let stream = &mut conn.stream;
         stream
@@ -346,5 +400,59 @@ impl TcpSender {
                 .mapping()
                 .slice(self.store.slot_offset(copy.src), len)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::super::tests::{SLOTS, pair};
+    use super::*;
+    use crate::kv::{KvAddrInfo, KvShape, TransportKind};
+
+    fn guarded_pool() -> Arc<KvStore> {
+        Arc::new(
+            KvStore::new(KvShape::SMALL, SLOTS)
+                .unwrap()
+                .with_guarded_slots(),
+        )
+    }
+
+    fn rejection(result: Result<crate::kv::TransferStats, KvError>) -> String {
+        match result {
+            Err(KvError::Rejected { reason, .. }) => reason,
+            other => panic!("expected a rejection, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_guarded_receiver_writes_only_open_unclaimed_slots() {
+        let p_store = Arc::new(KvStore::new(KvShape::SMALL, SLOTS).unwrap());
+        let d_store = guarded_pool();
+        let bytes = vec![9u8; KvShape::SMALL.bytes_per_token()];
+        p_store.write_slot(0, &bytes);
+        let (p, _d) = pair(TransportKind::Tcp, p_store, d_store.clone()).await;
+        let dst = KvAddrInfo::from_slots([40]);
+
+        // Nothing reserved yet: refused, and the slot is untouched.
+        let reason = rejection(p.send(1, &[0], &dst).await);
+        assert!(reason.contains("not reserved"), "{reason}");
+        assert_eq!(d_store.read_slot_to_vec(40), vec![0; bytes.len()]);
+
+        // Reserved: written, on the same pooled connection (the refusal kept it in sync).
+        d_store.gate().open([40]);
+        p.send(1, &[0], &dst).await.expect("open slot");
+        assert_eq!(d_store.read_slot_to_vec(40), bytes);
+
+        // Another transfer writing it: refused.
+        let claim = d_store.gate().claim(&dst.models[0]).unwrap();
+        let reason = rejection(p.send(1, &[0], &dst).await);
+        assert!(reason.contains("already being written"), "{reason}");
+        drop(claim);
+
+        // Closed again (start_generate or expiry): a late push is refused.
+        d_store.gate().close([40]);
+        rejection(p.send(1, &[0], &dst).await);
     }
 }

@@ -1,4 +1,6 @@
-//! The core driven through its command channel, as the HTTP layer drives it.
+//! The core driven through its command channel on its own thread, as the HTTP layer drives it,
+//! and by hand (commands straight into `handle`, one `turn` at a time on a clock the test
+//! chooses) where timing matters.
 
 use std::sync::mpsc::Sender;
 use std::time::Duration;
@@ -8,6 +10,9 @@ use tokio::sync::{mpsc, oneshot};
 use super::*;
 use crate::engine::latency::Profile;
 use crate::kv::KvShape;
+
+/// Bound on every wait for the core thread, so a bug fails the test instead of hanging it.
+const PATIENCE: Duration = Duration::from_secs(20);
 
 struct Harness {
     commands: Sender<Command>,
@@ -23,6 +28,7 @@ fn config(num_pages: u32) -> CoreConfig {
         prefill_chunk: 64,
         max_batch: 16,
         reservation_ttl: Duration::from_secs(60),
+        expiry_quarantine: Duration::ZERO,
         preempt_every: None,
         latency: Latency {
             profile: Profile::NULL,
@@ -31,9 +37,18 @@ fn config(num_pages: u32) -> CoreConfig {
     }
 }
 
+/// A guarded pool sized for `cfg`, as the engine builds it.
+fn pool_for(cfg: &CoreConfig) -> Arc<KvStore> {
+    let slots = cfg.num_pages * cfg.page_size as u32;
+    Arc::new(
+        KvStore::new(KvShape::SMALL, slots)
+            .unwrap()
+            .with_guarded_slots(),
+    )
+}
+
 fn start(cfg: CoreConfig) -> Harness {
-    let store =
-        Arc::new(KvStore::new(KvShape::SMALL, cfg.num_pages * cfg.page_size as u32).unwrap());
+    let store = pool_for(&cfg);
     let metrics = Metrics::default();
     let core = Core::new(cfg, store.clone(), metrics.clone());
     let (commands, rx) = std::sync::mpsc::channel();
@@ -54,21 +69,24 @@ fn request(prompt: &[u8], max_tokens: usize) -> GenRequest {
     }
 }
 
-/// Collects events until the finish; bounded by a timeout so a bug cannot hang the suite.
+/// Waits for `next` from the core thread, at most [`PATIENCE`].
+fn within<T>(next: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+        .block_on(async { tokio::time::timeout(PATIENCE, next).await })
+        .expect("the core answered in time")
+}
+
+/// Collects events until the finish.
 fn finish(rx: &mut mpsc::UnboundedReceiver<Event>) -> (String, FinishReason, Usage) {
     let mut text = String::new();
-    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        assert!(Instant::now() < deadline, "no finish within 20 s");
-        match rx.try_recv() {
-            Ok(event) => {
-                text.push_str(&event.text);
-                if let Some((reason, usage)) = event.finish {
-                    return (text, reason, usage);
-                }
-            }
-            Err(mpsc::error::TryRecvError::Empty) => std::thread::sleep(Duration::from_millis(1)),
-            Err(mpsc::error::TryRecvError::Disconnected) => panic!("events closed before finish"),
+        let event = within(rx.recv()).expect("events closed before finish");
+        text.push_str(&event.text);
+        if let Some((reason, usage)) = event.finish {
+            return (text, reason, usage);
         }
     }
 }
@@ -84,8 +102,10 @@ fn generate(h: &Harness, req: GenRequest) -> (String, FinishReason, Usage) {
     finish(&mut rx)
 }
 
+/// Polls a gauge the core thread publishes after its step (no event says it changed), with a
+/// bounded deadline.
 fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
+    let deadline = Instant::now() + PATIENCE;
     while !cond() {
         assert!(Instant::now() < deadline, "timed out waiting for {what}");
         std::thread::sleep(Duration::from_millis(1));
@@ -232,9 +252,7 @@ fn disaggregated_flow_inside_one_pool_matches_plain_generation() {
     for (&src, &dst) in lease.slots.iter().zip(&dst) {
         h.store.write_slot(dst, &h.store.read_slot_to_vec(src));
     }
-    h.commands
-        .send(Command::ReleaseLease { id: lease.id })
-        .unwrap();
+    drop(lease);
     let (events, mut rx) = mpsc::unbounded_channel();
     let (reply, ack) = oneshot::channel();
     h.commands
@@ -317,19 +335,246 @@ fn protocol_violations_are_errors_not_crashes() {
     );
 }
 
+// === driven by hand ===
+
+fn manual(cfg: CoreConfig) -> Core {
+    let store = pool_for(&cfg);
+    Core::new(cfg, store, Metrics::default())
+}
+
+/// prep_recv on a hand-driven core: the command, then one turn at `now` to answer it.
+fn manual_prep(
+    core: &mut Core,
+    now: Instant,
+    user: &str,
+    req: GenRequest,
+    end: usize,
+) -> PrepRecvReply {
+    let (reply, mut rx) = oneshot::channel();
+    core.handle(Command::PrepRecv {
+        user: user.into(),
+        request: req,
+        end,
+        reply,
+    });
+    core.turn(now);
+    rx.try_recv()
+        .expect("answered in one turn")
+        .expect("reserved")
+}
+
+/// start_generate on a hand-driven core; the events, when accepted.
+fn manual_start(
+    core: &mut Core,
+    user: &str,
+    begin: usize,
+) -> Result<mpsc::UnboundedReceiver<Event>, CoreError> {
+    let (events, rx) = mpsc::unbounded_channel();
+    let (reply, mut ack) = oneshot::channel();
+    core.handle(Command::StartGenerate {
+        user: user.into(),
+        begin,
+        events,
+        reply,
+    });
+    ack.try_recv().expect("answered at once").map(|()| rx)
+}
+
+const MS: Duration = Duration::from_millis(1);
+
 #[test]
-fn reservations_expire_and_free_their_pages() {
-    let h = start(CoreConfig {
-        reservation_ttl: Duration::from_millis(50),
+fn reservations_expire_exactly_at_their_ttl_and_free_their_pages() {
+    let ttl = Duration::from_secs(30);
+    let mut core = manual(CoreConfig {
+        reservation_ttl: ttl,
         ..config(16)
     });
-    prep_recv(&h, "leak", request(&[b'x'; 30], 4), 29).unwrap();
+    let t0 = Instant::now();
+    manual_prep(&mut core, t0, "leak", request(&[b'x'; 30], 4), 29);
     // 29 positions in pages of 4: 8 pages, held until the TTL passes.
-    assert!(h.metrics.kv_pages_used.get() == 8 || h.metrics.reservations_expired.get() == 1);
-    wait_for("expiry", || h.metrics.reservations_expired.get() == 1);
-    wait_for("pages freed", || h.metrics.kv_pages_used.get() == 0);
-    // The id is free again.
-    prep_recv(&h, "leak", request(&[b'x'; 30], 4), 29).unwrap();
+    assert_eq!(core.metrics.kv_pages_used.get(), 8);
+    core.turn(t0 + ttl - MS);
+    assert_eq!(core.metrics.kv_pages_used.get(), 8, "held until the TTL");
+    assert_eq!(core.metrics.reservations_expired.get(), 0);
+    core.turn(t0 + ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+    // The id is free again, and its old window is closed to receivers.
+    let again = manual_prep(&mut core, t0 + ttl, "leak", request(&[b'x'; 30], 4), 29);
+    assert_eq!(again.kv_addr_info.total_len(), 29);
+}
+
+#[test]
+fn an_expired_window_is_closed_to_late_pushes() {
+    let mut core = manual(config(16));
+    let t0 = Instant::now();
+    let reply = manual_prep(&mut core, t0, "late", request(&[b'x'; 30], 4), 29);
+    let runs = reply.kv_addr_info.models[0].clone();
+    assert!(
+        core.store.gate().claim(&runs).is_ok(),
+        "open while reserved"
+    );
+    core.turn(t0 + core.cfg.reservation_ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert!(matches!(
+        core.store.gate().claim(&runs),
+        Err(crate::kv::GateError::NotOpen { .. })
+    ));
+}
+
+#[test]
+fn one_sided_transports_quarantine_expired_pages() {
+    let (ttl, quarantine) = (Duration::from_secs(5), Duration::from_secs(120));
+    let mut core = manual(CoreConfig {
+        reservation_ttl: ttl,
+        expiry_quarantine: quarantine,
+        ..config(16)
+    });
+    let t0 = Instant::now();
+    manual_prep(&mut core, t0, "q", request(&[b'x'; 30], 4), 29);
+    core.turn(t0 + ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert_eq!(
+        core.metrics.kv_pages_used.get(),
+        8,
+        "a late one-sided push may still land there"
+    );
+    core.turn(t0 + ttl + quarantine - MS);
+    assert_eq!(core.metrics.kv_pages_used.get(), 8);
+    core.turn(t0 + ttl + quarantine);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn pages_a_receiver_is_writing_are_not_reused_or_read() {
+    let mut core = manual(config(16));
+    let t0 = Instant::now();
+    let reply = manual_prep(&mut core, t0, "w", request(&[b'x'; 30], 4), 29);
+    let runs = reply.kv_addr_info.models[0].clone();
+    let store = core.store.clone();
+    let claim = store.gate().claim(&runs).expect("open");
+    // start_generate would read the slots while they are written: refused, reservation kept.
+    assert_eq!(
+        manual_start(&mut core, "w", 29).err(),
+        Some(CoreError::TransferInProgress { user: "w".into() })
+    );
+    // Expiry closes the window but keeps the pages while the write goes on.
+    core.turn(t0 + core.cfg.reservation_ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert_eq!(core.metrics.kv_pages_used.get(), 8);
+    drop(claim);
+    core.turn(t0 + core.cfg.reservation_ttl);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn start_generate_before_the_matched_prefix_is_refused() {
+    let mut core = manual(CoreConfig {
+        prefix_cache: true,
+        ..config(64)
+    });
+    let t0 = Instant::now();
+    let prompt = [b'p'; 30];
+    // A first request fills the prefix cache with the prompt's whole pages.
+    let first = manual_prep(&mut core, t0, "a", request(&prompt, 2), 29);
+    assert_eq!(first.prefix_matched_length, 0);
+    let mut events = manual_start(&mut core, "a", 0).expect("recomputes everything itself");
+    for _ in 0..100 {
+        if core.metrics.kv_pages_used.get() == 0 {
+            break;
+        }
+        core.turn(t0);
+    }
+    let last = std::iter::from_fn(|| events.try_recv().ok()).last();
+    assert!(last.is_some_and(|e| e.finish.is_some()), "a finished");
+    let second = manual_prep(&mut core, t0, "b", request(&prompt, 2), 29);
+    let matched = second.prefix_matched_length;
+    assert!(matched > 0, "the prefix is cached");
+    assert_eq!(
+        manual_start(&mut core, "b", matched - 1).err(),
+        Some(CoreError::BeginBeforeMatched {
+            begin: matched - 1,
+            matched
+        })
+    );
+    assert!(manual_start(&mut core, "b", matched).is_ok());
+}
+
+#[test]
+fn a_lease_nobody_received_still_comes_back() {
+    let mut core = manual(config(16));
+    let (reply, lease_rx) = oneshot::channel();
+    core.handle(Command::PrefillForSend {
+        tokens: vec![7; 20],
+        begin: 0,
+        reply,
+    });
+    core.turn(Instant::now());
+    assert_eq!(core.metrics.kv_pages_used.get(), 5, "prefilled and leased");
+    // The handler was cancelled after the lease was sent but before it was received.
+    drop(lease_rx);
+    core.turn(Instant::now());
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn a_dropped_lease_releases_its_pages() {
+    let mut core = manual(config(16));
+    let (reply, mut lease_rx) = oneshot::channel();
+    core.handle(Command::PrefillForSend {
+        tokens: vec![7; 20],
+        begin: 4,
+        reply,
+    });
+    core.turn(Instant::now());
+    let lease = lease_rx.try_recv().expect("leased in one turn");
+    assert_eq!(lease.slots.len(), 16);
+    core.turn(Instant::now());
+    assert_eq!(
+        core.metrics.kv_pages_used.get(),
+        5,
+        "held while the lease lives"
+    );
+    drop(lease);
+    core.turn(Instant::now());
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn injected_preemption_sends_no_held_back_text() {
+    // The plain text's 5th character starts a stop string the model can never complete
+    // (tokens are bytes; U+2603 is not one), so it is held back when the preemption hits at
+    // max_tokens / 2 = 5 tokens, and must not be flushed into the stream.
+    let (plain, ..) = generate(&start(config(64)), request(b"held back", 10));
+    let chars: Vec<char> = plain.chars().collect();
+    assert!(chars.len() >= 5, "{plain:?}");
+    let h = start(CoreConfig {
+        preempt_every: Some(1),
+        ..config(64)
+    });
+    let mut req = request(b"held back", 10);
+    req.stop = vec![format!("{}\u{2603}", chars[4])];
+    let (text, reason, _) = generate(&h, req);
+    assert_eq!(reason, FinishReason::Preempt);
+    assert_eq!(text, chars[..4].iter().collect::<String>());
+}
+
+#[test]
+fn the_tail_search_finds_what_a_full_search_finds() {
+    let stops = vec!["cab".to_owned(), "é!".to_owned(), "zz".to_owned()];
+    let text = "abcaé!xcabzz";
+    let mut grown = String::new();
+    let mut found = None;
+    for ch in text.chars() {
+        grown.push(ch);
+        found = first_stop_match(&grown, &stops, ch.len_utf8());
+        if found.is_some() {
+            break;
+        }
+    }
+    let full = stops.iter().filter_map(|s| grown.find(s.as_str())).min();
+    assert_eq!(found, full);
+    assert_eq!(&grown[found.unwrap()..], "é!");
 }
 
 #[test]
@@ -360,16 +605,7 @@ fn prep_recv_blocks_until_pages_are_free() {
         .unwrap();
     ack.blocking_recv().unwrap().unwrap();
     finish(&mut a_rx);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let reply = loop {
-        match rx.try_recv() {
-            Ok(r) => break r,
-            Err(_) => {
-                assert!(Instant::now() < deadline, "b never got its pages");
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        }
-    };
+    let reply = within(rx).expect("b got its pages");
     assert_eq!(reply.unwrap().kv_addr_info.total_len(), 28);
 }
 
