@@ -1,0 +1,96 @@
+//! The `switchyard` binary: parse the command line, set up logging, run a subcommand.
+
+use clap::{Parser, Subcommand};
+
+/// A router for disaggregated LLM serving whose routing policies are WebAssembly components.
+#[derive(Parser)]
+#[command(name = "switchyard", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the reference MLC-microserving engine.
+    Engine(switchyard::engine::EngineArgs),
+    /// Load-test a /v1/completions server and measure the router's overhead.
+    ///
+    /// A run ends after --num-requests requests or --duration seconds, whichever comes first;
+    /// requests already sent then finish, each bounded by --request-timeout. Results: a table
+    /// on stdout, optionally --json (vLLM benchmark_serving names) and --plot (SVG CDFs).
+    Bench(switchyard::bench::BenchArgs),
+    /// Run the router in front of running engines.
+    Serve(switchyard::config::ServeArgs),
+    /// Start reference engines and the router in front of them (the embedded default).
+    Up(switchyard::up::UpArgs),
+    /// Check a policy component, or print the plan it makes for one request.
+    #[command(subcommand)]
+    Policy(switchyard::policy::PolicyCommand),
+}
+
+fn main() -> anyhow::Result<()> {
+    init_tracing();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Engine(args) => engine(args),
+        Command::Bench(args) => Ok(switchyard::bench::run_blocking(args)?),
+        Command::Serve(args) => serve(&args),
+        Command::Up(args) => up(args),
+        Command::Policy(command) => Ok(switchyard::policy::run_cli(command)?),
+    }
+}
+
+/// Exit code for a bad command line or config (as `clap` uses), before any port is bound.
+const USAGE_ERROR: i32 = 2;
+
+fn serve(args: &switchyard::config::ServeArgs) -> anyhow::Result<()> {
+    let config = match switchyard::config::Config::from_args(args) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("switchyard serve: {e}");
+            std::process::exit(USAGE_ERROR);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(switchyard::serve::run(
+        config,
+        switchyard::serve::shutdown_signal(),
+    ))?;
+    Ok(())
+}
+
+fn engine(args: switchyard::engine::EngineArgs) -> anyhow::Result<()> {
+    match switchyard::engine::run(args) {
+        Err(e) if e.is_usage() => {
+            eprintln!("switchyard engine: {e}");
+            std::process::exit(USAGE_ERROR);
+        }
+        other => Ok(other?),
+    }
+}
+
+fn up(args: switchyard::up::UpArgs) -> anyhow::Result<()> {
+    let runtime = tokio::runtime::Runtime::new()?;
+    match runtime.block_on(switchyard::up::run(
+        args,
+        switchyard::serve::shutdown_signal(),
+    )) {
+        Err(switchyard::up::UpError::Config(e)) => {
+            eprintln!("switchyard up: {e}");
+            std::process::exit(USAGE_ERROR);
+        }
+        other => Ok(other?),
+    }
+}
+
+/// Logs go to stderr so commands that print results (`policy plan`) keep stdout clean.
+fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+}

@@ -1,0 +1,3 @@
+mod engine;
+mod examples;
+mod router;
