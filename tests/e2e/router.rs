@@ -546,6 +546,9 @@ async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
         .collect()
 }
 
+/// The router's count of completion streams the client hung up on (status 499).
+const CLIENT_CLOSED: &str = r#"switchyard_requests_total{route="/v1/completions",status="499"}"#;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_disconnect_cancels_every_upstream_leg() {
     // A real decode step (~5 ms): 4000 tokens take ~20 s, far longer than the test waits.
@@ -581,6 +584,10 @@ async fn a_client_disconnect_cancels_every_upstream_leg() {
         let in_flight = router_in_flight(&c.router).await;
         if in_flight != [0, 0] {
             return Some(format!("router in-flight {in_flight:?}"));
+        }
+        let closed = metric(&c.router.endpoint("/metrics"), CLIENT_CLOSED).await;
+        if closed != 1.0 {
+            return Some(format!("{closed} streams counted as closed by the client"));
         }
         for (name, engine) in [("P", p), ("D", d)] {
             let m = engine.endpoint("/metrics");
