@@ -10,7 +10,7 @@ use super::*;
 use crate::cluster::Role;
 use crate::plan::{ValidPlan, validate};
 
-pub(super) fn workspace_path(relative: &str) -> PathBuf {
+fn workspace_path(relative: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("..")
         .join(relative)
