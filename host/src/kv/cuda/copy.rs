@@ -99,30 +99,43 @@ impl RunCopier {
         bytes_per_slot: usize,
     ) -> Result<(), KvError> {
         self.stream.device().bind()?;
-        let kernel_fits = bytes_per_slot.is_multiple_of(WORD);
-        match method {
-            CopyMethod::Kernel if kernel_fits => {
-                // SAFETY: forwarded from this fn's contract.
-                unsafe { self.launch_kernel(src, dst, runs, bytes_per_slot)? }
-            }
-            _ => {
-                for run in runs {
-                    let at =
-                        |base: CUdeviceptr, slot: u32| base + slot as u64 * bytes_per_slot as u64;
-                    // SAFETY: forwarded from this fn's contract; synchronised below.
-                    unsafe {
-                        self.stream.copy_async(
-                            at(dst, run.dst),
-                            at(src, run.src),
-                            run.len as usize * bytes_per_slot,
-                        )?
-                    };
-                }
-            }
+        let enqueued = if method == CopyMethod::Kernel && bytes_per_slot.is_multiple_of(WORD) {
+            // SAFETY: forwarded from this fn's contract.
+            unsafe { self.launch_kernel(src, dst, runs, bytes_per_slot) }
+        } else {
+            // SAFETY: forwarded from this fn's contract.
+            unsafe { self.enqueue_copies(src, dst, runs, bytes_per_slot) }
+        };
+        // Wait even when enqueueing failed half-way: copies already queued must finish before
+        // the caller may free the pools. On success this is the completion signal: the
+        // remote_send answer tells the router the KV is in place, and D reads it right after.
+        let finished = self.stream.synchronize();
+        enqueued?;
+        Ok(finished?)
+    }
+
+    /// Enqueues one `cuMemcpyDtoDAsync` per run.
+    ///
+    /// # Safety
+    /// As [`RunCopier::copy_runs`].
+    #[allow(unsafe_code, reason = "device copies between raw device addresses")]
+    unsafe fn enqueue_copies(
+        &self,
+        src: CUdeviceptr,
+        dst: CUdeviceptr,
+        runs: &[CopyRun],
+        bytes_per_slot: usize,
+    ) -> Result<(), CudaError> {
+        let at = |base: CUdeviceptr, slot: u32| base + u64::from(slot) * bytes_per_slot as u64;
+        for run in runs {
+            let len = run.len as usize * bytes_per_slot;
+            // SAFETY: forwarded from this fn's contract; the caller synchronises.
+            unsafe {
+                self.stream
+                    .copy_async(at(dst, run.dst), at(src, run.src), len)?
+            };
         }
-        // Completion before return: the caller's remote_send answer tells the router the KV
-        // is in place, and the decode engine reads it right after.
-        Ok(self.stream.synchronize()?)
+        Ok(())
     }
 
     /// Uploads the run table (in 16-byte words) and launches the kernel over it, in chunks of

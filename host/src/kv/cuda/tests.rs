@@ -236,15 +236,17 @@ async fn cuda_transport_sends_scattered_runs_exactly() {
 async fn the_engine_keeps_its_pool_where_kv_device_says() {
     use crate::engine::{EngineArgs, EngineError, start};
     assert!(EngineArgs::from_flags(["--port", "0", "--kv-device", "gpu0"]).is_err());
-    let flags = [
+    let args = EngineArgs::from_flags([
         "--port",
         "0",
         "--kv-device",
         "cuda:0",
         "--kv-transport",
         "cuda",
-    ];
-    let args = EngineArgs::from_flags(flags.into_iter().chain(["--kv-pages", "8"])).unwrap();
+        "--kv-pages",
+        "8",
+    ])
+    .unwrap();
     assert_eq!(args.kv_device, GPU);
     let started = start(&args).await;
     match cuda_probe(0) {
