@@ -15,6 +15,8 @@
 //! relays, counts and resumes every generation, and time to first token is measurable.
 
 mod sse;
+#[cfg(test)]
+mod tests;
 pub mod wire;
 
 use std::time::Duration;
@@ -25,9 +27,15 @@ use serde::de::DeserializeOwned;
 
 pub use sse::{ChunkStream, SseError, parse_chunks, single_chunk};
 pub use wire::{
-    Choice, CompletionRequest, CompletionResponse, FINISH_PREEMPT, PrepRecvRequest,
-    PrepRecvResponse, RemoteSendRequest, StartGenerateRequest, StreamOptions, Usage,
+    COMMON_REQUEST_FIELDS, Choice, CompletionRequest, CompletionResponse, FINISH_PREEMPT,
+    PrepRecvRequest, PrepRecvResponse, RemoteSendRequest, StartGenerateRequest, StreamOptions,
+    Usage,
 };
+
+/// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read
+/// from an engine: real ones are a few KiB, and an engine must not make the router buffer
+/// without bound.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
 
 /// How long the router waits on an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +92,8 @@ impl CallError {
         matches!(self, CallError::Timeout { .. })
     }
 
-    /// Whether the engine could not be reached at all (a sign it is down).
+    /// Whether the engine could not be reached at all (a sign it is down). A connection that
+    /// breaks after the answer started is a [`CallError::Stream`] instead: the engine was up.
     pub fn is_unreachable(&self) -> bool {
         matches!(self, CallError::Connect { .. })
     }
@@ -195,7 +204,11 @@ impl EngineClient {
         if status.is_success() {
             return Ok(response);
         }
-        let body = response.text().await.unwrap_or_default();
+        // The body only explains the status: a cut or oversized one still yields the status.
+        let body = read_capped(url, response, self.timeouts.call)
+            .await
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .unwrap_or_default();
         Err(CallError::Status {
             url: url.to_owned(),
             status: status.as_u16(),
@@ -211,10 +224,7 @@ impl EngineClient {
     ) -> Result<R, CallError> {
         let url = format!("{base}{path}");
         let response = self.send(&url, body, Some(self.timeouts.call)).await?;
-        let bytes = response
-            .bytes()
-            .await
-            .map_err(|e| classify(&url, &e, self.timeouts.call))?;
+        let bytes = read_capped(&url, response, self.timeouts.call).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
             url,
             reason: e.to_string(),
@@ -242,10 +252,7 @@ impl EngineClient {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let bytes = response
-                .bytes()
-                .await
-                .map_err(|e| classify(&url, &e, self.timeouts.call))?;
+            let bytes = read_capped(&url, response, self.timeouts.call).await?;
             let one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
                     url,
@@ -260,11 +267,48 @@ impl EngineClient {
     }
 }
 
-/// End a chunk stream with an error when the engine goes quiet for longer than `idle`.
+/// A whole non-streamed answer, at most [`MAX_ANSWER_BYTES`], within `within`.
+async fn read_capped(
+    url: &str,
+    mut response: reqwest::Response,
+    within: Duration,
+) -> Result<bytes::Bytes, CallError> {
+    let read = async {
+        let mut body = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| broken_answer(url, &e))? {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(CallError::Decode {
+                    url: url.to_owned(),
+                    reason: format!("the answer is over {MAX_ANSWER_BYTES} bytes"),
+                });
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(bytes::Bytes::from(body))
+    };
+    tokio::time::timeout(within, read)
+        .await
+        .map_err(|_| CallError::Timeout {
+            url: url.to_owned(),
+            after: within,
+        })?
+}
+
+/// An answer that started and then broke off: the engine is up (it answered), so this is a
+/// failed call to retry, not a sign the endpoint is down, and not a malformed answer either
+/// (reqwest reports body failures as "decode" errors).
+fn broken_answer(url: &str, e: &reqwest::Error) -> CallError {
+    CallError::Stream {
+        url: url.to_owned(),
+        source: SseError::Transport(error_chain(e)),
+    }
+}
+
+/// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:
+/// polling it again after its end keeps answering `None`.
 fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
-    Box::pin(futures::stream::unfold(
-        (chunks, false),
-        move |(mut chunks, done)| async move {
+    Box::pin(
+        futures::stream::unfold((chunks, false), move |(mut chunks, done)| async move {
             if done {
                 return None;
             }
@@ -276,8 +320,9 @@ fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
                     (chunks, true),
                 )),
             }
-        },
-    ))
+        })
+        .fuse(),
+    )
 }
 
 fn classify(url: &str, e: &reqwest::Error, after: Duration) -> CallError {
@@ -297,7 +342,8 @@ fn classify(url: &str, e: &reqwest::Error, after: Duration) -> CallError {
             reason: e.to_string(),
         }
     } else {
-        // A reset or an early close: the engine went away mid-call.
+        // A reset or an early close before any answer: the engine went away mid-call. (Once
+        // an answer has started, a break is `broken_answer`'s, not this.)
         CallError::Connect {
             url: url.to_owned(),
             reason: error_chain(e),
@@ -305,7 +351,9 @@ fn classify(url: &str, e: &reqwest::Error, after: Duration) -> CallError {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// An error and every `source()` under it, joined with `: ` (reqwest's own message rarely says
+/// what actually failed).
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {

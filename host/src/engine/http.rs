@@ -324,7 +324,8 @@ async fn remote_send(req: Request<Incoming>, state: &AppState) -> Result<Respons
         .kv_addr_info
         .as_deref()
         .ok_or_else(|| invalid("kv_addr_info", "remote_send needs \"kv_addr_info\""))?;
-    let info = KvAddrInfo::decode(info).map_err(|e| invalid("kv_addr_info", e.to_string()))?;
+    let info = KvAddrInfo::decode_within(info, end - begin)
+        .map_err(|e| invalid("kv_addr_info", e.to_string()))?;
     if info.models.len() != 1 {
         return Err(invalid(
             "kv_addr_info",

@@ -73,6 +73,17 @@ impl KvAddrInfo {
 
     /// Parses MLC's encoding; every malformed blob is an error that says what is wrong.
     pub fn decode(s: &str) -> Result<Self, KvError> {
+        Self::decode_bounded(s, usize::MAX)
+    }
+
+    /// [`KvAddrInfo::decode`] for a window known to hold at most `max_slots` slots: runs are
+    /// non-empty, so a valid blob has at most `2 * max_slots + 1` integers, and a longer one is
+    /// refused before it is read whole.
+    pub fn decode_within(s: &str, max_slots: usize) -> Result<Self, KvError> {
+        Self::decode_bounded(s, max_slots.saturating_mul(2).saturating_add(1))
+    }
+
+    fn decode_bounded(s: &str, max_ints: usize) -> Result<Self, KvError> {
         if s.len() > MAX_ENCODED_LEN {
             return Err(bad(format!("{} bytes is too long", s.len())));
         }
@@ -80,7 +91,7 @@ impl KvAddrInfo {
             .decode(s)
             .map_err(|e| bad(format!("bad base64: {e}")))?;
         let json = strip_length_prefix(&framed)?;
-        let ints = parse_int_array(json)?;
+        let ints = parse_int_array(json, max_ints)?;
         let models = split_models(&ints)?;
         Ok(KvAddrInfo { models })
     }
@@ -131,23 +142,70 @@ fn strip_length_prefix(framed: &[u8]) -> Result<&[u8], KvError> {
     Ok(json)
 }
 
-/// Parses a JSON array of non-negative integers that fit in u32.
-fn parse_int_array(json: &[u8]) -> Result<Vec<u32>, KvError> {
-    let values: Vec<serde_json::Value> = serde_json::from_slice(json)
-        .map_err(|e| bad(format!("not a JSON array of integers: {e}")))?;
-    values
-        .iter()
-        .enumerate()
-        .map(|(i, v)| match v {
-            serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
-                (Some(u), _) => u32::try_from(u)
-                    .map_err(|_| bad(format!("element {i} ({u}) does not fit in 32 bits"))),
-                (None, Some(neg)) => Err(bad(format!("element {i} is negative ({neg})"))),
-                (None, None) => Err(bad(format!("element {i} ({n}) is not an integer"))),
-            },
-            other => Err(bad(format!("element {i} is not an integer: {other}"))),
-        })
-        .collect()
+/// Parses a JSON array of at most `max` non-negative integers that fit in u32, converting each
+/// element as it is read (4 bytes kept per element, not a `serde_json::Value` each).
+fn parse_int_array(json: &[u8], max: usize) -> Result<Vec<u32>, KvError> {
+    use serde::de::DeserializeSeed as _;
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let ints = IntArray { max }
+        .deserialize(&mut de)
+        .and_then(|ints| de.end().map(|()| ints))
+        .map_err(|e| match e.classify() {
+            // Our own messages, and serde's "expected a JSON array of integers".
+            serde_json::error::Category::Data => bad(e.to_string()),
+            _ => bad(format!("not a JSON array of integers: {e}")),
+        })?;
+    Ok(ints)
+}
+
+/// Deserializes `[int, …]` straight into `Vec<u32>`, refusing more than `max` elements.
+struct IntArray {
+    max: usize,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for IntArray {
+    type Value = Vec<u32>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for IntArray {
+    type Value = Vec<u32>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON array of integers")
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
+        use serde::de::Error as _;
+        let mut ints = Vec::new();
+        // One element at a time: a transient `Value` gives every bad element a precise message.
+        while let Some(value) = seq.next_element::<serde_json::Value>()? {
+            if ints.len() == self.max {
+                return Err(A::Error::custom(format!(
+                    "more than {} integers, more than the window can hold",
+                    self.max
+                )));
+            }
+            ints.push(element_u32(ints.len(), &value).map_err(A::Error::custom)?);
+        }
+        Ok(ints)
+    }
+}
+
+fn element_u32(i: usize, value: &serde_json::Value) -> Result<u32, String> {
+    match value {
+        serde_json::Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => {
+                u32::try_from(u).map_err(|_| format!("element {i} ({u}) does not fit in 32 bits"))
+            }
+            (None, Some(neg)) => Err(format!("element {i} is negative ({neg})")),
+            (None, None) => Err(format!("element {i} ({n}) is not an integer")),
+        },
+        other => Err(format!("element {i} is not an integer: {other}")),
+    }
 }
 
 /// Splits `[n, b1, l1, …, n', …]` into per-model runs, checking each count and run.
@@ -317,6 +375,18 @@ mod tests {
         assert!(reason(&raw("[2,4,1]")).contains("declares 2 runs"));
         assert!(reason(&raw("[1,4]")).contains("declares 1 runs"));
         assert!(reason(&raw("[]")).contains("empty"));
+    }
+
+    #[test]
+    fn a_window_bounds_the_integers_read() {
+        let two_runs = raw("[2,4,1,9,1]");
+        assert_eq!(
+            KvAddrInfo::decode_within(&two_runs, 2).unwrap().total_len(),
+            2
+        );
+        assert!(
+            matches!(KvAddrInfo::decode_within(&two_runs, 1), Err(KvError::Metadata { reason }) if reason.contains("more than 3 integers")),
+        );
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub enum SseError {
     Truncated,
 }
 
-/// A stream of engine chunks, ending after `[DONE]`.
+/// A stream of engine chunks, ending after `[DONE]`. Every one this module returns is fused.
 pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<CompletionResponse, SseError>> + Send>>;
 
 /// Parse an SSE byte stream into chunks.
@@ -34,9 +34,8 @@ where
 {
     let events = bytes.eventsource();
     let state = (Box::pin(events), false);
-    Box::pin(futures::stream::unfold(
-        state,
-        |(mut events, done)| async move {
+    Box::pin(
+        futures::stream::unfold(state, |(mut events, done)| async move {
             if done {
                 return None;
             }
@@ -63,13 +62,14 @@ where
                     }
                 }
             }
-        },
-    ))
+        })
+        .fuse(),
+    )
 }
 
 /// A complete (non-streaming) answer presented as a one-chunk stream.
 pub fn single_chunk(response: CompletionResponse) -> ChunkStream {
-    Box::pin(futures::stream::once(async move { Ok(response) }))
+    Box::pin(futures::stream::once(async move { Ok(response) }).fuse())
 }
 
 #[cfg(test)]
@@ -107,6 +107,17 @@ mod tests {
             .await;
         assert_eq!(chunks.len(), 2);
         assert!(matches!(chunks[1], Err(SseError::Truncated)));
+    }
+
+    #[tokio::test]
+    async fn streams_answer_none_again_after_their_end() {
+        let mut done = stream_of(&["data: [DONE]\n\n"]);
+        assert!(done.next().await.is_none());
+        assert!(done.next().await.is_none(), "polled after the end");
+        let mut one = single_chunk(serde_json::from_str("{}").expect("empty response"));
+        assert!(one.next().await.is_some());
+        assert!(one.next().await.is_none());
+        assert!(one.next().await.is_none());
     }
 
     #[tokio::test]

@@ -8,6 +8,30 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The fields of the common body of every microserving call, as the spec lists them (each
+/// call adds its own: `end`; `begin`, `end`, `kv_addr_info`, `recv_rank`; `begin`).
+pub const COMMON_REQUEST_FIELDS: &[&str] = &[
+    "model",
+    "prompt",
+    "max_tokens",
+    "n",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "echo",
+    "suffix",
+    "response_format",
+    "user",
+    "debug_config",
+];
+
 /// `stream_options` of a completion request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamOptions {
@@ -161,28 +185,11 @@ mod tests {
         let json = serde_json::to_value(&body).expect("serializes");
         let mut keys: Vec<_> = json.as_object().expect("object").keys().cloned().collect();
         keys.sort();
-        let mut expected = vec![
-            "model",
-            "prompt",
-            "max_tokens",
-            "n",
-            "stream",
-            "stream_options",
-            "temperature",
-            "top_p",
-            "seed",
-            "stop",
-            "logprobs",
-            "frequency_penalty",
-            "presence_penalty",
-            "logit_bias",
-            "echo",
-            "suffix",
-            "response_format",
-            "user",
-            "debug_config",
-            "end",
-        ];
+        let mut expected: Vec<String> = COMMON_REQUEST_FIELDS
+            .iter()
+            .chain(&["end"])
+            .map(|f| f.to_string())
+            .collect();
         expected.sort();
         assert_eq!(keys, expected);
         assert_eq!(json["debug_config"], serde_json::json!({}));

@@ -1,0 +1,108 @@
+//! The client against canned engines on loopback: raw HTTP answers that are too big, stall, or
+//! break off.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::TcpListener;
+
+use super::*;
+
+/// Serves one connection: reads the request, writes `answer`, then closes, or with `hold` keeps
+/// the connection open until the test ends.
+async fn canned_engine(answer: Vec<u8>, hold: bool) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut request = vec![0u8; 64 << 10];
+        let _ = stream.read(&mut request).await;
+        stream.write_all(&answer).await.expect("write");
+        if hold {
+            // Held until the client gives up and closes.
+            let _ = stream.read(&mut request).await;
+        }
+    });
+    format!("http://{addr}")
+}
+
+fn head(status: &str, content_type: &str, content_length: usize) -> Vec<u8> {
+    format!(
+        "HTTP/1.1 {status}\r\ncontent-type: {content_type}\r\ncontent-length: {content_length}\r\n\r\n"
+    )
+    .into_bytes()
+}
+
+fn client(call: Duration) -> EngineClient {
+    EngineClient::new(Timeouts {
+        call,
+        ..Timeouts::default()
+    })
+    .expect("client")
+}
+
+fn prep_body() -> PrepRecvRequest {
+    PrepRecvRequest {
+        common: CompletionRequest::new(vec![1, 2, 3], 4, "cmpl-t".into()),
+        end: -1,
+    }
+}
+
+#[tokio::test]
+async fn an_oversized_answer_is_refused_not_buffered() {
+    let len = MAX_ANSWER_BYTES + 1;
+    let mut answer = head("200 OK", "application/json", len);
+    answer.extend(std::iter::repeat_n(b' ', len));
+    let base = canned_engine(answer, false).await;
+    let err = client(Duration::from_secs(20))
+        .prep_recv(&base, &prep_body())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, CallError::Decode { reason, .. } if reason.contains("over")),
+        "{err}"
+    );
+}
+
+#[tokio::test]
+async fn a_stalled_completion_body_times_out() {
+    let mut answer = head("200 OK", "application/json", 100);
+    answer.extend_from_slice(b"{\"id\":");
+    let base = canned_engine(answer, true).await;
+    let request = CompletionRequest::new(vec![1], 1, "cmpl-t".into());
+    let err = client(Duration::from_millis(300))
+        .forward(&base, &request)
+        .await
+        .err()
+        .expect("no answer");
+    assert!(err.is_timeout(), "{err}");
+}
+
+#[tokio::test]
+async fn a_body_cut_mid_way_is_a_broken_call_not_a_dead_engine() {
+    let mut answer = head("200 OK", "application/json", 100);
+    answer.extend_from_slice(b"{\"kv_append_metadata\":");
+    let base = canned_engine(answer, false).await;
+    let err = client(Duration::from_secs(20))
+        .prep_recv(&base, &prep_body())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, CallError::Stream { .. }), "{err}");
+    assert!(!err.is_unreachable());
+}
+
+#[tokio::test]
+async fn an_error_status_keeps_the_start_of_its_body() {
+    let body = br#"{"error":{"message":"no"}}"#;
+    let mut answer = head("409 Conflict", "application/json", body.len());
+    answer.extend_from_slice(body);
+    let base = canned_engine(answer, false).await;
+    let err = client(Duration::from_secs(20))
+        .prep_recv(&base, &prep_body())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&err, CallError::Status { status: 409, body: b, .. } if b.contains("no")),
+        "{err}"
+    );
+}
