@@ -16,7 +16,8 @@
 //!
 //! libcuda is loaded at run time: without a driver every entry point returns
 //! [`CudaError::DriverMissing`](super::CudaError) and nothing panics. [`SlotCopier`] exposes the
-//! copy path to the `kv_cuda` benchmark, which compares both methods with a plain copy.
+//! copy path to the `kv_transfer` benchmark's GPU group, which compares both methods with a
+//! plain copy.
 
 mod copy;
 mod driver;

@@ -71,7 +71,9 @@ impl RunCopier {
         })
     }
 
-    /// The faster method that is available here: the kernel (see the `kv_cuda` benchmark).
+    /// The kernel where NVRTC built it, else batched copies. The kernel is preferred a priori
+    /// (one launch instead of a launch gap per run) until the GPU group of the `kv_transfer`
+    /// benchmark, which times both, has run on a GPU.
     pub(crate) fn default_method(&self) -> CopyMethod {
         if self.kernel.is_ok() {
             CopyMethod::Kernel
