@@ -322,6 +322,12 @@ async fn preempted_streams_continue_seamlessly() {
         preemptions >= 1.0,
         "the engines preempted something ({preemptions})"
     );
+    // Every preempted generation released its in-flight count.
+    eventually(Duration::from_secs(10), || async {
+        let in_flight = router_in_flight(&c.router).await;
+        (in_flight != [0, 0, 0]).then(|| format!("router in-flight {in_flight:?}"))
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -546,16 +552,32 @@ async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
         .collect()
 }
 
+const LONG_MAX_TOKENS: u32 = 4000;
+
+/// A prompt whose generation runs at least `min_tokens` before the model stops by itself (the
+/// reference model ends with EOS about once in 512 tokens), and how long it runs.
+async fn long_running_prompt(truth: &EngineProcess, min_tokens: usize) -> (String, usize) {
+    for i in 0..64 {
+        let prompt = format!("{i}: prefill decode router");
+        let (text, _) = reference(truth, &prompt, LONG_MAX_TOKENS).await;
+        if text.len() >= min_tokens {
+            return (prompt, text.len());
+        }
+    }
+    panic!("no prompt in 64 generates {min_tokens} tokens before EOS");
+}
+
 /// The router's count of completion streams the client hung up on (status 499).
 const CLIENT_CLOSED: &str = r#"switchyard_requests_total{route="/v1/completions",status="499"}"#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_disconnect_cancels_every_upstream_leg() {
-    // A real decode step (~5 ms): 4000 tokens take ~20 s, far longer than the test waits.
+    let truth = EngineProcess::spawn(&[]);
+    let (prompt, natural_length) = long_running_prompt(&truth, 1000).await;
+    // A real decode step (~5 ms): the generation would run for 5 s or more by itself.
     let c = disagg(1, &["--profile", "llama3-8b-h100"], &[]);
     let (p, d) = (&c.engines[0], &c.engines[1]);
-    let body =
-        json!({"prompt": "prefill decode router ".repeat(8), "max_tokens": 4000, "stream": true});
+    let body = json!({"prompt": prompt, "max_tokens": LONG_MAX_TOKENS, "stream": true});
     let mut response = client()
         .post(c.router.endpoint("/v1/completions"))
         .json(&body)
@@ -578,6 +600,13 @@ async fn a_client_disconnect_cancels_every_upstream_leg() {
     );
     assert!(metric(&d_metrics, "switchyard_engine_kv_pages_used").await > 0.0);
     assert_eq!(router_in_flight(&c.router).await, [0, 1]);
+    // The health probe reports D's KV usage to policies (one probe interval at most).
+    eventually(Duration::from_secs(10), || async {
+        let endpoints = post_or_get(&c.router.endpoint("/admin/endpoints")).await;
+        let usage = endpoints["endpoints"][1]["kv_usage"].as_f64();
+        (!usage.is_some_and(|u| u > 0.0 && u <= 1.0)).then(|| format!("D's kv_usage {usage:?}"))
+    })
+    .await;
 
     drop(response);
     eventually(Duration::from_secs(10), || async {
@@ -607,17 +636,18 @@ async fn a_client_disconnect_cancels_every_upstream_leg() {
     );
     let generated = metric(&d_metrics, "switchyard_engine_generated_tokens").await;
     assert!(
-        generated < 4000.0,
+        generated < natural_length as f64,
         "cancelled early, not run to the end: {generated}"
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_cannot_continue_ends_with_an_error_event_then_done() {
-    // One engine, so nothing can take over when it dies mid-stream.
+    let (prompt, _) = long_running_prompt(&EngineProcess::spawn(&[]), 1000).await;
+    // One engine, so nothing can take over when it dies mid-stream (5 s or more into it).
     let engine = EngineProcess::spawn(&["--profile", "llama3-8b-h100"]);
     let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
-    let body = json!({"prompt": "kv cache ".repeat(8), "max_tokens": 4000, "stream": true});
+    let body = json!({"prompt": prompt, "max_tokens": LONG_MAX_TOKENS, "stream": true});
     let mut response = client()
         .post(router.endpoint("/v1/completions"))
         .json(&body)
