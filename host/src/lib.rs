@@ -8,8 +8,8 @@
 //! transfer data path between engines.
 #![deny(unsafe_code)]
 
-pub mod bench;
 pub mod api;
+pub mod bench;
 pub mod cluster;
 pub mod config;
 pub mod engine;
@@ -18,6 +18,6 @@ pub mod microserving;
 pub mod plan;
 pub mod policy;
 pub mod serve;
-pub mod up;
 #[cfg(feature = "test-util")]
 pub mod test_util;
+pub mod up;
