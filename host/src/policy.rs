@@ -18,6 +18,11 @@
 //! Every call runs on a warm instance under an epoch deadline and a memory cap; a call that
 //! traps, overruns or passes the cap fails with a [`TranslateError`] and the instance is rebuilt,
 //! so a misbehaving policy fails its own requests and nothing else.
+//!
+//! A router serves many policies through a [`PolicyRegistry`] (every `*.wasm` of the plugins
+//! directory, hot-swapped by the [`watch`]er when a file changes, with a fallback policy and
+//! quarantine for faulting ones); [`Policy::carry_state_from`] hands a policy's state to its
+//! next version.
 
 mod bindings;
 mod check;
