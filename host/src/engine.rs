@@ -401,3 +401,6 @@ async fn start_transport(
     }
     Ok(transport)
 }
+
+#[cfg(test)]
+mod tests;

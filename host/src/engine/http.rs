@@ -667,3 +667,6 @@ fn json(status: StatusCode, value: &impl Serialize) -> Response<Body> {
 fn full(bytes: impl Into<Bytes>) -> Body {
     BodyExt::boxed_unsync(Full::new(bytes.into()).map_err(|never| match never {}))
 }
+
+#[cfg(test)]
+mod tests;
