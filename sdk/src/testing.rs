@@ -168,6 +168,10 @@ impl<P: Policy> Harness<P> {
 
     /// Hot-swap as the router does: `init(config)` a new instance, then hand it this one's
     /// exported state (when there is any).
+    ///
+    /// Stricter than the router on one point: when `import_state` fails, the router logs the
+    /// error and keeps serving with the new instance's fresh state, while this returns the
+    /// error, so a test notices a state format the new version cannot read.
     pub fn swap(&self, config: &str) -> Result<Harness<P>, String> {
         let mut next = Harness::<P>::init(config)?;
         let state = self.policy.export_state();
@@ -176,6 +180,27 @@ impl<P: Policy> Harness<P> {
         }
         Ok(next)
     }
+}
+
+/// In-flight counts for `n` endpoints to test a policy against: idle, ascending, descending,
+/// alternating ties, and four pseudo-random patterns (values 0..5) drawn from `seed`.
+pub fn load_patterns(n: u32, seed: u32) -> Vec<Vec<u32>> {
+    let mut state = seed ^ n;
+    let mut next = move || {
+        // xorshift32: deterministic and dependency-free.
+        state ^= state << 13;
+        state ^= state >> 17;
+        state ^= state << 5;
+        state % 5
+    };
+    let mut patterns = vec![
+        vec![0; n as usize],
+        (0..n).collect(),
+        (0..n).rev().collect(),
+        (0..n).map(|i| i % 2).collect(),
+    ];
+    patterns.extend((0..4).map(|_| (0..n).map(|_| next()).collect()));
+    patterns
 }
 
 /// Check `plan` with the rules the router applies before running one: the shapes `[forward]`

@@ -1,7 +1,7 @@
 //! The policy against a transcription of MLC's router over a table of clusters, plus the cases
 //! MLC does not have (roles, unhealthy endpoints, retries).
 
-use switchyard_policy::testing::{Harness, check_plan, endpoints, request};
+use switchyard_policy::testing::{Harness, check_plan, endpoints, load_patterns, request};
 use switchyard_policy::types::{FailureKind, Role};
 use switchyard_policy::{Plan, PolicyError};
 
@@ -22,24 +22,8 @@ fn mlc_reference(loads: &[u32], prompt_len: u32, factor: f64) -> Plan {
     Plan::disagg(0, decode, end)
 }
 
-/// In-flight patterns for `n` endpoints: idle, ascending, descending, ties, and pseudo-random.
-fn load_patterns(n: u32) -> Vec<Vec<u32>> {
-    let mut seed = 0x9E37_79B9_u32 ^ n;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 17;
-        seed ^= seed << 5;
-        seed % 5
-    };
-    let mut patterns = vec![
-        vec![0; n as usize],
-        (0..n).collect(),
-        (0..n).rev().collect(),
-        (0..n).map(|i| i % 2).collect(),
-    ];
-    patterns.extend((0..4).map(|_| (0..n).map(|_| next()).collect()));
-    patterns
-}
+/// Seeds `testing::load_patterns`, so the pseudo-random loads are the same on every run.
+const LOAD_SEED: u32 = 0x9E37_79B9;
 
 fn disagg(factor: f64) -> Harness<Disagg> {
     Harness::init(&format!(r#"{{"pd_balance_factor": {factor}}}"#)).expect("valid factor")
@@ -51,7 +35,7 @@ fn matches_mlc_on_healthy_roleless_clusters() {
     for factor in FACTORS {
         let mut policy = disagg(factor);
         for n in 2..=8 {
-            for loads in load_patterns(n) {
+            for loads in load_patterns(n, LOAD_SEED) {
                 let ctx = endpoints(n).with_in_flight(&loads).context();
                 for len in PROMPT_LENS {
                     let plan = policy.translate(&request(len), &ctx);
@@ -216,7 +200,7 @@ fn every_plan_passes_the_routers_checks() {
             for failed in 0..n {
                 for down in 0..n {
                     let ctx = endpoints(n)
-                        .with_in_flight(&load_patterns(n)[5])
+                        .with_in_flight(&load_patterns(n, LOAD_SEED)[5])
                         .role(n - 1, Role::Prefill)
                         .unhealthy(down)
                         .retry(2, FailureKind::EndpointError, failed)

@@ -1,7 +1,7 @@
 //! The policy against a transcription of MLC's router over a table of clusters, plus health
 //! and retries.
 
-use switchyard_policy::testing::{Harness, check_plan, endpoints, request};
+use switchyard_policy::testing::{Harness, check_plan, endpoints, load_patterns, request};
 use switchyard_policy::types::{FailureKind, Role};
 use switchyard_policy::{Plan, PolicyError};
 
@@ -15,24 +15,8 @@ fn mlc_reference(loads: &[u32]) -> Plan {
     Plan::forward(target)
 }
 
-/// In-flight patterns for `n` endpoints: idle, ascending, descending, ties, and pseudo-random.
-fn load_patterns(n: u32) -> Vec<Vec<u32>> {
-    let mut seed = 0x85EB_CA6B_u32 ^ n;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 17;
-        seed ^= seed << 5;
-        seed % 5
-    };
-    let mut patterns = vec![
-        vec![0; n as usize],
-        (0..n).collect(),
-        (0..n).rev().collect(),
-        (0..n).map(|i| i % 2).collect(),
-    ];
-    patterns.extend((0..4).map(|_| (0..n).map(|_| next()).collect()));
-    patterns
-}
+/// Seeds `testing::load_patterns`, so the pseudo-random loads are the same on every run.
+const LOAD_SEED: u32 = 0x85EB_CA6B;
 
 fn round_robin() -> Harness<RoundRobin> {
     Harness::init("{}").expect("empty config")
@@ -43,7 +27,7 @@ fn matches_mlc_on_healthy_clusters() {
     let mut policy = round_robin();
     let mut checked = 0;
     for n in 1..=8 {
-        for loads in load_patterns(n) {
+        for loads in load_patterns(n, LOAD_SEED) {
             // Roles are hints for disaggregation; MLC's round-robin has none and ignores them.
             let ctx = endpoints(n)
                 .with_in_flight(&loads)
