@@ -1,7 +1,7 @@
 # Example policies in three languages, built from source (never committed as .wasm):
 #   make examples-toolchains   componentize-py in .venv-guests, componentize-js in examples/slo-js
 #   make examples              target/examples/{priority-rust,prefix-aware-python,slo-js}.wasm
-#   make examples-test         their native tests, then the host loading each built example
+#   make examples-test         their native tests, the host loading each, each served end to end
 # Each component is rebuilt only when its sources change: Python and JavaScript componentize
 # take 10-20 s each. Included by the top-level Makefile.
 
@@ -65,8 +65,11 @@ $(EXAMPLES_OUT)/prefix-aware-python.wasm: $(PREFIX_SRC) $(EXAMPLES_WIT) $(GUEST_
 $(EXAMPLES_OUT)/slo-js.wasm: $(SLO_SRC) $(EXAMPLES_WIT) examples/slo-js/node_modules/.installed
 	cd examples/slo-js && $(NODE) build.mjs $(abspath $@)
 
-## examples-test: native tests of the examples, then the host loading each built component
+## examples-test: native tests of the examples, the host loading each built component, each
+## served end to end by `switchyard up`, and `switchyard policy new` building every template
 examples-test: examples
 	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
 	$(CARGO) test -p priority-rust-policy
-	$(CARGO) test -p switchyard --test examples
+	$(CARGO) test -p switchyard --test examples --test policy_new
+	$(CARGO) build -p switchyard --bin switchyard
+	$(CARGO) test -p switchyard-tests --test e2e examples::

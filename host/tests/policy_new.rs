@@ -1,6 +1,7 @@
 //! `switchyard policy new` writes projects that build as they are: each language's project is
-//! scaffolded into a temporary directory, built with its own toolchain into a component, and
-//! that component passes `switchyard policy check` and plans MLC's default flow.
+//! scaffolded into a temporary directory, built with its own toolchain into a component (the
+//! Rust one also runs its native tests), and that component passes `switchyard policy check`
+//! and plans MLC's default flow.
 //!
 //! Rust always runs (it reuses the workspace's target directory, so only the new crate
 //! compiles). Python and JavaScript need the toolchains `make examples-toolchains` installs
@@ -8,8 +9,19 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use serde_json::{Value, json};
+
+/// Held by each test for its whole run. A build saturates both CI cores, and a component
+/// instantiated meanwhile (in `policy check`) can overrun the router's 50 ms call deadline:
+/// the tests take turns instead.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn take_turn() -> MutexGuard<'static, ()> {
+    // A failed test poisons the lock; the next one still runs.
+    ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 fn checkout() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -105,9 +117,15 @@ fn assert_checks_and_plans_mlc_default(component: &Path) {
 
 #[test]
 fn a_new_rust_policy_builds_into_a_component_that_passes_policy_check() {
+    let _turn = take_turn();
     let dir = tempfile::tempdir().expect("temp dir");
     let project = scaffold("rust", "scaffolded-rust", dir.path());
     let target = target_dir();
+    // The project's own native tests first, as its README tells the author to.
+    run(Command::new(env!("CARGO"))
+        .args(["test", "--offline"])
+        .env("CARGO_TARGET_DIR", &target)
+        .current_dir(&project));
     run(Command::new(env!("CARGO"))
         .args([
             "build",
@@ -124,6 +142,7 @@ fn a_new_rust_policy_builds_into_a_component_that_passes_policy_check() {
 
 #[test]
 fn a_new_python_policy_builds_into_a_component_that_passes_policy_check() {
+    let _turn = take_turn();
     let componentize_py = checkout().join(".venv-guests/bin/componentize-py");
     if !componentize_py.is_file() {
         eprintln!("skipped: no componentize-py (run `make examples-toolchains`)");
@@ -140,6 +159,7 @@ fn a_new_python_policy_builds_into_a_component_that_passes_policy_check() {
 
 #[test]
 fn a_new_js_policy_builds_into_a_component_that_passes_policy_check() {
+    let _turn = take_turn();
     let node_modules = checkout().join("examples/slo-js/node_modules");
     if !node_modules.join(".installed").is_file() {
         eprintln!("skipped: no componentize-js (run `make examples-toolchains`)");

@@ -6,6 +6,7 @@
 //! Needs the built components: `make examples` (writes `target/examples/*.wasm`).
 
 use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
 
 use futures::future::join_all;
 use serde_json::{Value, json};
@@ -15,7 +16,8 @@ use crate::router::{
     assert_completion_matches, metric, post_json, post_or_get, prompts, reference,
 };
 
-/// Counted by the engine that receives KV pushes: the prefill engine's `remote_send` calls.
+/// `remote_send` calls an engine received: the prefill engine's, which computes the prompt and
+/// pushes its KV to the decode engine.
 const REMOTE_SENDS: &str = "switchyard_engine_remote_send_received";
 /// Prompt tokens an engine took from its prefix cache instead of receiving or computing them.
 const PREFIX_MATCHED: &str = "switchyard_engine_prefix_matched_tokens";
@@ -35,6 +37,9 @@ fn workspace_target() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../target")
 }
 
+/// Held while one router starts (see `deploy`).
+static STARTING: Mutex<()> = Mutex::new(());
+
 /// An example policy served by `switchyard up` (1 prefill + 2 decode reference engines) from
 /// a plugins directory that holds only that example.
 struct Deployed {
@@ -44,8 +49,8 @@ struct Deployed {
     _plugins: tempfile::TempDir,
 }
 
-/// Copy the built example into a fresh plugins directory, as the README tells users to, and
-/// start `switchyard up --policy NAME` over it. The compile cache is the one
+/// Copy the built example into a fresh plugins directory and start `switchyard up --policy
+/// NAME` over it. The compile cache is the one
 /// `host/tests/examples.rs` fills, so the Python and JavaScript components compile once.
 async fn deploy(name: &str, up_args: &[&str]) -> Deployed {
     let plugins = tempfile::tempdir().expect("temporary plugins directory");
@@ -57,8 +62,13 @@ async fn deploy(name: &str, up_args: &[&str]) -> Deployed {
     let cache = workspace_target().join("examples/compiled");
     let mut args = vec!["--policy", name];
     args.extend_from_slice(up_args);
-    // Blocks this worker until the router is up; nothing else runs on this runtime yet.
-    let router = UpProcess::up_with_plugins(plugins.path(), &cache, &args);
+    // Routers start one at a time: a cold compile of one example holds both CI cores, and
+    // another router instantiating its policy meanwhile could overrun the 50 ms call deadline.
+    // Blocking is fine here: nothing else runs on this test's runtime yet.
+    let router = {
+        let _turn = STARTING.lock().unwrap_or_else(PoisonError::into_inner);
+        UpProcess::up_with_plugins(plugins.path(), &cache, &args)
+    };
     let status = post_or_get(&router.endpoint("/admin/endpoints")).await;
     assert_eq!(status["policy"], name, "{status}");
     let engines = status["endpoints"]
