@@ -7,13 +7,14 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use serde_json::{Value, json};
 use switchyard::test_util::{EngineProcess, UpProcess};
 
 use crate::router::{
-    assert_completion_matches, metric, post_json, post_or_get, prompts, reference,
+    assert_completion_matches, client, metric, post_json, post_or_get, prompts, reference,
 };
 
 /// `remote_send` calls an engine received: the prefill engine's, which computes the prompt and
@@ -46,7 +47,7 @@ struct Deployed {
     router: UpProcess,
     /// Engine base URLs by endpoint id, as the router reports them.
     engines: Vec<String>,
-    _plugins: tempfile::TempDir,
+    plugins: tempfile::TempDir,
 }
 
 /// Copy the built example into a fresh plugins directory and start `switchyard up --policy
@@ -80,7 +81,7 @@ async fn deploy(name: &str, up_args: &[&str]) -> Deployed {
     Deployed {
         router,
         engines,
-        _plugins: plugins,
+        plugins,
     }
 }
 
@@ -219,4 +220,72 @@ async fn prefix_aware_python_skips_remote_send_for_repeated_prompts() {
         "the decode engines took every repeat's whole KV window ({window} tokens) from their \
          prefix cache, got {matched_again}"
     );
+}
+
+/// How long a policy dropped into the plugins directory may take to serve: a cold compile of
+/// the JavaScript runtime on two busy cores takes tens of seconds.
+const DEPLOY_DEADLINE: Duration = Duration::from_secs(90);
+
+/// The README's deploy: write a hidden temporary file, then rename it into place, so the
+/// router's watcher never sees half a component.
+fn install(plugins: &Path, name: &str) {
+    let tmp = plugins.join(format!(".{name}.wasm.tmp"));
+    std::fs::copy(built_example(name), &tmp).expect("write the temporary file");
+    std::fs::rename(&tmp, plugins.join(format!("{name}.wasm"))).expect("rename into place");
+}
+
+/// Poll `/admin/policies` until `name` is active, within [`DEPLOY_DEADLINE`].
+async fn wait_until_active(router: &UpProcess, name: &str) {
+    let deadline = Instant::now() + DEPLOY_DEADLINE;
+    loop {
+        let policies = post_or_get(&router.endpoint("/admin/policies")).await;
+        let entry = policies
+            .as_array()
+            .expect("a policy list")
+            .iter()
+            .find(|p| p["name"] == name)
+            .cloned();
+        if entry.as_ref().is_some_and(|p| p["state"] == "active") {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{name} not active within {DEPLOY_DEADLINE:?}: {entry:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_example_copied_into_a_running_router_serves_its_requests() {
+    let truth = EngineProcess::spawn(&[]);
+    let d = deploy("priority-rust", &[]).await;
+    install(d.plugins.path(), "slo-js");
+    wait_until_active(&d.router, "slo-js").await;
+    let prompt = "a short prompt, forwarded whole by slo-js";
+    let body = json!({"prompt": prompt, "max_tokens": 8});
+    let (expected, _) = reference(&truth, prompt, 8).await;
+    let sends = d.engine_total(REMOTE_SENDS).await;
+    let by_header = client()
+        .post(d.completions())
+        .header("x-switchyard-policy", "slo-js")
+        .json(&body)
+        .send()
+        .await
+        .expect("router reachable");
+    assert_eq!(by_header.status(), 200);
+    let answer: Value = by_header.json().await.expect("JSON body");
+    assert_eq!(answer["choices"][0]["text"], expected.as_str());
+    assert_eq!(
+        d.engine_total(REMOTE_SENDS).await,
+        sends,
+        "slo-js forwarded the short prompt"
+    );
+    // The default policy still plans requests that select no policy: priority-rust
+    // disaggregates a non-priority user's prompt, whatever its length.
+    assert_eq!(
+        post_json(&d.completions(), &body).await["choices"][0]["text"],
+        expected.as_str()
+    );
+    assert_eq!(d.engine_total(REMOTE_SENDS).await, sends + 1.0);
 }

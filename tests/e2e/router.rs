@@ -15,7 +15,7 @@ use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use switchyard::test_util::{EngineProcess, RouterProcess};
 
-fn client() -> reqwest::Client {
+pub(crate) fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()
