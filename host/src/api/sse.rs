@@ -92,14 +92,8 @@ impl StreamRelay {
             None => self.events.recv().await,
         };
         let mut bytes = self.frame(event);
-        // When tokens arrive faster than one write per token (a loaded router, a fast engine),
-        // write every event already queued in one frame: a write per token was a third of the
-        // router's CPU. One yield lets the tasks feeding the channel (engine connection,
-        // relay) run first; nothing waits on a timer, so a token is delayed by at most one
-        // pass of the scheduler.
-        if !self.done {
-            tokio::task::yield_now().await;
-        }
+        // Events already queued (the client's socket or this task fell behind the engine) go
+        // out in the same frame: one write instead of one per token. Nothing waits for more.
         while !self.done && bytes.len() < COALESCE_LIMIT {
             let Ok(event) = self.events.try_recv() else {
                 break;
