@@ -23,6 +23,8 @@
 //! KvStore::new(shape, num_slots)                         memfd-backed pool, Send + Sync, zeroed
 //!     shape() / num_slots()
 //!     write_slot(slot, &[u8]) / read_slot(slot, &mut [u8]) / read_slot_to_vec(slot)
+//!     with_guarded_slots() / gate()                      receivers write only open slots
+//! SlotGate   open(slots) / close(slots) / close_unless_claimed(&slots) / any_claimed(slots)
 //! PeerAddr   "unix:/path/sock" | "unix:@abstract" | "tcp:127.0.0.1:7001"   (FromStr, Display, serde)
 //!     kind() / PeerAddr::ephemeral(kind)
 //! parse_rank_addr("1=tcp:127.0.0.1:7001") -> (u32, PeerAddr)   for `--kv-peer RANK=ADDR`

@@ -502,6 +502,36 @@ async fn protocol_violations_are_4xx_and_the_engine_stays_up() {
     assert_eq!(status, 200, "{text}");
 }
 
+/// A bad command line exits with clap's usage code (2), as `serve` and `up` do, before any port
+/// is bound: a value clap refuses, and a combination only the engine can check.
+#[test]
+fn bad_engine_flags_exit_with_the_usage_code() {
+    let cases: [&[&str]; 2] = [
+        &["--port", "0", "--max-batch", "0"],
+        &[
+            "--port",
+            "0",
+            "--reservation-ttl-ms",
+            "1000",
+            "--kv-transfer-timeout-ms",
+            "2000",
+        ],
+    ];
+    for flags in cases {
+        let out = std::process::Command::new(switchyard::test_util::switchyard_bin())
+            .arg("engine")
+            .args(flags)
+            .output()
+            .expect("switchyard runs");
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{flags:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 async fn post_raw(url: &str, body: &'static str) -> (u16, String) {
     let response = client()
         .post(url)

@@ -58,11 +58,6 @@ impl SlotGate {
         }
     }
 
-    /// Whether receivers may write only slots the engine opened.
-    pub fn is_guarded(&self) -> bool {
-        self.guarded
-    }
-
     /// Lets receivers write `slots` (a reservation was handed out). Out-of-range ids are ignored:
     /// the engine's bookkeeping only names slots of its own pool.
     pub fn open(&self, slots: impl IntoIterator<Item = u32>) {
