@@ -63,8 +63,13 @@ use sandbox::StoreState;
 /// Bounds on what one policy may do.
 #[derive(Debug, Clone)]
 pub struct PolicyLimits {
-    /// Wall-clock budget of one guest call (`init`, `translate-request`, ...).
+    /// Wall-clock budget of one guest call on a warm instance (`translate-request`,
+    /// `on-complete`, state carry-over).
     pub deadline: Duration,
+    /// Wall-clock budget of building an instance: instantiation plus `init`. Kept apart from
+    /// `deadline` because a Python or JavaScript guest takes milliseconds to start (tens on a
+    /// loaded machine), and a request-sized budget would refuse to load it at all.
+    pub setup_deadline: Duration,
     /// Linear memory cap of one instance.
     pub memory_bytes: usize,
     /// Bytes of stdout+stderr per stream and instance forwarded to the log; the rest is dropped.
@@ -77,6 +82,7 @@ impl Default for PolicyLimits {
     fn default() -> Self {
         PolicyLimits {
             deadline: Duration::from_millis(50),
+            setup_deadline: Duration::from_secs(5),
             memory_bytes: 64 << 20,
             output_bytes: 64 << 10,
             cache_dir: default_cache_dir(),

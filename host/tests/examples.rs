@@ -43,7 +43,6 @@ fn host() -> &'static PolicyHost {
         let cache = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/examples/compiled");
         PolicyHost::new(PolicyLimits {
             cache_dir: Some(cache),
-            deadline: Duration::from_secs(2),
             ..PolicyLimits::default()
         })
         .expect("policy host")

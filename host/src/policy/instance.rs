@@ -221,7 +221,7 @@ impl Instances {
             Some(warm) => warm,
             None => self.build().map_err(BuildError::into_fault)?,
         };
-        match self.run(&mut warm, f) {
+        match self.run(&mut warm, self.limits.deadline, f) {
             Ok(value) => {
                 self.warm = Some(warm);
                 Ok(value)
@@ -245,19 +245,20 @@ impl Instances {
         }
     }
 
-    /// One call under the deadline. A host panic while serving the guest (for example a WASI
-    /// call that needs a Tokio runtime) is caught and treated like a trap: the instance is dropped.
+    /// One call under `deadline`. A host panic while serving the guest is caught and treated
+    /// like a trap: the instance is dropped.
     fn run<R>(
         &self,
         warm: &mut Warm,
+        deadline: Duration,
         f: impl FnOnce(&Exports, &mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
-        warm.store.set_epoch_deadline(self.deadline_ticks());
+        warm.store.set_epoch_deadline(deadline_ticks(deadline));
         let Warm { store, exports } = warm;
-        let result = catch_unwind(AssertUnwindSafe(|| f(exports, store)));
+        let result = catch_unwind(AssertUnwindSafe(|| allow_blocking(|| f(exports, store))));
         match result {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(self.classify(store, &error)),
+            Ok(Err(error)) => Err(self.classify(store, &error, deadline)),
             Err(panic) => Err(Fault::Trap(format!(
                 "the host panicked while serving the policy: {}",
                 panic_message(&*panic)
@@ -265,13 +266,18 @@ impl Instances {
         }
     }
 
-    fn classify(&self, store: &Store<StoreState>, error: &wasmtime::Error) -> Fault {
+    fn classify(
+        &self,
+        store: &Store<StoreState>,
+        error: &wasmtime::Error,
+        deadline: Duration,
+    ) -> Fault {
         if store.data().limiter.exceeded() {
             return Fault::MemoryExceeded(self.limits.memory_bytes);
         }
         let trap = error.downcast_ref::<Trap>();
         if trap == Some(&Trap::Interrupt) {
-            return Fault::Deadline(self.limits.deadline);
+            return Fault::Deadline(deadline);
         }
         // The full error carries a multi-line wasm backtrace: keep it for debugging, and give
         // callers (and HTTP error bodies) the one-line cause.
@@ -282,18 +288,12 @@ impl Instances {
         }
     }
 
-    /// Ticks until the deadline: rounded up, plus one because the current tick may end at once.
-    fn deadline_ticks(&self) -> u64 {
-        let tick = EPOCH_TICK.as_nanos().max(1);
-        let ticks = self.limits.deadline.as_nanos().div_ceil(tick);
-        u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
-    }
-
     /// A fresh store and instance with `init(config)` done.
     fn build(&self) -> Result<Warm, BuildError> {
         let mut warm = self.instantiate().map_err(BuildError::Fault)?;
         let config = self.config.as_str();
-        match self.run(&mut warm, |exports, store| {
+        let deadline = self.limits.setup_deadline;
+        match self.run(&mut warm, deadline, |exports, store| {
             exports.guest.call_init(store, config)
         }) {
             Ok(Ok(())) => Ok(warm),
@@ -311,10 +311,11 @@ impl Instances {
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
         store.epoch_deadline_trap();
-        store.set_epoch_deadline(self.deadline_ticks());
-        match self.instantiate_in(&mut store) {
+        let deadline = self.limits.setup_deadline;
+        store.set_epoch_deadline(deadline_ticks(deadline));
+        match allow_blocking(|| self.instantiate_in(&mut store)) {
             Ok(exports) => Ok(Warm { store, exports }),
-            Err(error) => match self.classify(&store, &error) {
+            Err(error) => match self.classify(&store, &error, deadline) {
                 Fault::Trap(reason) => Err(Fault::Instantiate(reason)),
                 fault => Err(fault),
             },
@@ -352,5 +353,27 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "unknown panic".to_owned()
+    }
+}
+
+/// Ticks until `deadline`: rounded up, plus one because the current tick may end at once.
+fn deadline_ticks(deadline: Duration) -> u64 {
+    let tick = EPOCH_TICK.as_nanos().max(1);
+    let ticks = deadline.as_nanos().div_ceil(tick);
+    u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
+}
+
+/// Run `f`, which may block, from wherever the caller is. WASI's synchronous bindings (a guest
+/// writing to stdout or stderr, a Python guest starting up) drive their I/O with
+/// `Handle::block_on`, which panics on a Tokio worker thread unless the worker was first told
+/// it may block; `block_in_place` tells it, at ~15 ns a call when no other task has to move.
+/// A current-thread runtime cannot hand its tasks elsewhere, so there `f` runs as is.
+fn allow_blocking<R>(f: impl FnOnce() -> R) -> R {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
     }
 }

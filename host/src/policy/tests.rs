@@ -39,6 +39,7 @@ pub(super) fn host() -> PolicyHost {
 fn host_with_deadline(deadline: Duration) -> PolicyHost {
     PolicyHost::new(PolicyLimits {
         deadline,
+        setup_deadline: Duration::from_secs(5),
         memory_bytes: 16 << 20,
         output_bytes: 4096,
         cache_dir: None,
@@ -57,6 +58,20 @@ pub(super) fn snapshot(n: u32) -> Vec<EndpointSnapshot> {
 }
 
 fn translate(policy: &Policy, prompt_len: u32, endpoints: u32) -> Result<Plan, TranslateError> {
+    translate_with_headers(
+        policy,
+        prompt_len,
+        endpoints,
+        &[("x-priority".to_owned(), "high".to_owned())],
+    )
+}
+
+fn translate_with_headers(
+    policy: &Policy,
+    prompt_len: u32,
+    endpoints: u32,
+    headers: &[(String, String)],
+) -> Result<Plan, TranslateError> {
     let prompt = check::synthetic_prompt(prompt_len);
     let request = PolicyRequest {
         id: 7,
@@ -65,7 +80,7 @@ fn translate(policy: &Policy, prompt_len: u32, endpoints: u32) -> Result<Plan, T
         stream: false,
         model: "test",
         user: Some("u"),
-        headers: &[("x-priority".to_owned(), "high".to_owned())],
+        headers,
     };
     let context = PolicyContext {
         attempt: 1,
@@ -449,8 +464,9 @@ fn the_disagg_plugin_splits_prefill_and_decode() {
 }
 
 /// Guest stdout/stderr writes go through wasmtime-wasi's sync bindings, which block on a Tokio
-/// runtime and panic when called from inside one. A trapping Rust guest writes its panic message
-/// to stderr; called from async code this must still end as a `Trap` error, not a host panic.
+/// runtime; on a current-thread runtime that cannot be allowed and they panic. A trapping Rust
+/// guest writes its panic message to stderr: there this must still end as a `Trap` error, not a
+/// host panic. (On a multi-thread runtime, as the router runs, writes just work: see below.)
 #[tokio::test]
 async fn a_guest_writing_to_stderr_inside_a_tokio_runtime_is_a_trap_not_a_host_panic() {
     let host = host();
@@ -459,4 +475,31 @@ async fn a_guest_writing_to_stderr_inside_a_tokio_runtime_is_a_trap_not_a_host_p
     assert!(matches!(e, TranslateError::Trap { .. }), "{e:?}");
     let good = load_misbehave(&host, "ok");
     translate(&good, 17, 4).expect("a policy that does no I/O plans inside a runtime");
+}
+
+/// The same policy faults on one request and serves the next: after each kind of fault the
+/// host rebuilds the instance, so a well-behaved request right after gets a valid plan.
+#[test]
+fn after_each_fault_the_next_call_on_the_same_policy_succeeds() {
+    let host = host();
+    let policy = load_misbehave(&host, "ok");
+    for mode in ["trap", "loop", "alloc"] {
+        let header = [("x-misbehave".to_owned(), mode.to_owned())];
+        let e = translate_with_headers(&policy, 17, 4, &header).expect_err(mode);
+        assert!(e.is_fault(), "{mode}: {e:?}");
+        let plan = translate(&policy, 17, 4).unwrap_or_else(|e| panic!("after {mode}: {e}"));
+        validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
+    }
+}
+
+/// A guest that prints on every call, called from a router worker thread (a multi-thread
+/// runtime, as in `serve`): its output goes to the log and its plans are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_printing_on_a_runtime_worker_plans_normally() {
+    let host = host();
+    let policy = load_misbehave(&host, "print");
+    for _ in 0..3 {
+        let plan = translate(&policy, 17, 4).expect("a guest that prints still plans");
+        validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
+    }
 }

@@ -10,6 +10,7 @@
 //! | `trap` | panics, which aborts: a wasm trap |
 //! | `invalid-plan` | a plan whose last step is `prep-recv` |
 //! | `bad-endpoint` | a forward to an endpoint id no cluster has |
+//! | `print` | writes to stdout and stderr through WASI, then plans as `ok` does |
 //! | `init-fails` | `init` itself returns an error |
 //!
 //! A request header `x-misbehave: M` overrides the configured mode for that request only, so
@@ -34,6 +35,7 @@ enum Mode {
     Trap,
     InvalidPlan,
     BadEndpoint,
+    Print,
 }
 
 /// The misbehaving policy.
@@ -74,6 +76,11 @@ impl Policy for Misbehave {
                 steps: vec![Step::PrepRecv(PrepRecv { decode: 0, end: -1 })],
             }),
             Mode::BadEndpoint => Ok(Plan::forward(u32::MAX)),
+            Mode::Print => {
+                println!("misbehave: a line on stdout for request {}", request.id);
+                eprintln!("misbehave: a line on stderr for request {}", request.id);
+                valid_plan(context)
+            }
         }
     }
 
@@ -91,6 +98,7 @@ impl Mode {
             "trap" => Mode::Trap,
             "invalid-plan" => Mode::InvalidPlan,
             "bad-endpoint" => Mode::BadEndpoint,
+            "print" => Mode::Print,
             _ => return None,
         })
     }
