@@ -535,10 +535,10 @@ impl Core {
             // Metrics first, so a caller that reads them right after the answer sees the pages.
             self.publish_gauges();
             if prep.reply.send(Ok(reply)).is_err() {
-                // Nobody learnt the slots, so nobody can be writing them.
+                // Nobody learnt the slots, but they were open for a moment: go through the
+                // quarantine (with no wait) so a stray claim is waited out like any other.
                 if let Some(r) = self.reservations.remove(&prep.user) {
-                    self.store.gate().close(self.reservation_slots(&r));
-                    self.pool.release(&r.pages);
+                    self.retire(r, now);
                 }
                 self.users.remove(&prep.user);
                 continue;
@@ -557,17 +557,23 @@ impl Core {
         for user in expired {
             if let Some(r) = self.reservations.remove(&user) {
                 tracing::debug!(%user, pages = r.pages.len(), "prep_recv reservation expired");
-                let slots = self.reservation_slots(&r);
-                self.store.gate().close(slots.iter().copied());
-                self.quarantine.push(Quarantined {
-                    pages: r.pages,
-                    slots,
-                    until: now + self.cfg.expiry_quarantine,
-                });
+                self.retire(r, now + self.cfg.expiry_quarantine);
                 self.users.remove(&user);
                 self.metrics.reservations_expired.inc();
             }
         }
+    }
+
+    /// Closes a dropped reservation's window and quarantines its pages until `until` (and until
+    /// no receiver writes them); [`Core::release_quarantined`] frees them.
+    fn retire(&mut self, r: Reservation, until: Instant) {
+        let slots = self.reservation_slots(&r);
+        self.store.gate().close(slots.iter().copied());
+        self.quarantine.push(Quarantined {
+            pages: r.pages,
+            slots,
+            until,
+        });
     }
 
     /// Frees quarantined pages whose time is up and that no receiver is still writing.
