@@ -42,7 +42,8 @@ clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p switchyard --features cuda --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
-		-p misbehave-policy -p other-world -p priority-rust-policy -- -D warnings
+		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p priority-rust-policy \
+		-- -D warnings
 
 test-rust:
 	$(CARGO) test --workspace
