@@ -12,6 +12,7 @@ use switchyard::policy::{
     Failure, FailureKind, LoadError, Policy, PolicyContext, PolicyHost, PolicyLimits,
     PolicyRequest, TranslateError,
 };
+use switchyard_policy::testing::load_patterns;
 
 const FACTORS: [f64; 3] = [0.0, 0.1, 0.5];
 const PROMPT_LENS: [u32; 4] = [1, 2, 17, 3000];
@@ -130,24 +131,9 @@ fn forward(endpoint: EndpointId) -> Plan {
     }
 }
 
-/// In-flight patterns for `n` endpoints: idle, ascending, descending, ties, and pseudo-random.
-fn load_patterns(n: u32) -> Vec<Vec<u32>> {
-    let mut seed = 0x2545_F491_u32 ^ n;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 17;
-        seed ^= seed << 5;
-        seed % 5
-    };
-    let mut patterns = vec![
-        vec![0; n as usize],
-        (0..n).collect(),
-        (0..n).rev().collect(),
-        (0..n).map(|i| i % 2).collect(),
-    ];
-    patterns.extend((0..4).map(|_| (0..n).map(|_| next()).collect()));
-    patterns
-}
+/// Seeds `switchyard_policy::testing::load_patterns` (the table the built-in policies' own
+/// tests use), so the pseudo-random loads are the same on every run.
+const LOAD_SEED: u32 = 0x2545_F491;
 
 // === MLC's router, transcribed ===
 
@@ -177,7 +163,7 @@ fn disagg_matches_mlc_through_the_host() {
     for factor in FACTORS {
         let policy = disagg(&host, factor);
         for n in 2..=8 {
-            for loads in load_patterns(n) {
+            for loads in load_patterns(n, LOAD_SEED) {
                 let ctx = first_attempt(endpoints(&loads));
                 for len in PROMPT_LENS {
                     let plan = translate(&policy, len, &ctx);
@@ -246,7 +232,7 @@ fn disagg_plans_are_valid_on_every_degraded_cluster() {
         for n in 1..=8u32 {
             for down in 0..n {
                 for failed in 0..n {
-                    let mut eps = endpoints(&load_patterns(n)[5]);
+                    let mut eps = endpoints(&load_patterns(n, LOAD_SEED)[5]);
                     eps[down as usize].healthy = false;
                     eps[(n - 1) as usize].role = Role::Prefill;
                     let ctx = retry(eps, FailureKind::EndpointError, failed);
@@ -311,7 +297,7 @@ fn round_robin_matches_mlc_through_the_host() {
     let policy = load(&host, "round-robin.wasm", "{}").expect("round-robin loads");
     let mut checked = 0;
     for n in 1..=8 {
-        for loads in load_patterns(n) {
+        for loads in load_patterns(n, LOAD_SEED) {
             let ctx = first_attempt(endpoints(&loads));
             for len in PROMPT_LENS {
                 let plan = translate(&policy, len, &ctx);
