@@ -29,8 +29,11 @@ use super::transport::{Transfer, check_destination, check_hello};
 use super::wire::Hello;
 use super::{KvError, KvStore, PeerAddr};
 
-/// Copies at or above this size run on the blocking pool instead of stalling the async runtime.
-const BLOCKING_COPY_BYTES: usize = 1 << 20;
+/// A copy is cut into pieces of about this size with a yield between them, so a large transfer
+/// neither stalls the async worker nor runs anywhere but inside the `send` future: when that
+/// future is dropped (timeout, cancelled remote_send) the copy stops, and the caller may
+/// release the source slots at once. (A copy on the blocking pool would go on reading them.)
+const COPY_PIECE_BYTES: usize = 1 << 20;
 
 // === receiver ===
 
@@ -307,24 +310,8 @@ impl ShmSender {
             .get_or_set_up(rank, addr, self.map_peer(rank, addr))
             .await?;
         check_destination(transfer.dst_runs, peer.num_slots)?;
-        let bytes: usize = transfer
-            .copies
-            .iter()
-            .map(|c| c.len as usize)
-            .sum::<usize>()
-            * self.store.shape().bytes_per_token();
-        if bytes < BLOCKING_COPY_BYTES {
-            copy_runs(&self.store, &peer.map, &transfer.copies);
-            return Ok(());
-        }
-        let (store, copies) = (self.store.clone(), transfer.copies.clone());
-        tokio::task::spawn_blocking(move || copy_runs(&store, &peer.map, &copies))
-            .await
-            .map_err(|e| {
-                KvError::peer_io(transfer.rank, transfer.addr, "copy task")(std::io::Error::other(
-                    e,
-                ))
-            })
+        copy_runs(&self.store, &peer.map, &transfer.copies).await;
+        Ok(())
     }
 
     async fn map_peer(&self, rank: u32, addr: &PeerAddr) -> Result<MappedPeer, KvError> {
@@ -428,17 +415,74 @@ fn check_pool_fd(fd: &OwnedFd, len: usize) -> Result<(), String> {
     Ok(())
 }
 
-/// The copies themselves, then a fence so they are ordered before whatever tells the peer
-/// they are done (the HTTP answer to remote_send).
-fn copy_runs(store: &KvStore, dst: &Mapping, copies: &[super::runs::CopyRun]) {
+/// The copies themselves, in pieces of [`COPY_PIECE_BYTES`], then a fence so they are ordered
+/// before whatever tells the peer they are done (the HTTP answer to remote_send).
+async fn copy_runs(store: &KvStore, dst: &Mapping, copies: &[super::runs::CopyRun]) {
     let bpt = store.shape().bytes_per_token();
+    let piece = (COPY_PIECE_BYTES / bpt).max(1) as u32;
     for c in copies {
-        store.mapping().copy_to(
-            store.slot_offset(c.src),
-            dst,
-            c.dst as usize * bpt,
-            c.len as usize * bpt,
-        );
+        let mut done = 0;
+        while done < c.len {
+            let n = piece.min(c.len - done);
+            store.mapping().copy_to(
+                store.slot_offset(c.src + done),
+                dst,
+                (c.dst + done) as usize * bpt,
+                n as usize * bpt,
+            );
+            done += n;
+            tokio::task::yield_now().await;
+        }
     }
     std::sync::atomic::fence(std::sync::atomic::Ordering::Release);
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::task::Poll;
+    use std::time::{Duration, Instant};
+
+    use super::super::tests::{SLOTS, pair};
+    use super::*;
+    use crate::kv::{KvAddrInfo, KvShape, TransportKind};
+
+    #[tokio::test]
+    async fn a_dropped_send_stops_copying() {
+        // 16 KiB slots: 400 contiguous slots are one run of ~6 MiB, copied in 1 MiB pieces.
+        let shape = KvShape {
+            layers: 4,
+            kv_heads: 8,
+            head_dim: 128,
+            dtype_bytes: 2,
+        };
+        let p_store = Arc::new(KvStore::new(shape, SLOTS).unwrap());
+        let d_store = Arc::new(KvStore::new(shape, SLOTS).unwrap());
+        let ones = vec![1u8; shape.bytes_per_token()];
+        for slot in 0..400 {
+            p_store.write_slot(slot, &ones);
+        }
+        let (p, _d) = pair(TransportKind::Shm, p_store, d_store.clone()).await;
+        let src: Vec<u32> = (0..400).collect();
+        let dst = KvAddrInfo::from_slots(0..400);
+        let mut send = Box::pin(p.send(1, &src, &dst));
+        // Poll until the first piece has landed, then drop the send mid-copy.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while d_store.read_slot_to_vec(0) != ones {
+            assert!(Instant::now() < deadline, "the copy never started");
+            let polled = futures::poll!(send.as_mut());
+            assert!(matches!(polled, Poll::Pending), "one poll copied it all");
+            tokio::task::yield_now().await;
+        }
+        drop(send);
+        // Move more bytes than the dropped send had left, elsewhere in the pool: a copy that
+        // went on behind the caller's back (on the blocking pool) would be done by then.
+        let rest = KvAddrInfo::from_slots(400..SLOTS);
+        let some: Vec<u32> = (0..SLOTS - 400).collect();
+        for _ in 0..4 {
+            p.send(1, &some, &rest).await.expect("a later send");
+        }
+        // Nothing was copied after the drop: the source slots could be reused at once.
+        assert_eq!(d_store.read_slot_to_vec(399), vec![0; ones.len()]);
+    }
 }
