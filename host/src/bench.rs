@@ -258,7 +258,7 @@ async fn check_reachable(client: &reqwest::Client, url: &str) -> Result<(), Benc
         Ok(_) => Ok(()),
         Err(e) => Err(BenchError::Unreachable {
             url: url.to_owned(),
-            reason: client::error_chain(&e),
+            reason: crate::microserving::error_chain(&e),
         }),
     }
 }

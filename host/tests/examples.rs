@@ -6,7 +6,6 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use std::time::Duration;
 
 use switchyard::cluster::{EndpointSnapshot, Role};
 use switchyard::plan::{EndpointId, Plan, SendBegin, Step, validate};

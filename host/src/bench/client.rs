@@ -14,6 +14,7 @@ use tokio::time::Instant;
 use super::config::PromptFormat;
 use super::stats::Timing;
 use super::workload::RequestSpec;
+use crate::microserving::error_chain;
 
 /// Bytes of an error body kept in the error message.
 const ERROR_BODY_EXCERPT: usize = 200;
@@ -270,18 +271,6 @@ pub async fn with_timeout<T>(
     tokio::time::timeout(limit, fut)
         .await
         .unwrap_or(Err(RequestError::Timeout))
-}
-
-/// reqwest's top-level message hides the cause ("error sending request"); the chain has it.
-pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        message.push_str(": ");
-        message.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    message
 }
 
 fn excerpt(text: &str) -> String {

@@ -15,10 +15,11 @@ use serde::Deserialize;
 use tokio::time::Instant;
 
 use super::BenchError;
-use super::client::{RequestError, call_json, error_chain, post_json, time_completion};
+use super::client::{RequestError, call_json, post_json, time_completion};
 use super::config::PlanKind;
 use super::stats::Timing;
 use super::workload::RequestSpec;
+use crate::microserving::error_chain;
 use crate::microserving::wire::{
     CompletionRequest, PrepRecvRequest, PrepRecvResponse, RemoteSendRequest, StartGenerateRequest,
     StreamOptions,
