@@ -1,5 +1,7 @@
 //! The `switchyard` binary: parse the command line, set up logging, run a subcommand.
 
+use std::process::ExitCode;
+
 use clap::{Parser, Subcommand};
 
 /// A router for disaggregated LLM serving whose routing policies are WebAssembly components.
@@ -29,15 +31,24 @@ enum Command {
     Policy(switchyard::policy::PolicyCommand),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     init_tracing();
     let cli = Cli::parse();
-    match cli.command {
+    let result = match cli.command {
         Command::Engine(args) => engine(args),
-        Command::Bench(args) => Ok(switchyard::bench::run_blocking(args)?),
+        Command::Bench(args) => switchyard::bench::run_blocking(args).map_err(Into::into),
         Command::Serve(args) => serve(&args),
         Command::Up(args) => up(args),
-        Command::Policy(command) => Ok(switchyard::policy::run_cli(command)?),
+        Command::Policy(command) => switchyard::policy::run_cli(command).map_err(Into::into),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The error and its causes on one line. Not anyhow's `Debug`, which appends a stack
+            // backtrace whenever RUST_BACKTRACE is set: noise for a bad file or a refused port.
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 
