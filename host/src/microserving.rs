@@ -66,6 +66,9 @@ impl Default for Timeouts {
 /// Why one call to an engine failed.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
+    /// The HTTP client itself could not be set up (at startup, before any engine is called).
+    #[error("cannot build the HTTP client for engines: {reason}")]
+    Build { reason: String },
     #[error("cannot reach {url}: {reason}")]
     Connect { url: String, reason: String },
     #[error("{url} did not answer within {after:?}")]
@@ -113,9 +116,8 @@ impl EngineClient {
             .pool_idle_timeout(Duration::from_secs(90))
             .tcp_nodelay(true)
             .build()
-            .map_err(|e| CallError::Connect {
-                url: String::new(),
-                reason: format!("building the HTTP client: {e}"),
+            .map_err(|e| CallError::Build {
+                reason: e.to_string(),
             })?;
         Ok(EngineClient { http, timeouts })
     }

@@ -63,7 +63,7 @@ impl ExecError {
                 true
             }
             CallError::Status { status, .. } => *status >= 500 || *status == 429,
-            CallError::Decode { .. } => false,
+            CallError::Decode { .. } | CallError::Build { .. } => false,
         }
     }
 
