@@ -335,6 +335,41 @@ async fn collect(
     mut events: tokio::sync::mpsc::Receiver<Event>,
     arrived: Instant,
 ) -> Response<Body> {
+    let mut abandoned = CountIfAbandoned {
+        state: &state,
+        route: responder.shape.route(),
+        armed: true,
+    };
+    let response = collect_events(&state, &responder, first, &mut events, arrived).await;
+    abandoned.armed = false;
+    response
+}
+
+/// Counts a non-streaming request whose client hung up as 499, as an abandoned stream is:
+/// hyper then drops the handler's future mid-`collect`, and this guard with it.
+struct CountIfAbandoned<'a> {
+    state: &'a AppState,
+    route: &'static str,
+    armed: bool,
+}
+
+impl Drop for CountIfAbandoned<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.state
+                .metrics
+                .request(self.route, sse::CLIENT_CLOSED_REQUEST);
+        }
+    }
+}
+
+async fn collect_events(
+    state: &AppState,
+    responder: &Responder,
+    first: Event,
+    events: &mut tokio::sync::mpsc::Receiver<Event>,
+    arrived: Instant,
+) -> Response<Body> {
     let mut text = String::new();
     let mut next = Some(first);
     loop {
@@ -356,11 +391,11 @@ async fn collect(
             }
             Some(Event::Failed { error, summary }) => {
                 state.metrics.finished(&summary, arrived.elapsed());
-                return reject(&state, responder.shape, &ApiError::Route(error));
+                return reject(state, responder.shape, &ApiError::Route(error));
             }
             None => {
                 return reject(
-                    &state,
+                    state,
                     responder.shape,
                     &ApiError::NotReady("the request was abandoned by the router"),
                 );

@@ -644,6 +644,41 @@ async fn a_client_disconnect_cancels_every_upstream_leg() {
     );
 }
 
+/// A non-streaming client that gives up: the router counts it as 499 and the engine stops
+/// generating for it, as for an abandoned stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_streaming_client_that_hangs_up_is_counted_and_cancelled() {
+    let (prompt, _) = long_running_prompt(&EngineProcess::spawn(&[]), 1000).await;
+    // A real decode step (~5 ms): the answer would take 5 s or more.
+    let engine = EngineProcess::spawn(&["--profile", "llama3-8b-h100"]);
+    let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
+    let engine_metrics = engine.endpoint("/metrics");
+    let body = json!({"prompt": prompt, "max_tokens": LONG_MAX_TOKENS});
+    let request = client()
+        .post(router.endpoint("/v1/completions"))
+        .json(&body)
+        .send();
+    // Hang up once the engine is generating for us.
+    let hang_up = async {
+        eventually(Duration::from_secs(10), || async {
+            let running = metric(&engine_metrics, "switchyard_engine_running_requests").await;
+            (running != 1.0).then(|| format!("{running} running on the engine"))
+        })
+        .await;
+    };
+    tokio::select! {
+        answer = request => panic!("answered before the client hung up: {answer:?}"),
+        () = hang_up => {}
+    }
+    eventually(Duration::from_secs(10), || async {
+        let closed = metric(&router.endpoint("/metrics"), CLIENT_CLOSED).await;
+        let running = metric(&engine_metrics, "switchyard_engine_running_requests").await;
+        (closed != 1.0 || running != 0.0)
+            .then(|| format!("{closed} counted as closed by the client, {running} running"))
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_cannot_continue_ends_with_an_error_event_then_done() {
     let (prompt, _) = long_running_prompt(&EngineProcess::spawn(&[]), 1000).await;
