@@ -169,14 +169,7 @@ impl CudaSender {
 
     async fn open_peer(&self, rank: u32, addr: &PeerAddr) -> Result<OpenedPeer, KvError> {
         let after = self.connect_timeout;
-        let io = |what| {
-            move |source| KvError::PeerIo {
-                rank,
-                addr: addr.clone(),
-                what,
-                source,
-            }
-        };
+        let io = |what| KvError::peer_io(rank, addr, what);
         let (conn, bytes) = tokio::time::timeout(after, async {
             let mut conn = shm::connect(addr).await.map_err(io("connect"))?;
             let mut bytes = [0u8; Hello::LEN + PoolHandle::LEN];
