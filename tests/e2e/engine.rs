@@ -11,6 +11,8 @@ use serde_json::{Value, json};
 use switchyard::kv::KvAddrInfo;
 use switchyard::test_util::EngineProcess;
 
+use crate::http::{client, post, post_json, sse_payloads};
+
 /// A decode engine (device rank 1) and a prefill engine (rank 0) that can push KV into it.
 struct Pair {
     p: EngineProcess,
@@ -35,43 +37,6 @@ impl Pair {
         let p = EngineProcess::spawn(&p_args);
         Pair { p, d }
     }
-}
-
-fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("reqwest client")
-}
-
-async fn post(url: &str, body: &Value) -> (u16, String) {
-    let response = client()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .expect("engine reachable");
-    let status = response.status().as_u16();
-    (status, response.text().await.expect("body"))
-}
-
-async fn post_json(url: &str, body: &Value) -> Value {
-    let (status, text) = post(url, body).await;
-    assert_eq!(status, 200, "POST {url} {body} -> {text}");
-    serde_json::from_str(&text).expect("JSON body")
-}
-
-/// The `data:` payloads of an SSE body, `[DONE]` included.
-fn sse_payloads(text: &str) -> Vec<String> {
-    text.split("\n\n")
-        .filter(|event| !event.is_empty())
-        .map(|event| {
-            event
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("bad SSE event {event:?}"))
-                .to_owned()
-        })
-        .collect()
 }
 
 /// Text and finish reason of a streamed completion.

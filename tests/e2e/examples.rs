@@ -13,9 +13,8 @@ use futures::future::join_all;
 use serde_json::{Value, json};
 use switchyard::test_util::{EngineProcess, UpProcess};
 
-use crate::router::{
-    assert_completion_matches, client, metric, post_json, post_or_get, prompts, reference,
-};
+use crate::http::{client, post_json};
+use crate::router::{assert_completion_matches, metric, post_or_get, prompts, reference};
 
 /// `remote_send` calls an engine received: the prefill engine's, which computes the prompt and
 /// pushes its KV to the decode engine.

@@ -1,3 +1,4 @@
 mod engine;
 mod examples;
+mod http;
 mod router;

@@ -15,42 +15,7 @@ use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use switchyard::test_util::{EngineProcess, RouterProcess};
 
-pub(crate) fn client() -> reqwest::Client {
-    reqwest::Client::builder()
-        .timeout(Duration::from_secs(60))
-        .build()
-        .expect("reqwest client")
-}
-
-async fn post(url: &str, body: &Value) -> (u16, String) {
-    let response = client()
-        .post(url)
-        .json(body)
-        .send()
-        .await
-        .expect("router reachable");
-    let status = response.status().as_u16();
-    (status, response.text().await.expect("body"))
-}
-
-pub(crate) async fn post_json(url: &str, body: &Value) -> Value {
-    let (status, text) = post(url, body).await;
-    assert_eq!(status, 200, "POST {url} {body} -> {text}");
-    serde_json::from_str(&text).expect("JSON body")
-}
-
-/// The `data:` payloads of an SSE body, `[DONE]` included.
-fn sse_payloads(text: &str) -> Vec<String> {
-    text.split("\n\n")
-        .filter(|event| !event.trim().is_empty())
-        .map(|event| {
-            event
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("bad SSE event {event:?}"))
-                .to_owned()
-        })
-        .collect()
-}
+use crate::http::{client, post, post_json, sse_payloads};
 
 /// What a client read from an SSE response.
 struct Streamed {

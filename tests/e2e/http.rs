@@ -1,0 +1,44 @@
+//! HTTP helpers every end-to-end test uses against engines and routers alike.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+pub(crate) fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("reqwest client")
+}
+
+/// POST `body` as JSON: the status and the body text.
+pub(crate) async fn post(url: &str, body: &Value) -> (u16, String) {
+    let response = client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("POST {url}: server unreachable: {e}"));
+    let status = response.status().as_u16();
+    (status, response.text().await.expect("body"))
+}
+
+/// POST `body` as JSON, expecting 200 and a JSON answer.
+pub(crate) async fn post_json(url: &str, body: &Value) -> Value {
+    let (status, text) = post(url, body).await;
+    assert_eq!(status, 200, "POST {url} {body} -> {text}");
+    serde_json::from_str(&text).expect("JSON body")
+}
+
+/// The `data:` payloads of an SSE body, `[DONE]` included.
+pub(crate) fn sse_payloads(text: &str) -> Vec<String> {
+    text.split("\n\n")
+        .filter(|event| !event.is_empty())
+        .map(|event| {
+            event
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("bad SSE event {event:?}"))
+                .to_owned()
+        })
+        .collect()
+}
