@@ -111,17 +111,7 @@ impl EngineProcess {
 
     /// Polls `GET /v1/models` until 200, within the startup timeout.
     fn wait_until_ready(&self) {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        while Instant::now() < deadline {
-            if http_get_status(self.http_addr, "/v1/models") == Some(200) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!(
-            "engine at {} did not answer GET /v1/models within {STARTUP_TIMEOUT:?}",
-            self.url
-        );
+        wait_for_200(self.http_addr, "/v1/models", "engine", &self.url);
     }
 
     /// `url` + `path`.
@@ -160,6 +150,19 @@ fn parse_ready_line(line: &str, child: Child) -> EngineProcess {
         kv_addr,
         device_rank,
     }
+}
+
+/// Polls `GET path` on a freshly started process until it answers 200, within the startup
+/// timeout (readiness has no event to wait on from outside the process).
+fn wait_for_200(addr: SocketAddr, path: &str, what: &str, url: &str) {
+    let deadline = Instant::now() + STARTUP_TIMEOUT;
+    while Instant::now() < deadline {
+        if http_get_status(addr, path) == Some(200) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} at {url} did not answer GET {path} 200 within {STARTUP_TIMEOUT:?}");
 }
 
 /// A minimal blocking HTTP/1.0 GET, so readiness checks need no async runtime.
@@ -280,17 +283,7 @@ impl RouterProcess {
     }
 
     fn wait_until_healthy(&self) {
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
-        while Instant::now() < deadline {
-            if http_get_status(self.addr, "/health") == Some(200) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!(
-            "router at {} did not answer GET /health 200 within {STARTUP_TIMEOUT:?}",
-            self.url
-        );
+        wait_for_200(self.addr, "/health", "router", &self.url);
     }
 
     /// `url` + `path`.
