@@ -25,6 +25,7 @@
 //! next version.
 
 mod bindings;
+mod blocking_io;
 mod check;
 mod cli;
 mod engine;

@@ -5,7 +5,7 @@ use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -15,9 +15,14 @@ use wasmtime::{Config, Engine};
 
 use super::LoadError;
 
-/// How often the ticker advances the engine's epoch. A deadline of N ms is N ticks, so a runaway
-/// guest overshoots its deadline by about one tick plus scheduling delay.
-pub(super) const EPOCH_TICK: Duration = Duration::from_millis(1);
+/// How often the ticker advances the engine's epoch while guest code runs. A deadline is rounded
+/// up to whole ticks, so a runaway guest overshoots it by up to a tick plus scheduling delay.
+/// Coarse on purpose: every tick wakes a thread, which on a shared VM costs more than the whole
+/// policy call it guards, and deadlines are tens of milliseconds.
+pub(super) const EPOCH_TICK: Duration = Duration::from_millis(5);
+
+/// Ticks with no guest code running after which the ticker sleeps until the next call.
+const IDLE_TICKS: u32 = 20;
 
 /// The engine shared by every policy of one `PolicyHost`.
 pub(super) struct PolicyEngine {
@@ -81,38 +86,97 @@ fn config() -> Config {
 
 // === impl EpochTicker ===
 
-/// A thread that increments the engine's epoch every [`EPOCH_TICK`]; stopped (and joined) on
-/// drop (of the last handle) so dropping a `PolicyHost` and its policies leaves no thread behind.
+/// A thread that increments the engine's epoch every [`EPOCH_TICK`] while guest code runs (see
+/// [`EpochTicker::running`]) and sleeps once none has for [`IDLE_TICKS`], so an idle router
+/// spends nothing on it. Stopped (and joined) on drop of the last handle, so dropping a
+/// `PolicyHost` and its policies leaves no thread behind.
 pub(super) struct EpochTicker {
-    stop: Arc<AtomicBool>,
+    shared: Arc<TickerShared>,
     thread: Option<JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct TickerShared {
+    stop: AtomicBool,
+    /// Guest calls (and instantiations) running now.
+    running: AtomicUsize,
+    /// The ticker is asleep, or about to be: the next call must wake it.
+    asleep: AtomicBool,
+}
+
+/// Counts one stretch of guest code as running until dropped.
+pub(super) struct Running<'a>(&'a TickerShared);
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.running.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl EpochTicker {
     fn start(engine: Engine) -> Result<Self, LoadError> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop_seen = Arc::clone(&stop);
+        let shared = Arc::new(TickerShared::default());
+        let ticker = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("policy-epoch".into())
-            .spawn(move || {
-                while !stop_seen.load(Ordering::Relaxed) {
-                    std::thread::park_timeout(EPOCH_TICK);
-                    engine.increment_epoch();
-                }
-            })
+            .spawn(move || ticker.run(&engine))
             .map_err(|e| LoadError::Engine {
                 reason: format!("cannot start the epoch ticker thread: {e}"),
             })?;
         Ok(EpochTicker {
-            stop,
+            shared,
             thread: Some(thread),
         })
+    }
+
+    /// Guest code is about to run under an epoch deadline: keep the epoch advancing until the
+    /// returned guard drops, waking the ticker if it sleeps (one atomic swap when it does not).
+    pub(super) fn running(&self) -> Running<'_> {
+        self.shared.running.fetch_add(1, Ordering::SeqCst);
+        if self.shared.asleep.swap(false, Ordering::SeqCst)
+            && let Some(thread) = &self.thread
+        {
+            thread.thread().unpark();
+        }
+        Running(&self.shared)
+    }
+
+    /// Whether the ticker sleeps until the next call.
+    #[cfg(test)]
+    pub(super) fn is_asleep(&self) -> bool {
+        self.shared.asleep.load(Ordering::SeqCst)
+    }
+}
+
+impl TickerShared {
+    fn run(&self, engine: &Engine) {
+        let mut idle = 0;
+        while !self.stop.load(Ordering::SeqCst) {
+            std::thread::park_timeout(EPOCH_TICK);
+            engine.increment_epoch();
+            if self.running.load(Ordering::SeqCst) > 0 {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < IDLE_TICKS {
+                continue;
+            }
+            // Announce the sleep before the last look: a call that starts after the look sees
+            // `asleep` and unparks (a park after an unpark returns at once), so none is missed.
+            self.asleep.store(true, Ordering::SeqCst);
+            if self.running.load(Ordering::SeqCst) == 0 && !self.stop.load(Ordering::SeqCst) {
+                std::thread::park();
+            }
+            self.asleep.store(false, Ordering::SeqCst);
+            idle = 0;
+        }
     }
 }
 
 impl Drop for EpochTicker {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.shared.stop.store(true, Ordering::SeqCst);
         if let Some(thread) = self.thread.take() {
             thread.thread().unpark();
             // A panic in the ticker cannot happen (it only sleeps and increments); ignore it.

@@ -11,6 +11,7 @@ use wasmtime::component::{Instance, TypedFunc};
 use wasmtime::{AsContextMut, Engine, Store, Trap};
 
 use super::bindings::{self, Guest, GuestPre, PolicyError};
+use super::blocking_io::allow_blocking;
 use super::engine::{EPOCH_TICK, EpochTicker};
 use super::sandbox::StoreState;
 use super::{Outcome, PolicyContext, PolicyLimits, PolicyRequest, TranslateError};
@@ -68,7 +69,8 @@ pub(super) struct Described {
 pub(super) struct Instances {
     name: Arc<str>,
     engine: Engine,
-    _ticker: Arc<EpochTicker>,
+    /// Keeps the epoch advancing while this policy's code runs (and alive while it exists).
+    ticker: Arc<EpochTicker>,
     pre: GuestPre<StoreState>,
     config: String,
     limits: PolicyLimits,
@@ -129,7 +131,7 @@ impl Instances {
         let mut instances = Instances {
             name,
             engine,
-            _ticker: ticker,
+            ticker,
             pre,
             config,
             limits,
@@ -255,7 +257,9 @@ impl Instances {
     ) -> Result<R, Fault> {
         warm.store.set_epoch_deadline(deadline_ticks(deadline));
         let Warm { store, exports } = warm;
-        let result = catch_unwind(AssertUnwindSafe(|| allow_blocking(|| f(exports, store))));
+        let running = self.ticker.running();
+        let result = catch_unwind(AssertUnwindSafe(|| f(exports, store)));
+        drop(running);
         match result {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(self.classify(store, &error, deadline)),
@@ -313,7 +317,11 @@ impl Instances {
         store.epoch_deadline_trap();
         let deadline = self.limits.setup_deadline;
         store.set_epoch_deadline(deadline_ticks(deadline));
-        match allow_blocking(|| self.instantiate_in(&mut store)) {
+        // A guest's start-up (Python's) may use any WASI function, blocking ones included.
+        let running = self.ticker.running();
+        let instantiated = allow_blocking(|| self.instantiate_in(&mut store));
+        drop(running);
+        match instantiated {
             Ok(exports) => Ok(Warm { store, exports }),
             Err(error) => match self.classify(&store, &error, deadline) {
                 Fault::Trap(reason) => Err(Fault::Instantiate(reason)),
@@ -361,19 +369,4 @@ fn deadline_ticks(deadline: Duration) -> u64 {
     let tick = EPOCH_TICK.as_nanos().max(1);
     let ticks = deadline.as_nanos().div_ceil(tick);
     u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
-}
-
-/// Run `f`, which may block, from wherever the caller is. WASI's synchronous bindings (a guest
-/// writing to stdout or stderr, a Python guest starting up) drive their I/O with
-/// `Handle::block_on`, which panics on a Tokio worker thread unless the worker was first told
-/// it may block; `block_in_place` tells it, at ~15 ns a call when no other task has to move.
-/// A current-thread runtime cannot hand its tasks elsewhere, so there `f` runs as is.
-fn allow_blocking<R>(f: impl FnOnce() -> R) -> R {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    match Handle::try_current() {
-        Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
-            tokio::task::block_in_place(f)
-        }
-        _ => f(),
-    }
 }

@@ -98,6 +98,7 @@ pub(super) fn linker(engine: &Engine) -> Result<Linker<StoreState>, LoadError> {
     Guest::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
         .map_err(link_error)?;
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(link_error)?;
+    super::blocking_io::shadow_in(&mut linker).map_err(link_error)?;
     Ok(linker)
 }
 

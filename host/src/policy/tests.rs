@@ -240,6 +240,31 @@ fn the_deadline_still_fires_after_the_host_is_dropped() {
 }
 
 #[test]
+fn a_loop_started_while_the_epoch_ticker_sleeps_still_hits_the_deadline() {
+    let host = host();
+    let deadline = host.limits().deadline;
+    let policy = load_misbehave(&host, "loop");
+    // Idle since the load: the ticker goes to sleep by itself after IDLE_TICKS. No event
+    // announces it, so look every tick, for at most 10 s. Were the call not to wake it, the
+    // loop would never be interrupted.
+    let ticker = host.inner.engine.ticker();
+    let mut looks = 0;
+    while !ticker.is_asleep() {
+        looks += 1;
+        assert!(looks < 2000, "the idle ticker never went to sleep");
+        std::thread::sleep(super::engine::EPOCH_TICK);
+    }
+    let started = Instant::now();
+    let e = translate(&policy, 17, 4).expect_err("loops");
+    let took = started.elapsed();
+    assert!(matches!(e, TranslateError::Deadline { .. }), "{e:?}");
+    assert!(
+        took < deadline * 10,
+        "took {took:?} for a {deadline:?} deadline"
+    );
+}
+
+#[test]
 fn allocating_past_the_cap_is_a_memory_error_and_the_instance_is_rebuilt() {
     // A deadline long enough that touching 16 MiB on a loaded CI machine never hits it first.
     let host = host_with_deadline(Duration::from_secs(5));
