@@ -13,7 +13,7 @@ use std::hint::black_box;
 use bytes::Bytes;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use futures::StreamExt;
-use switchyard::api::{Defaults, PromptTokenizer, Responder, Shape, parse_completion, sse_frame};
+use switchyard::api::{Defaults, PromptTokenizer, Responder, Shape, parse_completion};
 use switchyard::cluster::{Cluster, EndpointSnapshot, EndpointSpec, Role};
 use switchyard::microserving::{
     CompletionRequest, PrepRecvRequest, RemoteSendRequest, StartGenerateRequest, parse_chunks,
@@ -178,7 +178,9 @@ fn sse_relay(c: &mut Criterion) {
                 .expect("one chunk")
                 .expect("parses");
             let text = &parsed.choices[0].text;
-            black_box(sse_frame(&responder.text_chunk(text)))
+            let mut frame = Vec::new();
+            responder.text_frame(&mut frame, text);
+            black_box(frame)
         })
     });
 }

@@ -3,7 +3,7 @@
 //!
 //! | route | handler |
 //! |---|---|
-//! | `POST /v1/completions` | [`openai`] parse → [`Router::start`] → JSON or SSE |
+//! | `POST /v1/completions` | [`openai`] parse → [`Router::start_with`] → JSON or SSE |
 //! | `POST /v1/chat/completions` | the same, with the chat template and chat shapes |
 //! | `GET /v1/models`, `GET /health` | 503 until the endpoints are ready, then 200 |
 //! | `GET /metrics` | Prometheus text |
@@ -32,8 +32,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
+use futures::StreamExt;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
-use http_body_util::combinators::BoxBody;
+use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -47,18 +48,17 @@ pub use openai::Shape;
 pub use respond::ApiError;
 // The request path's pure pieces, for the hot-path benchmarks (host/benches/hot_path.rs).
 pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
-pub use sse::data as sse_frame;
 pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, TokenizerError};
 
-use crate::plan::{Event, RouteRequest, Router};
+use crate::plan::{Event, RouteRequest, Router, Routing};
 use crate::policy::{POLICY_HEADER, PolicyRegistry, SelectError};
 
 /// Every response body the router writes.
-pub type Body = BoxBody<Bytes, Infallible>;
+pub type Body = UnsyncBoxBody<Bytes, Infallible>;
 
 /// A whole body.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).boxed()
+    Full::new(bytes.into()).boxed_unsync()
 }
 
 /// What every handler shares.
@@ -296,10 +296,10 @@ async fn generate(
         template: parsed.template,
         arrived,
     };
-    let mut events = state.router.start_with(route, Arc::new(selection));
+    let mut routing = state.router.start_with(route, Arc::new(selection));
     // Nothing is committed until the first event: a request that fails before any text gets
     // a real error status instead of a 200 stream.
-    let Some(first) = events.recv().await else {
+    let Some(first) = routing.next().await else {
         return reject(
             &state,
             shape,
@@ -311,9 +311,9 @@ async fn generate(
         return reject(&state, shape, &ApiError::Route(error));
     }
     if stream {
-        return sse::stream_response(state, responder, first, events, arrived);
+        return sse::stream_response(state, responder, first, routing, arrived);
     }
-    collect(state, responder, first, events, arrived).await
+    collect(state, responder, first, routing, arrived).await
 }
 
 fn parse(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
@@ -332,7 +332,7 @@ async fn collect(
     state: Arc<AppState>,
     responder: Responder,
     first: Event,
-    mut events: tokio::sync::mpsc::Receiver<Event>,
+    mut routing: Routing,
     arrived: Instant,
 ) -> Response<Body> {
     let mut abandoned = CountIfAbandoned {
@@ -340,7 +340,7 @@ async fn collect(
         route: responder.shape.route(),
         armed: true,
     };
-    let response = collect_events(&state, &responder, first, &mut events, arrived).await;
+    let response = collect_events(&state, &responder, first, &mut routing, arrived).await;
     abandoned.armed = false;
     response
 }
@@ -367,7 +367,7 @@ async fn collect_events(
     state: &AppState,
     responder: &Responder,
     first: Event,
-    events: &mut tokio::sync::mpsc::Receiver<Event>,
+    routing: &mut Routing,
     arrived: Instant,
 ) -> Response<Body> {
     let mut text = String::new();
@@ -375,7 +375,7 @@ async fn collect_events(
     loop {
         let event = match next.take() {
             Some(e) => Some(e),
-            None => events.recv().await,
+            None => routing.next().await,
         };
         match event {
             Some(Event::Text(t)) => text.push_str(&t),

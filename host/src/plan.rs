@@ -12,7 +12,7 @@ mod validate;
 pub use execute::{AttemptId, ExecError, Execute, Executor, Generation, StepKind};
 pub use relay::{Delivered, Event};
 pub use retry::{
-    Planner, RetryPolicy, RetryPolicyError, RouteError, RouteRequest, Router, Summary,
+    Planner, RetryPolicy, RetryPolicyError, RouteError, RouteRequest, Router, Routing, Summary,
 };
 pub use validate::{PlanError, RemoteSend, ValidPlan, validate};
 

@@ -1,6 +1,7 @@
 //! `/v1/completions` and `/v1/chat/completions`: request parsing and validation, and the
 //! response and chunk shapes of both APIs.
 
+use serde::Serialize;
 use serde_json::{Map, Value, json};
 
 use super::respond::ApiError;
@@ -323,60 +324,81 @@ pub struct Responder {
 }
 
 impl Responder {
-    fn chunk(&self, choices: Value, usage: Option<Value>) -> Value {
-        let object = match self.shape {
-            Shape::Completion => "text_completion",
-            Shape::Chat => "chat.completion.chunk",
-        };
-        let mut chunk = json!({
-            "id": self.id, "object": object, "created": self.created, "model": self.model,
-            "choices": choices,
-        });
-        if self.include_usage {
-            chunk["usage"] = usage.unwrap_or(Value::Null);
+    /// The first frame of a chat stream announces the assistant role; completions have none.
+    pub fn opening_frame(&self, out: &mut Vec<u8>) {
+        if self.shape == Shape::Chat {
+            let delta = Delta {
+                role: Some("assistant"),
+                content: Some(""),
+            };
+            self.write_chunk(out, &[self.choice(delta, "", None)], None);
         }
-        chunk
     }
 
-    /// The first chunk of a chat stream announces the assistant role.
-    pub fn opening_chunk(&self) -> Option<Value> {
-        (self.shape == Shape::Chat).then(|| {
-            self.chunk(
-                json!([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                        "finish_reason": null, "logprobs": null}]),
-                None,
-            )
-        })
-    }
-
-    pub fn text_chunk(&self, text: &str) -> Value {
-        let choice = match self.shape {
-            Shape::Completion => {
-                json!({"index": 0, "text": text, "finish_reason": null, "logprobs": null})
-            }
-            Shape::Chat => {
-                json!({"index": 0, "delta": {"content": text}, "finish_reason": null, "logprobs": null})
-            }
+    /// One frame of generated text.
+    pub fn text_frame(&self, out: &mut Vec<u8>, text: &str) {
+        let delta = Delta {
+            role: None,
+            content: Some(text),
         };
-        self.chunk(json!([choice]), None)
+        self.write_chunk(out, &[self.choice(delta, text, None)], None);
     }
 
-    pub fn finish_chunk(&self, finish_reason: &str) -> Value {
-        let choice = match self.shape {
-            Shape::Completion => {
-                json!({"index": 0, "text": "", "finish_reason": finish_reason, "logprobs": null})
-            }
-            Shape::Chat => {
-                json!({"index": 0, "delta": {}, "finish_reason": finish_reason, "logprobs": null})
-            }
+    /// The frame that ends the choice with its finish reason.
+    pub fn finish_frame(&self, out: &mut Vec<u8>, finish_reason: &str) {
+        let delta = Delta {
+            role: None,
+            content: None,
         };
-        self.chunk(json!([choice]), None)
+        self.write_chunk(out, &[self.choice(delta, "", Some(finish_reason))], None);
     }
 
-    /// The usage-only chunk that ends a stream when `stream_options.include_usage` is set.
-    pub fn usage_chunk(&self, usage: &Usage) -> Option<Value> {
-        self.include_usage
-            .then(|| self.chunk(json!([]), Some(usage_json(usage))))
+    /// The usage-only frame that ends a stream when `stream_options.include_usage` is set.
+    pub fn usage_frame(&self, out: &mut Vec<u8>, usage: &Usage) {
+        if self.include_usage {
+            self.write_chunk::<ChunkChoice<'_>>(out, &[], Some(usage));
+        }
+    }
+
+    /// A chat choice carries `delta`, a completion choice `text`.
+    fn choice<'a>(
+        &self,
+        delta: Delta<'a>,
+        text: &'a str,
+        finish_reason: Option<&'a str>,
+    ) -> ChunkChoice<'a> {
+        let (text, delta) = match self.shape {
+            Shape::Completion => (Some(text), None),
+            Shape::Chat => (None, Some(delta)),
+        };
+        ChunkChoice {
+            index: 0,
+            text,
+            delta,
+            finish_reason,
+            logprobs: (),
+        }
+    }
+
+    /// `data: <chunk>\n\n`, serialised straight into `out` (no intermediate JSON value: this runs
+    /// once per streamed token).
+    fn write_chunk<C: Serialize>(&self, out: &mut Vec<u8>, choices: &[C], usage: Option<&Usage>) {
+        let chunk = Chunk {
+            id: &self.id,
+            object: match self.shape {
+                Shape::Completion => "text_completion",
+                Shape::Chat => "chat.completion.chunk",
+            },
+            created: self.created,
+            model: &self.model,
+            choices,
+            // With include_usage every chunk has the field, null but on the last one.
+            usage: self.include_usage.then_some(usage),
+        };
+        out.extend_from_slice(b"data: ");
+        // Writing these plain structs into a Vec cannot fail.
+        serde_json::to_writer(&mut *out, &chunk).expect("a stream chunk serialises");
+        out.extend_from_slice(b"\n\n");
     }
 
     /// A complete non-streaming response.
@@ -397,6 +419,39 @@ impl Responder {
             }),
         }
     }
+}
+
+/// One streamed chunk, in either API's shape.
+#[derive(Serialize)]
+struct Chunk<'a, C> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: &'a [C],
+    #[serde(skip_serializing_if = "Option::is_none")]
+    usage: Option<Option<&'a Usage>>,
+}
+
+/// A streamed choice: `text` for completions, `delta` for chat.
+#[derive(Serialize)]
+struct ChunkChoice<'a> {
+    index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    delta: Option<Delta<'a>>,
+    finish_reason: Option<&'a str>,
+    /// Always null: logprobs are not supported.
+    logprobs: (),
+}
+
+#[derive(Serialize)]
+struct Delta<'a> {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    role: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content: Option<&'a str>,
 }
 
 fn usage_json(usage: &Usage) -> Value {
@@ -486,6 +541,95 @@ mod tests {
         assert_eq!(
             param_of(parse(r#"{"prompt": "a", "temperature": "hot"}"#)),
             "temperature"
+        );
+    }
+
+    /// The JSON of each `data:` frame in `out`.
+    fn frames(out: &[u8]) -> Vec<Value> {
+        std::str::from_utf8(out)
+            .expect("utf-8")
+            .split_terminator("\n\n")
+            .map(|f| {
+                let json = f.strip_prefix("data: ").expect("a data frame");
+                serde_json::from_str(json).expect("a JSON chunk")
+            })
+            .collect()
+    }
+
+    fn responder(shape: Shape, include_usage: bool) -> Responder {
+        Responder {
+            shape,
+            id: "id-1".into(),
+            created: 7,
+            model: "m".into(),
+            include_usage,
+        }
+    }
+
+    #[test]
+    fn completion_chunks_have_the_openai_shape() {
+        let r = responder(Shape::Completion, true);
+        let mut out = Vec::new();
+        r.opening_frame(&mut out);
+        assert!(out.is_empty(), "completions have no role chunk");
+        r.text_frame(&mut out, "he said \"hi\"\n");
+        r.finish_frame(&mut out, "stop");
+        let usage = Usage {
+            prompt_tokens: 3,
+            completion_tokens: 2,
+            total_tokens: 5,
+        };
+        r.usage_frame(&mut out, &usage);
+        let envelope =
+            json!({"id": "id-1", "object": "text_completion", "created": 7, "model": "m"});
+        let with = |choices: Value, usage: Value| {
+            let mut chunk = envelope.clone();
+            chunk["choices"] = choices;
+            chunk["usage"] = usage;
+            chunk
+        };
+        assert_eq!(
+            frames(&out),
+            [
+                with(
+                    json!([{"index": 0, "text": "he said \"hi\"\n", "finish_reason": null, "logprobs": null}]),
+                    Value::Null
+                ),
+                with(
+                    json!([{"index": 0, "text": "", "finish_reason": "stop", "logprobs": null}]),
+                    Value::Null
+                ),
+                with(
+                    json!([]),
+                    json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
+                ),
+            ]
+        );
+    }
+
+    #[test]
+    fn chat_chunks_have_the_openai_shape_and_no_usage_unless_asked() {
+        let r = responder(Shape::Chat, false);
+        let mut out = Vec::new();
+        r.opening_frame(&mut out);
+        r.text_frame(&mut out, "hi");
+        r.finish_frame(&mut out, "length");
+        r.usage_frame(&mut out, &Usage::default());
+        let envelope =
+            json!({"id": "id-1", "object": "chat.completion.chunk", "created": 7, "model": "m"});
+        let with = |delta: Value, finish_reason: Value| {
+            let mut chunk = envelope.clone();
+            chunk["choices"] = json!([{"index": 0, "delta": delta,
+                "finish_reason": finish_reason, "logprobs": null}]);
+            chunk
+        };
+        assert_eq!(
+            frames(&out),
+            [
+                with(json!({"role": "assistant", "content": ""}), Value::Null),
+                with(json!({"content": "hi"}), Value::Null),
+                with(json!({}), json!("length")),
+            ]
         );
     }
 

@@ -1,62 +1,50 @@
 //! SSE framing to the client: one `data: <json>\n\n` per chunk, `data: [DONE]\n\n` last, and
 //! an OpenAI error event before `[DONE]` when the router gives up mid-stream (never a silent
 //! truncation). A stream the client abandons is counted with status 499 in `/metrics`.
+//!
+//! The response body drives the request itself ([`Routing`] has no task of its own): each time
+//! hyper asks for more, the body polls the routing, which reads whatever the engine has sent,
+//! and every event it yields goes out in one frame, so tokens that arrive together cost one
+//! write to the client.
 
 use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::Stream;
 use http::{Response, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::openai::Responder;
 use super::respond::ApiError;
 use super::{AppState, Body};
-use crate::plan::Event;
+use crate::plan::{Event, Routing};
 
-/// Stream `events` (starting with `first`, already received) to the client.
+/// Stream `routing`'s events (starting with `first`, already received) to the client.
 pub fn stream_response(
     state: Arc<AppState>,
     responder: Responder,
     first: Event,
-    events: mpsc::Receiver<Event>,
+    routing: Routing,
     arrived: Instant,
 ) -> Response<Body> {
-    let mut opening = responder
-        .opening_chunk()
-        .map(|c| data(&c))
-        .unwrap_or_default();
+    let mut opening = Vec::new();
+    responder.opening_frame(&mut opening);
     let relay = StreamRelay {
         state,
         responder,
-        events,
+        routing,
+        opening,
         pending: Some(first),
         last_text: None,
         done: false,
         arrived,
     };
-    let frames = futures::stream::unfold(relay, |mut relay| async move {
-        let bytes = relay.next_bytes().await?;
-        Some((Ok::<_, Infallible>(Frame::data(bytes)), relay))
-    });
-    let frames = frames.map(move |frame| {
-        // Prepend the chat role chunk to the first frame.
-        match (frame, opening.is_empty()) {
-            (Ok(f), false) => {
-                let mut bytes = std::mem::take(&mut opening);
-                if let Ok(d) = f.into_data() {
-                    bytes.extend_from_slice(&d);
-                }
-                Ok(Frame::data(Bytes::from(bytes)))
-            }
-            (f, _) => f,
-        }
-    });
-    let mut response = Response::new(BodyExt::boxed(StreamBody::new(frames)));
+    let mut response = Response::new(BodyExt::boxed_unsync(StreamBody::new(relay)));
     let headers = response.headers_mut();
     headers.insert(
         header::CONTENT_TYPE,
@@ -72,85 +60,89 @@ pub fn stream_response(
 struct StreamRelay {
     state: Arc<AppState>,
     responder: Responder,
-    events: mpsc::Receiver<Event>,
+    routing: Routing,
+    /// Bytes that go before the first event's (the chat role chunk).
+    opening: Vec<u8>,
+    /// The first event, received before the response was committed.
     pending: Option<Event>,
     last_text: Option<Instant>,
     done: bool,
     arrived: Instant,
 }
 
-/// Most bytes of queued events written to the client in one frame.
+/// Most bytes of events written to the client in one frame.
 const COALESCE_LIMIT: usize = 64 << 10;
 
-impl StreamRelay {
-    async fn next_bytes(&mut self) -> Option<Bytes> {
-        if self.done {
-            return None;
-        }
-        let event = match self.pending.take() {
-            Some(e) => Some(e),
-            None => self.events.recv().await,
-        };
-        let mut bytes = self.frame(event);
-        // Events already queued (the client's socket or this task fell behind the engine) go
-        // out in the same frame: one write instead of one per token. Nothing waits for more.
-        while !self.done && bytes.len() < COALESCE_LIMIT {
-            let Ok(event) = self.events.try_recv() else {
-                break;
-            };
-            bytes.extend_from_slice(&self.frame(Some(event)));
-        }
-        Some(Bytes::from(bytes))
-    }
+impl Stream for StreamRelay {
+    type Item = Result<Frame<Bytes>, Infallible>;
 
-    /// The client's bytes for one event (`None`: the routing task ended without a last one).
-    fn frame(&mut self, event: Option<Event>) -> Vec<u8> {
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        let mut out = std::mem::take(&mut this.opening);
+        if let Some(first) = this.pending.take() {
+            this.frame(first, &mut out);
+        }
+        // Everything the routing has ready goes in this frame; nothing waits for more.
+        while !this.done && out.len() < COALESCE_LIMIT {
+            match Pin::new(&mut this.routing).poll_next(cx) {
+                Poll::Ready(Some(event)) => this.frame(event, &mut out),
+                Poll::Ready(None) => this.abandoned(&mut out),
+                Poll::Pending => break,
+            }
+        }
+        match (out.is_empty(), this.done) {
+            (false, _) => Poll::Ready(Some(Ok(Frame::data(Bytes::from(out))))),
+            (true, true) => Poll::Ready(None),
+            (true, false) => Poll::Pending,
+        }
+    }
+}
+
+impl StreamRelay {
+    /// Append the client's bytes for one event.
+    fn frame(&mut self, event: Event, out: &mut Vec<u8>) {
         let route = self.responder.shape.route();
         match event {
-            Some(Event::Text(text)) => {
+            Event::Text(text) => {
                 let now = Instant::now();
                 if let Some(last) = self.last_text.replace(now) {
                     self.state.metrics.inter_token(now - last);
                 }
-                data(&self.responder.text_chunk(&text))
+                self.responder.text_frame(out, &text);
             }
-            Some(Event::Done {
+            Event::Done {
                 finish_reason,
                 usage,
                 summary,
-            }) => {
+            } => {
                 self.done = true;
                 self.state.metrics.request(route, 200);
                 self.state
                     .metrics
                     .finished(&summary, self.arrived.elapsed());
-                let mut out = data(&self.responder.finish_chunk(&finish_reason));
-                if let Some(u) = self.responder.usage_chunk(&usage) {
-                    out.extend_from_slice(&data(&u));
-                }
+                self.responder.finish_frame(out, &finish_reason);
+                self.responder.usage_frame(out, &usage);
                 out.extend_from_slice(b"data: [DONE]\n\n");
-                out
             }
-            Some(Event::Failed { error, summary }) => {
+            Event::Failed { error, summary } => {
                 self.done = true;
                 let error = ApiError::Route(error);
                 self.state.metrics.request(route, error.status().as_u16());
                 self.state
                     .metrics
                     .finished(&summary, self.arrived.elapsed());
-                let mut out = error.sse_event().to_vec();
+                out.extend_from_slice(&error.sse_event());
                 out.extend_from_slice(b"data: [DONE]\n\n");
-                out
-            }
-            None => {
-                // The routing task ended without a last event: say so rather than truncate.
-                self.done = true;
-                let error = ApiError::NotReady("the request was abandoned by the router");
-                let mut out = error.sse_event().to_vec();
-                out.extend_from_slice(b"data: [DONE]\n\n");
-                out
             }
         }
+    }
+
+    /// The routing ended without a last event: say so rather than truncate.
+    fn abandoned(&mut self, out: &mut Vec<u8>) {
+        self.done = true;
+        let error = ApiError::NotReady("the request was abandoned by the router");
+        out.extend_from_slice(&error.sse_event());
+        out.extend_from_slice(b"data: [DONE]\n\n");
     }
 }
 
@@ -161,16 +153,11 @@ pub(super) const CLIENT_CLOSED_REQUEST: u16 = 499;
 impl Drop for StreamRelay {
     fn drop(&mut self) {
         // Dropped before its last event: hyper dropped the body because the client went away
-        // (the router's task sees the closed channel and cancels every upstream leg).
+        // (the routing is dropped with it, which cancels every upstream leg).
         if !self.done {
             self.state
                 .metrics
                 .request(self.responder.shape.route(), CLIENT_CLOSED_REQUEST);
         }
     }
-}
-
-/// One SSE `data:` frame for the client.
-pub fn data(value: &serde_json::Value) -> Vec<u8> {
-    format!("data: {value}\n\n").into_bytes()
 }

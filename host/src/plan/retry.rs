@@ -23,10 +23,13 @@
 //! - The client going away drops the attempt in flight, which closes every upstream
 //!   connection (engines abort a request whose connection closes).
 
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use backon::BackoffBuilder;
+use futures::Stream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
@@ -230,6 +233,73 @@ impl State {
     }
 }
 
+/// A request being routed: the routed request's `run` future plus the events it queued. The
+/// routing has no task of its own: whoever polls it (the response body of a stream, the
+/// handler of a non-streaming request) drives the whole request, so an engine's chunk is
+/// read, reframed and written to the client in one task, and chunks that arrive together
+/// leave together. Dropping it drops every upstream leg and reports the request to its
+/// policy as cancelled.
+pub struct Routing {
+    /// `None` once the request is over (its sender is then gone: the queue ends).
+    run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    events: mpsc::Receiver<Event>,
+}
+
+/// Events a request may queue before its run waits for the consumer: the client's socket sets
+/// the pace, and a slow client holds back the engine's stream rather than the router's memory.
+const EVENT_QUEUE: usize = 64;
+
+impl Stream for Routing {
+    type Item = Event;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = self.get_mut();
+        loop {
+            if let Poll::Ready(event) = this.events.poll_recv(cx) {
+                return Poll::Ready(event);
+            }
+            // Nothing queued: drive the request until it queues an event or waits.
+            let Some(run) = this.run.as_mut() else {
+                // Unreachable: a finished run dropped its sender, so the queue said so above.
+                return Poll::Ready(None);
+            };
+            if run.as_mut().poll(cx).is_ready() {
+                this.run = None;
+            } else {
+                return this.events.poll_recv(cx);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routing")
+            .field("over", &self.run.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request and its state inside its run, which may be dropped at any await: the policy hears
+/// the outcome either way.
+struct Request {
+    req: RouteRequest,
+    state: State,
+    /// The run finished (and reported the outcome) rather than being dropped.
+    over: bool,
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if !self.over {
+            // The attempt in flight was dropped before this (it is a later local of the run),
+            // so its upstream connections are closed by now.
+            tracing::debug!(request = %self.req.request_id, "client went away; upstream legs dropped");
+            report(&self.req, &self.state, OutcomeStatus::Cancelled);
+        }
+    }
+}
+
 /// How one attempt ended.
 enum AttemptEnd {
     /// The request is over (done, failed or the client left).
@@ -261,46 +331,39 @@ impl<E: Execute> Router<E> {
         &self.executor
     }
 
-    /// Route `req` in a task of its own with the router's planner; events arrive on the
-    /// returned channel. Dropping the receiver cancels the request and every upstream leg.
-    pub fn start(self: &Arc<Self>, req: RouteRequest) -> mpsc::Receiver<Event> {
+    /// Route `req` with the router's planner; see [`Router::start_with`].
+    pub fn start(self: &Arc<Self>, req: RouteRequest) -> Routing {
         self.start_with(req, Arc::clone(&self.planner))
     }
 
-    /// [`Router::start`] with a planner chosen for this request (the policy it selected); every
-    /// attempt of the request is planned by it.
-    pub fn start_with(
-        self: &Arc<Self>,
-        req: RouteRequest,
-        planner: Arc<dyn Planner>,
-    ) -> mpsc::Receiver<Event> {
-        let (tx, rx) = mpsc::channel(64);
-        let router = self.clone();
-        tokio::spawn(async move {
-            let mut state = State::new(planner);
-            let cancelled = {
-                let run = router.run(&req, &tx, &mut state);
-                tokio::select! {
-                    () = tx.closed() => true,
-                    finished = run => !finished,
-                }
+    /// Route `req` with a planner chosen for this request (the policy it selected); every
+    /// attempt of the request is planned by it. Nothing runs until the returned [`Routing`] is
+    /// polled; dropping it cancels the request and every upstream leg.
+    pub fn start_with(self: &Arc<Self>, req: RouteRequest, planner: Arc<dyn Planner>) -> Routing {
+        let (tx, events) = mpsc::channel(EVENT_QUEUE);
+        let router = Arc::clone(self);
+        let run = async move {
+            let mut request = Request {
+                req,
+                state: State::new(planner),
+                over: false,
             };
-            if cancelled {
-                tracing::debug!(request = %req.request_id, "client went away; upstream legs dropped");
-                Self::report(&req, &state, OutcomeStatus::Cancelled);
-            }
-        });
-        rx
+            router.run(&request.req, &tx, &mut request.state).await;
+            request.over = true;
+        };
+        Routing {
+            run: Some(Box::pin(run)),
+            events,
+        }
     }
 
-    /// Returns false when the client went away.
-    async fn run(&self, req: &RouteRequest, tx: &mpsc::Sender<Event>, st: &mut State) -> bool {
+    async fn run(&self, req: &RouteRequest, tx: &mpsc::Sender<Event>, st: &mut State) {
         let mut backoff = self.retry.backoff();
         let mut failures = 0u32;
         let mut last_failure = None;
         loop {
             match self.attempt(req, tx, st, last_failure).await {
-                Ok(AttemptEnd::Over) => return !tx.is_closed(),
+                Ok(AttemptEnd::Over) => return,
                 Ok(AttemptEnd::Again {
                     failure,
                     progressed,
@@ -506,7 +569,7 @@ impl<E: Execute> Router<E> {
         usage: Usage,
     ) {
         st.summary.completion_tokens = usage.completion_tokens;
-        Self::report(req, st, OutcomeStatus::Ok);
+        report(req, st, OutcomeStatus::Ok);
         let summary = st.summary.clone();
         let _ = tx
             .send(Event::Done {
@@ -517,37 +580,37 @@ impl<E: Execute> Router<E> {
             .await;
     }
 
-    /// Returns whether the client was still there.
     async fn fail(
         &self,
         req: &RouteRequest,
         tx: &mpsc::Sender<Event>,
         st: &mut State,
         error: RouteError,
-    ) -> bool {
+    ) {
         tracing::warn!(request = %req.request_id, %error, "request failed");
         if let Ok(tokens) = self.count_tokens(&st.delivered.text) {
             st.summary.completion_tokens = tokens;
         }
-        Self::report(req, st, OutcomeStatus::Failed);
+        report(req, st, OutcomeStatus::Failed);
         let summary = st.summary.clone();
-        tx.send(Event::Failed { error, summary }).await.is_ok()
+        let _ = tx.send(Event::Failed { error, summary }).await;
     }
+}
 
-    fn report(req: &RouteRequest, st: &State, status: OutcomeStatus) {
-        let summary = &st.summary;
-        let outcome = Outcome {
-            request_id: req.id,
-            status,
-            attempts: summary.attempts,
-            generator: summary.generator,
-            prefix_matched: summary.prefix_matched,
-            completion_tokens: summary.completion_tokens,
-            ttft_us: summary.ttft.map_or(0, |d| d.as_micros() as u64),
-            e2e_us: req.arrived.elapsed().as_micros() as u64,
-        };
-        st.planner.on_complete(&outcome);
-    }
+/// Tell the request's planner how it ended.
+fn report(req: &RouteRequest, st: &State, status: OutcomeStatus) {
+    let summary = &st.summary;
+    let outcome = Outcome {
+        request_id: req.id,
+        status,
+        attempts: summary.attempts,
+        generator: summary.generator,
+        prefix_matched: summary.prefix_matched,
+        completion_tokens: summary.completion_tokens,
+        ttft_us: summary.ttft.map_or(0, |d| d.as_micros() as u64),
+        e2e_us: req.arrived.elapsed().as_micros() as u64,
+    };
+    st.planner.on_complete(&outcome);
 }
 
 fn failure_of(error: &ExecError) -> Failure {

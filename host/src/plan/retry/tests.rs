@@ -7,6 +7,7 @@
 
 use std::collections::VecDeque;
 
+use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
@@ -284,14 +285,14 @@ impl Harness {
         let mut delivered = String::new();
         loop {
             match events
-                .recv()
+                .next()
                 .await
-                .expect("a last event before the channel closes")
+                .expect("a last event before the stream ends")
             {
                 Event::Text(t) => delivered.push_str(&t),
                 last => {
                     assert!(
-                        events.recv().await.is_none(),
+                        events.next().await.is_none(),
                         "nothing after the last event"
                     );
                     return (delivered, last);
@@ -605,11 +606,11 @@ async fn a_stream_broken_after_text_continues_without_spending_the_budget() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn dropping_the_receiver_cancels_the_upstream_and_releases_in_flight() {
+async fn dropping_the_routing_cancels_the_upstream_and_releases_in_flight() {
     let (dropped_tx, dropped) = oneshot::channel();
     let mut h = Harness::new(policy(3, ms(10), ms(100)), vec![Script::Hang(dropped_tx)]);
     let mut events = h.router.start(Harness::request("hello", 100));
-    assert!(matches!(events.recv().await, Some(Event::Text(t)) if t == "a"));
+    assert!(matches!(events.next().await, Some(Event::Text(t)) if t == "a"));
     let cluster = h.router.executor().cluster().clone();
     assert_eq!(
         cluster.snapshot()[0].in_flight,
