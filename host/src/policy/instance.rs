@@ -255,11 +255,10 @@ impl Instances {
         deadline: Duration,
         f: impl FnOnce(&Exports, &mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
-        warm.store.set_epoch_deadline(deadline_ticks(deadline));
         let Warm { store, exports } = warm;
-        let running = self.ticker.running();
-        let result = catch_unwind(AssertUnwindSafe(|| f(exports, store)));
-        drop(running);
+        let result = self.under_deadline(store, deadline, |store| {
+            catch_unwind(AssertUnwindSafe(|| f(exports, store)))
+        });
         match result {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(error)) => Err(self.classify(store, &error, deadline)),
@@ -268,6 +267,19 @@ impl Instances {
                 panic_message(&*panic)
             ))),
         }
+    }
+
+    /// Run guest code in `store` under `deadline`: the deadline is set, and the epoch ticker
+    /// kept ticking until `f` returns (a sleeping ticker would never end a runaway guest).
+    fn under_deadline<R>(
+        &self,
+        store: &mut Store<StoreState>,
+        deadline: Duration,
+        f: impl FnOnce(&mut Store<StoreState>) -> R,
+    ) -> R {
+        store.set_epoch_deadline(deadline_ticks(deadline));
+        let _running = self.ticker.running();
+        f(store)
     }
 
     fn classify(
@@ -316,11 +328,10 @@ impl Instances {
         store.limiter(|s| &mut s.limiter);
         store.epoch_deadline_trap();
         let deadline = self.limits.setup_deadline;
-        store.set_epoch_deadline(deadline_ticks(deadline));
         // A guest's start-up (Python's) may use any WASI function, blocking ones included.
-        let running = self.ticker.running();
-        let instantiated = allow_blocking(|| self.instantiate_in(&mut store));
-        drop(running);
+        let instantiated = self.under_deadline(&mut store, deadline, |store| {
+            allow_blocking(|| self.instantiate_in(store))
+        });
         match instantiated {
             Ok(exports) => Ok(Warm { store, exports }),
             Err(error) => match self.classify(&store, &error, deadline) {
