@@ -327,62 +327,53 @@ impl Responder {
     /// The first frame of a chat stream announces the assistant role; completions have none.
     pub fn opening_frame(&self, out: &mut Vec<u8>) {
         if self.shape == Shape::Chat {
-            let delta = Delta {
-                role: Some("assistant"),
-                content: Some(""),
-            };
-            self.write_chunk(out, &[self.choice(delta, "", None)], None);
+            self.write_choice(out, Some("assistant"), Some(""), None);
         }
     }
 
     /// One frame of generated text.
     pub fn text_frame(&self, out: &mut Vec<u8>, text: &str) {
-        let delta = Delta {
-            role: None,
-            content: Some(text),
-        };
-        self.write_chunk(out, &[self.choice(delta, text, None)], None);
+        self.write_choice(out, None, Some(text), None);
     }
 
     /// The frame that ends the choice with its finish reason.
     pub fn finish_frame(&self, out: &mut Vec<u8>, finish_reason: &str) {
-        let delta = Delta {
-            role: None,
-            content: None,
-        };
-        self.write_chunk(out, &[self.choice(delta, "", Some(finish_reason))], None);
+        self.write_choice(out, None, None, Some(finish_reason));
     }
 
     /// The usage-only frame that ends a stream when `stream_options.include_usage` is set.
     pub fn usage_frame(&self, out: &mut Vec<u8>, usage: &Usage) {
         if self.include_usage {
-            self.write_chunk::<ChunkChoice<'_>>(out, &[], Some(usage));
+            self.write_chunk(out, &[], Some(usage));
         }
     }
 
-    /// A chat choice carries `delta`, a completion choice `text`.
-    fn choice<'a>(
+    /// A frame of one choice: a chat choice carries a `delta` of `role` and `content`, a
+    /// completion choice the `text` alone.
+    fn write_choice(
         &self,
-        delta: Delta<'a>,
-        text: &'a str,
-        finish_reason: Option<&'a str>,
-    ) -> ChunkChoice<'a> {
+        out: &mut Vec<u8>,
+        role: Option<&str>,
+        content: Option<&str>,
+        finish_reason: Option<&str>,
+    ) {
         let (text, delta) = match self.shape {
-            Shape::Completion => (Some(text), None),
-            Shape::Chat => (None, Some(delta)),
+            Shape::Completion => (Some(content.unwrap_or("")), None),
+            Shape::Chat => (None, Some(Delta { role, content })),
         };
-        ChunkChoice {
+        let choice = ChunkChoice {
             index: 0,
             text,
             delta,
             finish_reason,
             logprobs: (),
-        }
+        };
+        self.write_chunk(out, &[choice], None);
     }
 
     /// `data: <chunk>\n\n`, serialised straight into `out` (no intermediate JSON value: this runs
     /// once per streamed token).
-    fn write_chunk<C: Serialize>(&self, out: &mut Vec<u8>, choices: &[C], usage: Option<&Usage>) {
+    fn write_chunk(&self, out: &mut Vec<u8>, choices: &[ChunkChoice<'_>], usage: Option<&Usage>) {
         let chunk = Chunk {
             id: &self.id,
             object: match self.shape {
@@ -423,12 +414,12 @@ impl Responder {
 
 /// One streamed chunk, in either API's shape.
 #[derive(Serialize)]
-struct Chunk<'a, C> {
+struct Chunk<'a> {
     id: &'a str,
     object: &'static str,
     created: u64,
     model: &'a str,
-    choices: &'a [C],
+    choices: &'a [ChunkChoice<'a>],
     #[serde(skip_serializing_if = "Option::is_none")]
     usage: Option<Option<&'a Usage>>,
 }
