@@ -163,22 +163,27 @@ impl StreamRelay {
                 out.extend_from_slice(b"data: [DONE]\n\n");
             }
             Event::Failed { error, summary } => {
-                self.done = true;
                 let error = ApiError::Route(error);
                 self.state.metrics.request(route, error.status().as_u16());
                 self.state
                     .metrics
                     .finished(&summary, self.arrived.elapsed());
-                out.extend_from_slice(&error.sse_event());
-                out.extend_from_slice(b"data: [DONE]\n\n");
+                self.end_with(&error, out);
             }
         }
     }
 
     /// The routing ended without a last event: say so rather than truncate.
     fn abandoned(&mut self, out: &mut Vec<u8>) {
+        self.end_with(
+            &ApiError::NotReady("the request was abandoned by the router"),
+            out,
+        );
+    }
+
+    /// End the stream with `error`'s OpenAI error event, then `[DONE]`.
+    fn end_with(&mut self, error: &ApiError, out: &mut Vec<u8>) {
         self.done = true;
-        let error = ApiError::NotReady("the request was abandoned by the router");
         out.extend_from_slice(&error.sse_event());
         out.extend_from_slice(b"data: [DONE]\n\n");
     }
