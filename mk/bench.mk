@@ -1,5 +1,5 @@
 # The router-overhead benchmark behind README's "Performance" section (not part of `make test`):
-#   make bench-overhead   release build + plugins, then scripts/bench-overhead.sh
+#   make bench-overhead   release build + plugins + the pass-through proxy, then scripts/bench-overhead.sh
 #                         (RUNS=3 NUM_REQUESTS=2000 ... override its defaults; see the script)
 # Included by the top-level Makefile.
 
@@ -7,4 +7,5 @@
 
 ## bench-overhead: routed vs direct on reference engines, median of 3 runs -> target/bench-overhead/summary.md
 bench-overhead: plugins release
+	$(CARGO) build --release -p switchyard --example passthrough
 	scripts/bench-overhead.sh

@@ -8,15 +8,23 @@
 # the seed, so machine noise hits both arms alike. Scenarios:
 #
 #   forward-null      round-robin policy (one /v1/completions), null engines
+#   passthrough-null  the same requests through host/examples/passthrough.rs instead of switchyard:
+#                     a proxy on switchyard's HTTP stack that reads nothing and plans nothing,
+#                     so its added latency is what the stack itself costs on this machine
 #   disagg-null       disagg policy (prep_recv -> remote_send -> start_generate), null engines
 #   disagg-realistic  disagg policy, engines on the llama3-8b-h100 latency profile
 #   large-body        disagg, ~1 MiB token-id prompts, concurrency 16, null engines
+#   loopback relay    scripts/loopback_relay.py: what one extra process hop costs on this
+#                     machine with no HTTP at all
 #
-# Each of the first three runs RUNS times (default 3); the table reports the median of the
-# runs. The null scenarios also get one routed-only run at concurrency 16 for the router's
+# The null scenarios run at concurrency CONCURRENCY (default 4, which keeps the 2-vCPU machine
+# busy) and, with a "-c1" suffix, at concurrency 1 (each request alone: no queueing behind
+# another). Each compared scenario runs RUNS times (default 3); the table reports the median of
+# the runs. forward and disagg also get one routed-only run at concurrency 16 for the router's
 # request rate. Results: $OUT/<scenario>-<run>.json and $OUT/summary.md.
 #
-# Needs target/release/switchyard and plugins/*.wasm: `make bench-overhead` builds both first.
+# Needs target/release/switchyard, target/release/examples/passthrough and plugins/*.wasm:
+# `make bench-overhead` builds them first.
 # Everything it starts is stopped when it exits (normally, on error or on Ctrl-C).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +45,9 @@ ENGINE_PORTS=($((BASE_PORT + 1)) $((BASE_PORT + 2)))
 KV_PORTS=($((BASE_PORT + 11)) $((BASE_PORT + 12)))
 ROUTER_URL=http://127.0.0.1:$ROUTER_PORT
 
-for need in "$BIN" plugins/disagg.wasm plugins/round-robin.wasm; do
+PASSTHROUGH=${PASSTHROUGH:-target/release/examples/passthrough}
+
+for need in "$BIN" "$PASSTHROUGH" plugins/disagg.wasm plugins/round-robin.wasm; do
     [[ -e $need ]] || { echo "missing $need: run 'make bench-overhead'" >&2; exit 1; }
 done
 command -v curl >/dev/null || { echo "curl is needed to wait for readiness" >&2; exit 1; }
@@ -102,6 +112,16 @@ start_router() {
     wait_ok "$ROUTER_URL/health"
 }
 
+# start_passthrough NAME: the do-nothing proxy in front of both engines, in place of the router.
+start_passthrough() {
+    local name=$1
+    "$PASSTHROUGH" "$ROUTER_PORT" "http://127.0.0.1:${ENGINE_PORTS[0]}" \
+        "http://127.0.0.1:${ENGINE_PORTS[1]}" >"$OUT/logs/$name-router.log" 2>&1 &
+    ROUTER_PID=$!
+    PIDS+=("$ROUTER_PID")
+    wait_ok "$ROUTER_URL/v1/models"
+}
+
 # bench NAME [BENCH ARGS...]: one run against the router, results in $OUT/NAME.json.
 bench() {
     local name=$1
@@ -111,14 +131,22 @@ bench() {
         | tee "$OUT/$name.txt"
 }
 
-# scenario NAME POLICY PLAN PROFILE REQUESTS: RUNS compared runs on fresh processes.
+# scenario NAME FRONT PLAN PROFILE REQUESTS CONCURRENCY: RUNS compared runs on fresh processes.
+# FRONT is the router's policy, or "passthrough" for the do-nothing proxy. The direct arm is
+# given the engines explicitly, as the proxy has no /admin/endpoints to learn them from.
 scenario() {
-    local name=$1 policy=$2 plan=$3 profile=$4 requests=$5 run
+    local name=$1 front=$2 plan=$3 profile=$4 requests=$5 concurrency=$6 run
     for ((run = 1; run <= RUNS; run++)); do
         start_engines "$name" "$profile"
-        start_router "$name" "$policy"
+        if [[ $front == passthrough ]]; then
+            start_passthrough "$name"
+        else
+            start_router "$name" "$front"
+        fi
         bench "$name-$run" --compare-direct --plan "$plan" --seed "$run" \
-            --num-requests "$requests" --concurrency "$CONCURRENCY" \
+            --endpoint "http://127.0.0.1:${ENGINE_PORTS[0]}" \
+            --endpoint "http://127.0.0.1:${ENGINE_PORTS[1]}" \
+            --num-requests "$requests" --concurrency "$concurrency" \
             --input-len 128 --output-len 32
         stop_all
     done
@@ -134,11 +162,15 @@ throughput() {
 }
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
-scenario forward-null round-robin forward null "$NUM_REQUESTS"
+for c in "$CONCURRENCY" 1; do
+    suffix=$([[ $c == 1 ]] && echo -c1 || true)
+    scenario "forward-null$suffix" round-robin forward null "$NUM_REQUESTS" "$c"
+    scenario "passthrough-null$suffix" passthrough forward null "$NUM_REQUESTS" "$c"
+    scenario "disagg-null$suffix" disagg disagg null "$NUM_REQUESTS" "$c"
+done
 throughput forward-null-rate round-robin
-scenario disagg-null disagg disagg null "$NUM_REQUESTS"
 throughput disagg-null-rate disagg
-scenario disagg-realistic disagg disagg llama3-8b-h100 "$REALISTIC_REQUESTS"
+scenario disagg-realistic disagg disagg llama3-8b-h100 "$REALISTIC_REQUESTS" "$CONCURRENCY"
 
 # Large bodies: each engine needs KV pages for 16 prompts of LARGE_INPUT_LEN tokens.
 start_engines large-body null --kv-pages $((17 * LARGE_INPUT_LEN / 16))
@@ -147,4 +179,8 @@ bench large-body --compare-direct --plan disagg --num-requests "$LARGE_REQUESTS"
     --concurrency 16 --prompt-format tokens --input-len "$LARGE_INPUT_LEN" --output-len 16
 stop_all
 
-python3 scripts/overhead_table.py "$OUT" "$RUNS" | tee "$OUT/summary.md"
+{
+    python3 scripts/overhead_table.py "$OUT" "$RUNS" "$CONCURRENCY"
+    echo
+    python3 scripts/loopback_relay.py
+} | tee "$OUT/summary.md"

@@ -1,0 +1,94 @@
+//! The floor under any HTTP router built on switchyard's stack: a reverse proxy that does only
+//! what every router must. It forwards each request (method, path, body unread) to the engines
+//! in turn (round-robin) and streams their answers back unread, on the same stack as switchyard
+//! (hyper server, reqwest client with pooled keep-alive connections, a multi-thread Tokio
+//! runtime, TCP_NODELAY on both sides).
+//!
+//! `scripts/bench-overhead.sh` runs the forward scenario through it as well, so the table can say
+//! how much of switchyard's added latency any proxy hop pays here (an extra loopback round trip,
+//! two HTTP parses, task wake-ups) and how much is switchyard's own work.
+//!
+//! Usage: passthrough PORT ENGINE_URL [ENGINE_URL...]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use futures::TryStreamExt;
+use http_body_util::{BodyExt, StreamBody, combinators::BoxBody};
+use hyper::body::{Frame, Incoming};
+use hyper::{Request, Response, StatusCode};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+struct Upstreams {
+    client: reqwest::Client,
+    urls: Vec<String>,
+    next: AtomicUsize,
+}
+
+type Body = BoxBody<bytes::Bytes, std::io::Error>;
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let usage = "usage: passthrough PORT ENGINE_URL [ENGINE_URL...]";
+    let port: u16 = args.next().ok_or_else(|| anyhow::anyhow!(usage))?.parse()?;
+    let urls: Vec<String> = args.collect();
+    anyhow::ensure!(!urls.is_empty(), usage);
+    let upstreams = Arc::new(Upstreams {
+        client: reqwest::Client::builder().tcp_nodelay(true).build()?,
+        urls,
+        next: AtomicUsize::new(0),
+    });
+    let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], port))).await?;
+    loop {
+        let (stream, _) = listener.accept().await?;
+        stream.set_nodelay(true)?;
+        let upstreams = upstreams.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| proxy(upstreams.clone(), req));
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Body>, Infallible> {
+    let base = &up.urls[up.next.fetch_add(1, Ordering::Relaxed) % up.urls.len()];
+    let (parts, body) = req.into_parts();
+    let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
+        return Ok(status(StatusCode::BAD_REQUEST));
+    };
+    let answer = up
+        .client
+        .request(parts.method, format!("{base}{path}"))
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(body)
+        .send()
+        .await;
+    let Ok(answer) = answer else {
+        return Ok(status(StatusCode::BAD_GATEWAY));
+    };
+    let mut response = Response::builder().status(answer.status());
+    if let Some(kind) = answer.headers().get(http::header::CONTENT_TYPE) {
+        response = response.header(http::header::CONTENT_TYPE, kind);
+    }
+    let frames = answer
+        .bytes_stream()
+        .map_ok(Frame::data)
+        .map_err(std::io::Error::other);
+    // The status and content type are the engine's own, so the response builds.
+    Ok(response
+        .body(BodyExt::boxed(StreamBody::new(frames)))
+        .unwrap_or_else(|_| status(StatusCode::BAD_GATEWAY)))
+}
+
+fn status(code: StatusCode) -> Response<Body> {
+    let empty = http_body_util::Empty::new().map_err(|never| match never {});
+    let mut response = Response::new(BodyExt::boxed(empty));
+    *response.status_mut() = code;
+    response
+}
