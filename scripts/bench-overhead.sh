@@ -162,8 +162,10 @@ throughput() {
 }
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
-for c in "$CONCURRENCY" 1; do
-    suffix=$([[ $c == 1 ]] && echo -c1 || true)
+# The suffix names the run set, not its concurrency: CONCURRENCY=1 still writes both sets, which
+# overhead_table.py reads.
+for set in ":$CONCURRENCY" "-c1:1"; do
+    suffix=${set%%:*} c=${set##*:}
     scenario "forward-null$suffix" round-robin forward null "$NUM_REQUESTS" "$c"
     scenario "passthrough-null$suffix" passthrough forward null "$NUM_REQUESTS" "$c"
     scenario "disagg-null$suffix" disagg disagg null "$NUM_REQUESTS" "$c"
