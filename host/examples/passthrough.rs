@@ -62,13 +62,11 @@ async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Bo
     let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
         return Ok(status(StatusCode::BAD_REQUEST));
     };
-    let answer = up
-        .client
-        .request(parts.method, format!("{base}{path}"))
-        .header(http::header::CONTENT_TYPE, "application/json")
-        .body(body)
-        .send()
-        .await;
+    let mut request = up.client.request(parts.method, format!("{base}{path}"));
+    if let Some(kind) = parts.headers.get(http::header::CONTENT_TYPE) {
+        request = request.header(http::header::CONTENT_TYPE, kind);
+    }
+    let answer = request.body(body).send().await;
     let Ok(answer) = answer else {
         return Ok(status(StatusCode::BAD_GATEWAY));
     };
