@@ -62,13 +62,13 @@ fn main() {
     });
 }
 
-/// The 4096-token prompt's slots in a paged pool: pages of `PAGE` slots in random order.
-fn scattered_pages(rng: &mut StdRng, tokens: u32) -> Vec<u32> {
-    let mut pages: Vec<u32> = (0..tokens / PAGE).collect();
+/// A prompt's slots in a paged pool: pages of `page` slots in random order.
+fn scattered_pages(rng: &mut StdRng, tokens: u32, page: u32) -> Vec<u32> {
+    let mut pages: Vec<u32> = (0..tokens / page).collect();
     pages.shuffle(rng);
     pages
         .into_iter()
-        .flat_map(|p| p * PAGE..(p + 1) * PAGE)
+        .flat_map(|p| p * page..(p + 1) * page)
         .collect()
 }
 
@@ -86,8 +86,8 @@ async fn run(setup: &Setup) {
         src_pool.write_slot(s, &slot);
         dst_pool.write_slot(s, &vec![0; bpt]); // fault the pages in before timing
     }
-    let src_slots = scattered_pages(&mut rng, setup.tokens);
-    let dst_slots = scattered_pages(&mut rng, setup.tokens);
+    let src_slots = scattered_pages(&mut rng, setup.tokens, PAGE);
+    let dst_slots = scattered_pages(&mut rng, setup.tokens, PAGE);
     let dst_info = KvAddrInfo::from_slots(dst_slots.iter().copied());
 
     let mut transports = Vec::new();

@@ -9,7 +9,9 @@
 //! - `cuda transport (2 processes)`: the same into a pool of a child process, over CUDA IPC.
 //!
 //! Every method runs in the same interleaved rounds, and every ratio is to the contiguous copy
-//! measured in those rounds. Without a usable device it prints `SKIPPED` and why.
+//! measured in those rounds. A second table sweeps the run size at the same total bytes, from
+//! one 8 KiB slot per run to 64-slot runs of 8 MiB, which is what `RunCopier::default_method`
+//! is chosen from. Without a usable device it prints `SKIPPED` and why.
 
 use std::collections::HashMap;
 use std::io::{BufRead as _, BufReader, Write as _};
@@ -76,8 +78,8 @@ pub(super) async fn run(setup: &Setup) {
         rng.fill_bytes(&mut slot);
         src.write_slot(s, &slot);
     }
-    let src_slots = scattered_pages(&mut rng, setup.tokens);
-    let dst_slots = scattered_pages(&mut rng, setup.tokens);
+    let src_slots = scattered_pages(&mut rng, setup.tokens, PAGE);
+    let dst_slots = scattered_pages(&mut rng, setup.tokens, PAGE);
     let dst_info = KvAddrInfo::from_slots(dst_slots.iter().copied());
     let copier = SlotCopier::new(&src).expect("copier");
 
@@ -178,6 +180,89 @@ pub(super) async fn run(setup: &Setup) {
         lat.sort();
         let p99 = lat[(lat.len() * 99 / 100).min(lat.len() - 1)];
         println!("| {label} | {:.2?} | {p99:.2?} |", median(&mut lat));
+    }
+    drop((p, d, child, copier, src, dst));
+    sweep_run_sizes(setup, total);
+}
+
+/// A model with small slots (8 KiB: 16 layers × 2 KV heads × 64 dims, fp16), so a run of one
+/// slot is a short copy.
+const SHAPE_8K: KvShape = KvShape {
+    layers: 16,
+    kv_heads: 2,
+    head_dim: 64,
+    dtype_bytes: 2,
+};
+
+/// Both copy methods against the contiguous copy, at `total` bytes per transfer, for runs from
+/// 8 KiB to 8 MiB: where each method wins decides the default.
+fn sweep_run_sizes(setup: &Setup, total: usize) {
+    const CASES: [(KvShape, u32); 6] = [
+        (SHAPE_8K, 1),
+        (SHAPE_8K, 16),
+        (KvShape::LLAMA3_8B, 1),
+        (KvShape::LLAMA3_8B, 4),
+        (KvShape::LLAMA3_8B, 16),
+        (KvShape::LLAMA3_8B, 64),
+    ];
+    println!(
+        "\nrun-size sweep: {} MiB per transfer, slots shuffled in runs on both sides, {} rounds",
+        total >> 20,
+        setup.rounds
+    );
+    println!(
+        "| slot | slots/run | run | runs | d2d | batched | kernel | batched ÷ d2d | kernel ÷ d2d |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let mut rng = StdRng::seed_from_u64(7);
+    for (shape, run) in CASES {
+        let bpt = shape.bytes_per_token();
+        let tokens = u32::try_from(total / bpt).expect("slot count");
+        let new_pool = || Arc::new(KvStore::new_on(DEVICE, shape, tokens).expect("device pool"));
+        let (src, dst) = (new_pool(), new_pool());
+        let mut slot = vec![0u8; bpt];
+        for s in 0..tokens {
+            rng.fill_bytes(&mut slot);
+            src.write_slot(s, &slot);
+        }
+        let src_slots = scattered_pages(&mut rng, tokens, run);
+        let dst_slots = scattered_pages(&mut rng, tokens, run);
+        let copier = SlotCopier::new(&src).expect("copier");
+        let mut runs = 0;
+        for method in CopyMethod::ALL {
+            runs = copier
+                .copy_slots(method, &src, &src_slots, &dst, &dst_slots)
+                .unwrap_or_else(|e| panic!("{method} copy: {e}"));
+            verify(
+                &src,
+                &dst,
+                &src_slots,
+                &dst_slots,
+                &format!("{method}, {run}-slot runs"),
+            );
+        }
+        let mut times: [Vec<Duration>; 3] = Default::default();
+        for _ in 0..setup.rounds {
+            let started = Instant::now();
+            copier.copy_prefix(&src, &dst, tokens).expect("d2d");
+            times[0].push(started.elapsed());
+            for (i, method) in CopyMethod::ALL.into_iter().enumerate() {
+                let started = Instant::now();
+                copier
+                    .copy_slots(method, &src, &src_slots, &dst, &dst_slots)
+                    .expect("copy");
+                times[1 + i].push(started.elapsed());
+            }
+        }
+        let [d2d, batched, kernel] = times.map(|mut t| median(&mut t));
+        let ratio = |t: Duration| d2d.as_secs_f64() / t.as_secs_f64();
+        println!(
+            "| {} KiB | {run} | {} KiB | {runs} | {d2d:.2?} | {batched:.2?} | {kernel:.2?} | {:.2} | {:.2} |",
+            bpt >> 10,
+            (bpt * run as usize) >> 10,
+            ratio(batched),
+            ratio(kernel)
+        );
     }
 }
 

@@ -32,7 +32,7 @@ pub(crate) use pool::DevicePool;
 
 use parking_lot::Mutex;
 
-use super::runs::common_runs;
+use super::runs::{CopyRun, common_runs};
 use super::{CudaError, KvError, KvStore};
 use copy::RunCopier;
 use transport::device_pool;
@@ -65,7 +65,6 @@ impl SlotCopier {
 
     /// Copies `src_slots[i]` of `src` into `dst_slots[i]` of `dst` (merged into runs), and
     /// returns once the bytes are in place; returns the number of runs.
-    #[allow(unsafe_code, reason = "copying between two checked pools")]
     pub fn copy_slots(
         &self,
         method: CopyMethod,
@@ -74,29 +73,51 @@ impl SlotCopier {
         dst: &KvStore,
         dst_slots: &[u32],
     ) -> Result<usize, KvError> {
-        let (src_pool, dst_pool) = (device_pool(src)?, device_pool(dst)?);
         check_slots(src, dst, src_slots, dst_slots)?;
         let runs = common_runs(src_slots, dst_slots.iter().copied());
-        // SAFETY: every slot was checked against its pool above, both pools are borrowed for
-        // the whole (synchronous) copy, and they share a shape, so runs stay inside them.
+        self.copy_checked_runs(method, src, dst, &runs)?;
+        Ok(runs.len())
+    }
+
+    /// Copies the first `slots` slots of `src` to the start of `dst` as one contiguous copy:
+    /// the device-to-device roofline a scattered transfer is measured against. It takes no
+    /// slot list, so none is built, checked or merged on the clock (for 65536 small slots that
+    /// host work took longer than the copy).
+    pub fn copy_prefix(&self, src: &KvStore, dst: &KvStore, slots: u32) -> Result<(), KvError> {
+        let Some(last) = slots.checked_sub(1) else {
+            return Ok(());
+        };
+        check_slots(src, dst, &[last], &[last])?;
+        let run = CopyRun {
+            src: 0,
+            dst: 0,
+            len: slots,
+        };
+        self.copy_checked_runs(CopyMethod::Batched, src, dst, &[run])
+    }
+
+    /// Copies `runs`, already checked against both pools by [`check_slots`].
+    #[allow(unsafe_code, reason = "copying between two checked pools")]
+    fn copy_checked_runs(
+        &self,
+        method: CopyMethod,
+        src: &KvStore,
+        dst: &KvStore,
+        runs: &[CopyRun],
+    ) -> Result<(), KvError> {
+        let (src_pool, dst_pool) = (device_pool(src)?, device_pool(dst)?);
+        // SAFETY: the caller checked every run's slots against its pool, both pools are
+        // borrowed for the whole (synchronous) copy, and they share a shape, so runs stay
+        // inside them.
         unsafe {
             self.copier.lock().copy_runs(
                 method,
                 src_pool.buffer().ptr(),
                 dst_pool.buffer().ptr(),
-                &runs,
+                runs,
                 src.shape().bytes_per_token(),
-            )?;
+            )
         }
-        Ok(runs.len())
-    }
-
-    /// Copies the first `slots` slots of `src` to the start of `dst` as one contiguous copy:
-    /// the device-to-device roofline a scattered transfer is measured against.
-    pub fn copy_prefix(&self, src: &KvStore, dst: &KvStore, slots: u32) -> Result<(), KvError> {
-        let all: Vec<u32> = (0..slots).collect();
-        self.copy_slots(CopyMethod::Batched, src, &all, dst, &all)
-            .map(|_| ())
     }
 }
 
