@@ -123,7 +123,7 @@ impl Stream for StreamRelay {
 /// The first frame is never held: it carries the first token, which is what the client is
 /// waiting for, and a real engine sends it alone. A turn is not free either: on a machine
 /// with idle cores each self-wake also wakes a parked worker, and holding the first frame
-/// added ~300 µs to the time to first token on 16 vCPUs (~50 µs on 2).
+/// added 150–300 µs to the time to first token on 16 vCPUs (50–100 µs on 2).
 #[derive(Debug, Default)]
 struct Coalescer {
     frames_written: u32,
