@@ -71,25 +71,17 @@ pub(super) async fn run(setup: &Setup) {
     let bpt = shape.bytes_per_token();
     let total = setup.tokens as usize * bpt;
     let mut rng = StdRng::seed_from_u64(42);
-    let new_pool = || Arc::new(KvStore::new_on(DEVICE, shape, setup.tokens).expect("device pool"));
-    let (src, dst) = (new_pool(), new_pool());
-    let mut slot = vec![0u8; bpt];
-    for s in 0..setup.tokens {
-        rng.fill_bytes(&mut slot);
-        src.write_slot(s, &slot);
-    }
-    let src_slots = scattered_pages(&mut rng, setup.tokens, PAGE);
-    let dst_slots = scattered_pages(&mut rng, setup.tokens, PAGE);
+    let copy = ScatteredCopy::new(&mut rng, shape, setup.tokens, PAGE);
+    copy.check_methods();
+    let ScatteredCopy {
+        src,
+        dst,
+        src_slots,
+        dst_slots,
+        copier,
+        ..
+    } = &copy;
     let dst_info = KvAddrInfo::from_slots(dst_slots.iter().copied());
-    let copier = SlotCopier::new(&src).expect("copier");
-
-    // Warm up and check every method once (the kernel is compiled here, not in the rounds).
-    for method in CopyMethod::ALL {
-        copier
-            .copy_slots(method, &src, &src_slots, &dst, &dst_slots)
-            .unwrap_or_else(|e| panic!("{method} copy: {e}"));
-        verify(&src, &dst, &src_slots, &dst_slots, &method.to_string());
-    }
     let d = KvTransport::start(TransportKind::Cuda, dst.clone(), None, HashMap::new())
         .await
         .expect("receiver");
@@ -101,13 +93,11 @@ pub(super) async fn run(setup: &Setup) {
     )
     .await
     .expect("sender");
-    p.send(1, &src_slots, &dst_info)
-        .await
-        .expect("warm-up send");
-    verify(&src, &dst, &src_slots, &dst_slots, "transport");
+    p.send(1, src_slots, &dst_info).await.expect("warm-up send");
+    verify(src, dst, src_slots, dst_slots, "transport");
     let child = ChildPool::spawn(setup.tokens);
     p.add_peer(2, child.addr.clone()).expect("child peer");
-    p.send(2, &src_slots, &dst_info)
+    p.send(2, src_slots, &dst_info)
         .await
         .expect("warm-up IPC send");
 
@@ -122,19 +112,12 @@ pub(super) async fn run(setup: &Setup) {
     .map(|n| (n.to_owned(), Vec::new()))
     .collect();
     for _ in 0..setup.rounds {
-        let started = Instant::now();
-        copier.copy_prefix(&src, &dst, setup.tokens).expect("d2d");
-        times[0].1.push(started.elapsed());
-        for (i, method) in CopyMethod::ALL.into_iter().enumerate() {
-            let started = Instant::now();
-            copier
-                .copy_slots(method, &src, &src_slots, &dst, &dst_slots)
-                .expect("copy");
-            times[1 + i].1.push(started.elapsed());
+        for (i, t) in copy.time_round().into_iter().enumerate() {
+            times[i].1.push(t);
         }
         for (i, rank) in [1u32, 2].into_iter().enumerate() {
             let started = Instant::now();
-            p.send(rank, &src_slots, &dst_info).await.expect("send");
+            p.send(rank, src_slots, &dst_info).await.expect("send");
             times[3 + i].1.push(started.elapsed());
         }
     }
@@ -181,8 +164,95 @@ pub(super) async fn run(setup: &Setup) {
         let p99 = lat[(lat.len() * 99 / 100).min(lat.len() - 1)];
         println!("| {label} | {:.2?} | {p99:.2?} |", median(&mut lat));
     }
-    drop((p, d, child, copier, src, dst));
+    drop((p, d, child, copy));
     sweep_run_sizes(setup, total);
+}
+
+/// Two device pools of one shape, the source filled with random bytes, the slots of a transfer
+/// between them (pages of `page` slots shuffled on both sides), and a copier.
+struct ScatteredCopy {
+    src: Arc<KvStore>,
+    dst: Arc<KvStore>,
+    src_slots: Vec<u32>,
+    dst_slots: Vec<u32>,
+    copier: SlotCopier,
+    tokens: u32,
+    page: u32,
+}
+
+impl ScatteredCopy {
+    fn new(rng: &mut StdRng, shape: KvShape, tokens: u32, page: u32) -> Self {
+        let new_pool = || Arc::new(KvStore::new_on(DEVICE, shape, tokens).expect("device pool"));
+        let (src, dst) = (new_pool(), new_pool());
+        let mut slot = vec![0u8; shape.bytes_per_token()];
+        for s in 0..tokens {
+            rng.fill_bytes(&mut slot);
+            src.write_slot(s, &slot);
+        }
+        let src_slots = scattered_pages(rng, tokens, page);
+        let dst_slots = scattered_pages(rng, tokens, page);
+        let copier = SlotCopier::new(&src).expect("copier");
+        ScatteredCopy {
+            src,
+            dst,
+            src_slots,
+            dst_slots,
+            copier,
+            tokens,
+            page,
+        }
+    }
+
+    /// Copies once with every method and checks every byte (this also warms up: the kernel is
+    /// compiled here, not in the rounds). Returns the number of runs.
+    fn check_methods(&self) -> usize {
+        let mut runs = 0;
+        for method in CopyMethod::ALL {
+            runs = self
+                .copier
+                .copy_slots(
+                    method,
+                    &self.src,
+                    &self.src_slots,
+                    &self.dst,
+                    &self.dst_slots,
+                )
+                .unwrap_or_else(|e| panic!("{method} copy: {e}"));
+            let what = format!("{method}, {}-slot runs", self.page);
+            verify(
+                &self.src,
+                &self.dst,
+                &self.src_slots,
+                &self.dst_slots,
+                &what,
+            );
+        }
+        runs
+    }
+
+    /// One timed round: the contiguous copy of every slot, then the scattered transfer with
+    /// each method, in [`CopyMethod::ALL`] order.
+    fn time_round(&self) -> [Duration; 3] {
+        let started = Instant::now();
+        self.copier
+            .copy_prefix(&self.src, &self.dst, self.tokens)
+            .expect("d2d");
+        let mut times = [started.elapsed(); 3];
+        for (i, method) in CopyMethod::ALL.into_iter().enumerate() {
+            let started = Instant::now();
+            self.copier
+                .copy_slots(
+                    method,
+                    &self.src,
+                    &self.src_slots,
+                    &self.dst,
+                    &self.dst_slots,
+                )
+                .expect("copy");
+            times[1 + i] = started.elapsed();
+        }
+        times
+    }
 }
 
 /// A model with small slots (8 KiB: 16 layers × 2 KV heads × 64 dims, fp16), so a run of one
@@ -218,40 +288,12 @@ fn sweep_run_sizes(setup: &Setup, total: usize) {
     for (shape, run) in CASES {
         let bpt = shape.bytes_per_token();
         let tokens = u32::try_from(total / bpt).expect("slot count");
-        let new_pool = || Arc::new(KvStore::new_on(DEVICE, shape, tokens).expect("device pool"));
-        let (src, dst) = (new_pool(), new_pool());
-        let mut slot = vec![0u8; bpt];
-        for s in 0..tokens {
-            rng.fill_bytes(&mut slot);
-            src.write_slot(s, &slot);
-        }
-        let src_slots = scattered_pages(&mut rng, tokens, run);
-        let dst_slots = scattered_pages(&mut rng, tokens, run);
-        let copier = SlotCopier::new(&src).expect("copier");
-        let mut runs = 0;
-        for method in CopyMethod::ALL {
-            runs = copier
-                .copy_slots(method, &src, &src_slots, &dst, &dst_slots)
-                .unwrap_or_else(|e| panic!("{method} copy: {e}"));
-            verify(
-                &src,
-                &dst,
-                &src_slots,
-                &dst_slots,
-                &format!("{method}, {run}-slot runs"),
-            );
-        }
+        let copy = ScatteredCopy::new(&mut rng, shape, tokens, run);
+        let runs = copy.check_methods();
         let mut times: [Vec<Duration>; 3] = Default::default();
         for _ in 0..setup.rounds {
-            let started = Instant::now();
-            copier.copy_prefix(&src, &dst, tokens).expect("d2d");
-            times[0].push(started.elapsed());
-            for (i, method) in CopyMethod::ALL.into_iter().enumerate() {
-                let started = Instant::now();
-                copier
-                    .copy_slots(method, &src, &src_slots, &dst, &dst_slots)
-                    .expect("copy");
-                times[1 + i].push(started.elapsed());
+            for (i, t) in copy.time_round().into_iter().enumerate() {
+                times[i].push(t);
             }
         }
         let [d2d, batched, kernel] = times.map(|mut t| median(&mut t));
