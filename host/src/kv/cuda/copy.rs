@@ -73,9 +73,10 @@ impl RunCopier {
     }
 
     /// The kernel where NVRTC built it, else batched copies. The kernel won at every run size
-    /// the `kv_transfer` benchmark's GPU group sweeps (H100, 512 MiB per transfer): 0.87–0.98
-    /// of a contiguous device copy for 2 MiB runs where batched copies reach 0.29–0.35, and
-    /// 0.91–0.99 against 0.62–0.67 for 8 MiB runs; per-run launch gaps dominate batched copies.
+    /// the `kv_transfer` benchmark's GPU group sweeps (H100, 512 MiB per transfer, five runs):
+    /// 0.87–0.98 of a contiguous device copy for 2 MiB runs where batched copies reach
+    /// 0.22–0.35, and 0.89–0.99 against 0.62–0.67 for 8 MiB runs; per-run launch gaps dominate
+    /// batched copies.
     pub(crate) fn default_method(&self) -> CopyMethod {
         if self.kernel.is_ok() {
             CopyMethod::Kernel
