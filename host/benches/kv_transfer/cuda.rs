@@ -23,7 +23,8 @@ use rand::rngs::StdRng;
 use rand::{RngCore, SeedableRng};
 use switchyard::kv::cuda::{CopyMethod, SlotCopier};
 use switchyard::kv::{
-    KvAddrInfo, KvDevice, KvShape, KvStore, KvTransport, PeerAddr, TransportKind, cuda_probe,
+    KvAddrInfo, KvDevice, KvError, KvShape, KvStore, KvTransport, PeerAddr, TransportKind,
+    cuda_probe,
 };
 
 use super::{PAGE, Setup, median, scattered_pages};
@@ -203,20 +204,24 @@ impl ScatteredCopy {
         }
     }
 
+    /// The scattered transfer with `method`; the number of runs it made.
+    fn copy(&self, method: CopyMethod) -> Result<usize, KvError> {
+        self.copier.copy_slots(
+            method,
+            &self.src,
+            &self.src_slots,
+            &self.dst,
+            &self.dst_slots,
+        )
+    }
+
     /// Copies once with every method and checks every byte (this also warms up: the kernel is
     /// compiled here, not in the rounds). Returns the number of runs.
     fn check_methods(&self) -> usize {
         let mut runs = 0;
         for method in CopyMethod::ALL {
             runs = self
-                .copier
-                .copy_slots(
-                    method,
-                    &self.src,
-                    &self.src_slots,
-                    &self.dst,
-                    &self.dst_slots,
-                )
+                .copy(method)
                 .unwrap_or_else(|e| panic!("{method} copy: {e}"));
             let what = format!("{method}, {}-slot runs", self.page);
             verify(
@@ -240,15 +245,7 @@ impl ScatteredCopy {
         let mut times = [started.elapsed(); 3];
         for (i, method) in CopyMethod::ALL.into_iter().enumerate() {
             let started = Instant::now();
-            self.copier
-                .copy_slots(
-                    method,
-                    &self.src,
-                    &self.src_slots,
-                    &self.dst,
-                    &self.dst_slots,
-                )
-                .expect("copy");
+            self.copy(method).expect("copy");
             times[1 + i] = started.elapsed();
         }
         times
