@@ -40,15 +40,17 @@ fmt:
 
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p switchyard --features cuda --all-targets -- -D warnings
+	$(CARGO) clippy -p switchyard-kv -p switchyard-engine -p switchyard --features cuda --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
 		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p priority-rust-policy \
 		-- -D warnings
 
+# Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
 test-rust:
-	$(CARGO) test --workspace
+	env -u SWITCHYARD_BLESS $(CARGO) test --workspace
 # The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
-	$(CARGO) test -p switchyard --features cuda --lib kv::
+	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-kv -p switchyard-engine --features cuda --lib
+	scripts/check-crate-graph.py --self-test
 
 # The official OpenAI Python client against `switchyard up` (the venv is created on first use).
 $(VENV)/.installed: tests/python/requirements.txt
@@ -62,7 +64,7 @@ test-python: $(VENV)/.installed build plugins
 
 ## bench: criterion micro-benchmarks and the KV transfer benchmark (not part of `make test`)
 bench: plugins
-	$(CARGO) bench -p switchyard
+	$(CARGO) bench -p switchyard-kv -p switchyard-policy-host -p switchyard-router
 
 clean:
 	$(CARGO) clean

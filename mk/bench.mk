@@ -7,5 +7,5 @@
 
 ## bench-overhead: routed vs direct on reference engines, median of 3 runs -> target/bench-overhead/summary.md
 bench-overhead: plugins release
-	$(CARGO) build --release -p switchyard --example passthrough
+	$(CARGO) build --release -p switchyard-bench --example passthrough
 	scripts/bench-overhead.sh

@@ -16,7 +16,9 @@ COMPONENTIZE_PY_VERSION := 0.25.1
 EXAMPLES_OUT    := target/examples
 GUEST_VENV      := .venv-guests
 EXAMPLES_WIT    := wit/policy.wit
-EXAMPLES_CARGO_OUT := $(or $(CARGO_TARGET_DIR),target)/wasm32-wasip2/guest
+# Guests build in a target directory of their own (as in mk/guests.mk, shared with the tests).
+EXAMPLES_TARGET_DIR := target/guest-build
+EXAMPLES_CARGO_OUT := $(EXAMPLES_TARGET_DIR)/wasm32-wasip2/guest
 
 PRIORITY_SRC := $(wildcard examples/priority-rust/src/*.rs) examples/priority-rust/Cargo.toml \
 	$(wildcard sdk/src/*.rs) sdk/Cargo.toml
@@ -51,7 +53,8 @@ examples/slo-js/node_modules/.installed: examples/slo-js/package.json examples/s
 # Cargo decides what to rebuild; make only skips calling it when nothing changed.
 $(EXAMPLES_OUT)/priority-rust.wasm: $(PRIORITY_SRC) $(EXAMPLES_WIT)
 	@rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
-	$(CARGO) build --target wasm32-wasip2 --profile guest -p priority-rust-policy
+	$(CARGO) build --target wasm32-wasip2 --profile guest -p priority-rust-policy \
+		--target-dir $(EXAMPLES_TARGET_DIR)
 	@mkdir -p $(@D)
 	cp $(EXAMPLES_CARGO_OUT)/priority_rust_policy.wasm $@.partial && mv $@.partial $@
 
@@ -70,6 +73,7 @@ $(EXAMPLES_OUT)/slo-js.wasm: $(SLO_SRC) $(EXAMPLES_WIT) examples/slo-js/node_mod
 examples-test: examples
 	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
 	$(CARGO) test -p priority-rust-policy
-	$(CARGO) test -p switchyard --test examples --test policy_new
+	$(CARGO) test -p switchyard-policy-host --test examples
+	$(CARGO) test -p switchyard --test policy_new
 	$(CARGO) build -p switchyard --bin switchyard
 	$(CARGO) test -p switchyard-tests --test e2e examples::

@@ -1,12 +1,16 @@
 # Guest components, built from source (never committed as .wasm):
 #   make plugins   the built-in policies  -> plugins/disagg.wasm, plugins/round-robin.wasm
-#   make guests    the test guests        -> target/test-guests/{misbehave,other-world,stateful,init-fails}.wasm
+#   make guests    the test guests        (the tests build what they need on first use too,
+#                                          through switchyard-tests; this builds them ahead)
+# Guests build in a target directory of their own, target/guest-build, which the tests' own
+# guest builds share: a nested cargo there never waits on the lock of the build running tests.
 # Included by the top-level Makefile.
 
 CARGO ?= cargo
 WASM_TARGET := wasm32-wasip2
-GUEST_OUT   := $(or $(CARGO_TARGET_DIR),target)/$(WASM_TARGET)/guest
-TEST_GUESTS := target/test-guests
+GUEST_TARGET_DIR := target/guest-build
+GUEST_OUT   := $(GUEST_TARGET_DIR)/$(WASM_TARGET)/guest
+GUEST_BUILD := $(CARGO) build --target $(WASM_TARGET) --profile guest --target-dir $(GUEST_TARGET_DIR)
 
 # `plugins` is also a directory: without .PHONY make would call it up to date.
 .PHONY: plugins guests wasm-target
@@ -28,15 +32,10 @@ endef
 
 ## plugins: build the built-in policies into plugins/*.wasm (rewritten only when changed)
 plugins: wasm-target
-	$(CARGO) build --target $(WASM_TARGET) --profile guest -p disagg-policy -p round-robin-policy
+	$(GUEST_BUILD) -p disagg-policy -p round-robin-policy
 	$(call install-component,$(GUEST_OUT)/disagg_policy.wasm,plugins/disagg.wasm)
 	$(call install-component,$(GUEST_OUT)/round_robin_policy.wasm,plugins/round-robin.wasm)
 
-## guests: build the test guests the host's tests load (misbehaving policy, other world)
+## guests: build the test guests the host's tests load (misbehaving policy, other world, ...)
 guests: wasm-target
-	$(CARGO) build --target $(WASM_TARGET) --profile guest -p misbehave-policy -p other-world \
-		-p stateful-policy -p init-fails-policy
-	$(call install-component,$(GUEST_OUT)/misbehave_policy.wasm,$(TEST_GUESTS)/misbehave.wasm)
-	$(call install-component,$(GUEST_OUT)/other-world.wasm,$(TEST_GUESTS)/other-world.wasm)
-	$(call install-component,$(GUEST_OUT)/stateful_policy.wasm,$(TEST_GUESTS)/stateful.wasm)
-	$(call install-component,$(GUEST_OUT)/init_fails_policy.wasm,$(TEST_GUESTS)/init-fails.wasm)
+	$(GUEST_BUILD) -p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy

@@ -8,7 +8,7 @@
 # the seed, so machine noise hits both arms alike. Scenarios:
 #
 #   forward-null      round-robin policy (one /v1/completions), null engines
-#   passthrough-null  the same requests through host/examples/passthrough.rs instead of switchyard:
+#   passthrough-null  the same requests through host/bench/examples/passthrough.rs instead of switchyard:
 #                     a proxy on switchyard's HTTP stack that reads nothing and plans nothing,
 #                     so its added latency is what the stack itself costs on this machine
 #   disagg-null       disagg policy (prep_recv -> remote_send -> start_generate), null engines

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
-use switchyard::kv::KvAddrInfo;
-use switchyard::test_util::EngineProcess;
+use switchyard_kv::KvAddrInfo;
+use switchyard_tests::EngineProcess;
 
 use crate::http::{client, post, post_json, sse_payloads};
 
@@ -235,7 +235,7 @@ async fn disaggregated_tokens_match_a_single_engine_over_shm() {
 /// with `--features switchyard/cuda` and a GPU; otherwise reported skipped by name.
 #[tokio::test]
 async fn disaggregated_tokens_match_a_single_engine_over_cuda() {
-    if let Err(e) = switchyard::kv::cuda_probe(0) {
+    if let Err(e) = switchyard_kv::cuda_probe(0) {
         // Uncaptured, so the skip shows in the run's output.
         use std::io::Write as _;
         let _ = writeln!(
@@ -483,7 +483,7 @@ fn bad_engine_flags_exit_with_the_usage_code() {
         ],
     ];
     for flags in cases {
-        let out = std::process::Command::new(switchyard::test_util::switchyard_bin())
+        let out = std::process::Command::new(switchyard_tests::switchyard_bin())
             .arg("engine")
             .args(flags)
             .output()

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use futures::future::join_all;
 use serde_json::{Value, json};
-use switchyard::test_util::{EngineProcess, UpProcess};
+use switchyard_tests::{EngineProcess, UpProcess};
 
 use crate::http::{client, post_json};
 use crate::router::{assert_completion_matches, metric, post_or_get, prompts, reference};
@@ -34,7 +34,7 @@ fn built_example(name: &str) -> PathBuf {
 }
 
 fn workspace_target() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../target")
+    switchyard_tests::checkout().join("target")
 }
 
 /// Held while one router starts (see `deploy`).
@@ -51,7 +51,7 @@ struct Deployed {
 
 /// Copy the built example into a fresh plugins directory and start `switchyard up --policy
 /// NAME` over it. The compile cache is the one
-/// `host/tests/examples.rs` fills, so the Python and JavaScript components compile once.
+/// `host/policy-host/tests/examples.rs` fills, so the Python and JavaScript components compile once.
 async fn deploy(name: &str, up_args: &[&str]) -> Deployed {
     let plugins = tempfile::tempdir().expect("temporary plugins directory");
     std::fs::copy(

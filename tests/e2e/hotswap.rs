@@ -6,14 +6,14 @@
 //! Guests: `make plugins guests`. Every wait polls `/admin/policies` for the awaited state,
 //! within a deadline.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use switchyard::test_util::{RouterProcess, free_port, plugins_dir};
+use switchyard_tests::{Guest, RouterProcess, free_port, guest_bytes, plugins_dir};
 
 /// How long one swap (or refusal) may take to show in `/admin/policies`.
 const SWAP_DEADLINE: Duration = Duration::from_secs(15);
@@ -25,28 +25,17 @@ fn client() -> reqwest::Client {
         .expect("reqwest client")
 }
 
-fn workspace(relative: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("..")
-        .join(relative)
-}
-
-fn read_guest(relative: &str, make_target: &str) -> Vec<u8> {
-    let path = workspace(relative);
-    std::fs::read(&path).unwrap_or_else(|e| {
-        panic!(
-            "cannot read {}: {e}; build it with `make {make_target}`",
-            path.display()
-        )
-    })
-}
-
 fn builtin(name: &str) -> Vec<u8> {
     std::fs::read(plugins_dir().join(format!("{name}.wasm"))).expect("a built-in policy")
 }
 
 fn test_guest(name: &str) -> Vec<u8> {
-    read_guest(&format!("target/test-guests/{name}.wasm"), "guests")
+    guest_bytes(match name {
+        "misbehave" => Guest::MISBEHAVE,
+        "other-world" => Guest::OTHER_WORLD,
+        "init-fails" => Guest::INIT_FAILS,
+        other => panic!("no test guest {other}"),
+    })
 }
 
 fn sha256(bytes: &[u8]) -> String {

@@ -13,7 +13,7 @@ use http_body_util::{BodyExt as _, Full};
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
-use switchyard::test_util::{EngineProcess, RouterProcess};
+use switchyard_tests::{EngineProcess, RouterProcess};
 
 use crate::http::{client, post, post_json, sse_payloads};
 
@@ -428,7 +428,7 @@ fn model_dir_with_template() -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(
         dir.path().join("tokenizer.json"),
-        switchyard::engine::BYTE_LEVEL_TOKENIZER_JSON,
+        switchyard_wire::tokenizer::BYTE_LEVEL_TOKENIZER_JSON,
     )
     .expect("write tokenizer.json");
     let config = json!({"chat_template": MODEL_DIR_TEMPLATE});

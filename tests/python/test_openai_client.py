@@ -47,7 +47,8 @@ def base_url():
 
 @pytest.fixture(scope="module")
 def client(base_url):
-    return openai.OpenAI(base_url=base_url, api_key="unused")
+    # No client retries: the client's default (2) would hide a transient 5xx from the router.
+    return openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
 
 
 PROMPT = "Disaggregated serving splits prefill from decode"

@@ -1,0 +1,102 @@
+//! What a policy is asked and what it answers with: the request and context of one attempt,
+//! the outcome report, and the errors a planning call can end in.
+
+use std::time::Duration;
+
+use crate::endpoint::EndpointSnapshot;
+use crate::plan::EndpointId;
+
+/// The request as a policy sees it. Only the first `PolicyInfo::prompt_tokens` tokens of
+/// `prompt` are copied into the guest.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyRequest<'a> {
+    pub id: u64,
+    pub prompt: &'a [u32],
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub model: &'a str,
+    pub user: Option<&'a str>,
+    /// The request's `x-*` headers, names lower-case.
+    pub headers: &'a [(String, String)],
+}
+
+/// What the router knows when it plans one attempt.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyContext {
+    /// 1 for the first attempt.
+    pub attempt: u32,
+    pub last_failure: Option<Failure>,
+    /// Every endpoint, ordered by id.
+    pub endpoints: Vec<EndpointSnapshot>,
+}
+
+/// Why the previous attempt failed, and where.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub endpoint: EndpointId,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureKind {
+    Preempted,
+    EndpointError,
+    Timeout,
+}
+
+/// How a request ended, reported to the policy's `on-complete`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    pub request_id: u64,
+    pub status: OutcomeStatus,
+    pub attempts: u32,
+    pub generator: Option<EndpointId>,
+    pub prefix_matched: u32,
+    pub completion_tokens: u32,
+    pub ttft_us: u64,
+    pub e2e_us: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutcomeStatus {
+    Ok,
+    Failed,
+    Cancelled,
+}
+
+/// Why a policy gave no plan for a request.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TranslateError {
+    /// The policy says no endpoint can serve the request now.
+    #[error("policy {policy}: unavailable: {message}")]
+    Unavailable { policy: String, message: String },
+    /// The policy refuses this request.
+    #[error("policy {policy}: rejected the request: {message}")]
+    Rejected { policy: String, message: String },
+    /// The policy reports a bug or unexpected state of its own.
+    #[error("policy {policy}: internal error: {message}")]
+    Internal { policy: String, message: String },
+    #[error("policy {policy}: ran past its {} ms deadline", deadline.as_millis())]
+    Deadline { policy: String, deadline: Duration },
+    #[error("policy {policy}: exceeded its memory cap of {limit_bytes} bytes")]
+    MemoryExceeded { policy: String, limit_bytes: usize },
+    #[error("policy {policy}: trapped: {reason}")]
+    Trap { policy: String, reason: String },
+    /// The instance died earlier and could not be rebuilt.
+    #[error("policy {policy}: no instance available: {reason}")]
+    Instantiate { policy: String, reason: String },
+}
+
+impl TranslateError {
+    /// True when the sandbox stopped the policy (trap, deadline, memory), as opposed to the
+    /// policy answering with an error of its own.
+    pub fn is_fault(&self) -> bool {
+        matches!(
+            self,
+            TranslateError::Deadline { .. }
+                | TranslateError::MemoryExceeded { .. }
+                | TranslateError::Trap { .. }
+                | TranslateError::Instantiate { .. }
+        )
+    }
+}

@@ -1,0 +1,412 @@
+//! The reference engine behind `switchyard engine`: it speaks MLC-LLM's microserving API.
+//!
+//! Real MLC engines need GPUs and NVSHMEM; this one needs neither but behaves like an engine: a
+//! paged KV pool with finite pages ([`kv_pool`]), a continuous-batching step loop with prefix
+//! cache, prep_recv reservations that expire, and MLC's preemption under KV pressure
+//! ([`scheduler`]), a latency model ([`latency`]) and a deterministic model that writes real KV
+//! bytes and reads them back to choose each token ([`model`]). KV moves between engines through
+//! [`switchyard_kv`], so a disaggregated run yields exactly the tokens of a single-engine run
+//! only if every transferred slot is right.
+//!
+//! This crate depends on the wire types (`switchyard-wire`) and the KV data path
+//! (`switchyard-kv`) only: never on the router or the policy host, which are its clients.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), switchyard_engine::EngineError> {
+//! let args = switchyard_engine::EngineArgs::from_flags(["--port", "0", "--prefix-cache"])
+//!     .expect("valid flags");
+//! let engine = switchyard_engine::start(&args).await?;
+//! println!("{}", engine.ready_line());
+//! # Ok(()) }
+//! ```
+#![deny(unsafe_code)]
+
+mod http;
+pub mod kv_pool;
+pub mod latency;
+pub mod metrics;
+pub mod model;
+mod ready;
+mod response;
+pub mod scheduler;
+
+pub use ready::{ReadyLine, ReadyLineError};
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use latency::{Latency, Profile};
+use metrics::Metrics;
+use scheduler::{Core, CoreConfig};
+use switchyard_kv::{
+    KvDevice, KvError, KvShape, KvStore, KvTransport, PeerAddr, TransportConfig, TransportKind,
+    parse_rank_addr,
+};
+
+/// The KV shape the model writes, by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModelShape {
+    /// 2 layers × 2 KV heads × 16 dims × fp16: 256 B per token.
+    Small,
+    /// Llama-3-8B: 32 layers × 8 KV heads × 128 dims × fp16: 128 KiB per token.
+    #[value(name = "llama3-8b")]
+    Llama3_8b,
+}
+
+impl ModelShape {
+    pub fn kv_shape(self) -> KvShape {
+        match self {
+            ModelShape::Small => KvShape::SMALL,
+            ModelShape::Llama3_8b => KvShape::LLAMA3_8B,
+        }
+    }
+}
+
+/// `switchyard engine` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// HTTP port (0 picks a free one; the ready line says which).
+    #[arg(long)]
+    pub port: u16,
+    /// HTTP listen address.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// This engine's first GPU id in the shared KV-transfer world (MLC's recv_rank).
+    #[arg(long, default_value_t = 0)]
+    pub device_rank: u32,
+    /// KV pool size in pages.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_pages: u32,
+    /// Token positions per KV page (the prefix cache shares whole pages).
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub page_size: u32,
+    /// Reuse KV of earlier requests with the same token prefix (whole pages).
+    #[arg(long)]
+    pub prefix_cache: bool,
+    /// The KV shape the model writes (bytes per token, which sets transfer sizes).
+    #[arg(long, value_enum, default_value = "small")]
+    pub model_shape: ModelShape,
+    /// Latency profile: `null` (no delays) or `llama3-8b-h100`.
+    #[arg(long, default_value = "null", value_parser = clap::builder::PossibleValuesParser::new(Profile::ALL.map(|p| p.name)))]
+    pub profile: String,
+    /// Multiplies every simulated delay (0 = as fast as possible).
+    #[arg(long, default_value_t = 1.0, value_parser = parse_time_scale)]
+    pub time_scale: f64,
+    /// How KV moves between engines: `tcp` (any host), `shm` (same host), `cuda` (GPU pools).
+    #[arg(long, value_enum, default_value = "tcp")]
+    pub kv_transport: TransportKind,
+    /// Where the KV pool lives: `cpu`, or `cuda:N` for GPU N (with `--kv-transport cuda`, in a
+    /// build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    pub kv_device: KvDevice,
+    /// Where to receive KV transfers (`tcp:IP:PORT`, `unix:/path`, `unix:@name`); default: an
+    /// ephemeral one, printed in the ready line. Whoever reaches a tcp address can write this
+    /// engine's reserved KV slots: keep it on loopback or a trusted network.
+    #[arg(long)]
+    pub kv_listen: Option<PeerAddr>,
+    /// Another engine's KV address, `RANK=ADDR` (repeatable).
+    #[arg(long = "kv-peer", value_parser = parse_rank_addr)]
+    pub kv_peers: Vec<(u32, PeerAddr)>,
+    /// Bound on one whole KV push to a peer (remote_send), connecting included.
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub kv_transfer_timeout_ms: u64,
+    /// Fault injection: preempt every K-th decoding request half-way through its max_tokens.
+    #[arg(long)]
+    pub preempt_every: Option<u64>,
+    /// The model name `/v1/models` reports and responses carry by default.
+    #[arg(long, default_value = "switchyard-reference")]
+    pub model: String,
+    /// A prep_recv reservation not followed by start_generate is freed after this long. Must
+    /// exceed --kv-transfer-timeout-ms, and should exceed how long the router waits on
+    /// remote_send (120 s by default), or a slow prefill outlives the reservation it pushes to.
+    #[arg(long, default_value_t = 150_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub reservation_ttl_ms: u64,
+    /// Prefill token budget per step (chunked prefill).
+    #[arg(long, default_value_t = 2048, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub prefill_chunk: usize,
+    /// Most requests in the running batch.
+    #[arg(long, default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub max_batch: usize,
+}
+
+impl EngineArgs {
+    /// Parses engine flags as the command line would (for starting engines in-process).
+    pub fn from_flags<I, T>(flags: I) -> Result<EngineArgs, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            args: EngineArgs,
+        }
+        let argv = std::iter::once(std::ffi::OsString::from("engine"))
+            .chain(flags.into_iter().map(Into::into));
+        <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.args)
+    }
+}
+
+fn parse_time_scale(s: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|t| t.is_finite() && *t >= 0.0)
+        .ok_or_else(|| format!("{s:?} is not a finite number >= 0"))
+}
+
+/// Why the engine could not start or keep running.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("invalid engine option --{flag}: {reason}")]
+    BadArg { flag: &'static str, reason: String },
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error("cannot listen for HTTP on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("cannot start the engine's {what}: {source}")]
+    Start {
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+impl EngineError {
+    /// Whether the command line is at fault (the process exits with a usage code).
+    pub fn is_usage(&self) -> bool {
+        matches!(self, EngineError::BadArg { .. })
+    }
+}
+
+/// A started engine. Dropping it stops the HTTP server and every connection it accepted, which
+/// releases the last handles on the step loop and the KV receiver, so both stop too.
+pub struct RunningEngine {
+    http_addr: SocketAddr,
+    kv_addr: PeerAddr,
+    device_rank: u32,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl RunningEngine {
+    pub fn http_addr(&self) -> SocketAddr {
+        self.http_addr
+    }
+
+    pub fn kv_addr(&self) -> &PeerAddr {
+        &self.kv_addr
+    }
+
+    pub fn device_rank(&self) -> u32 {
+        self.device_rank
+    }
+
+    /// The line `switchyard engine` prints once it accepts requests.
+    pub fn ready_line(&self) -> ReadyLine {
+        ReadyLine {
+            http_addr: self.http_addr,
+            device_rank: self.device_rank,
+            kv_addr: self.kv_addr.to_string(),
+        }
+    }
+}
+
+impl Drop for RunningEngine {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+/// Starts an engine inside the current tokio runtime.
+pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
+    let latency = latency_from(args)?;
+    let num_slots = pool_slots(args)?;
+    check_reservation_ttl(args)?;
+    let store = KvStore::new_on(args.kv_device, args.model_shape.kv_shape(), num_slots)?;
+    let store = Arc::new(store.with_guarded_slots());
+    let transport = start_transport(args, store.clone()).await?;
+    let kv_addr = transport.listen_addr();
+
+    let metrics = Metrics::default();
+    let config = CoreConfig {
+        page_size: args.page_size as usize,
+        num_pages: args.kv_pages,
+        prefix_cache: args.prefix_cache,
+        prefill_chunk: args.prefill_chunk,
+        max_batch: args.max_batch,
+        reservation_ttl: Duration::from_millis(args.reservation_ttl_ms),
+        expiry_quarantine: expiry_quarantine(args.kv_transport),
+        preempt_every: args.preempt_every.filter(|&k| k > 0),
+        latency,
+    };
+    let core = Core::new(config, store, metrics.clone());
+    let (commands, queue) = std::sync::mpsc::channel();
+    let alive = Arc::new(AtomicBool::new(true));
+    let step_loop = StepLoopAlive(alive.clone());
+    std::thread::Builder::new()
+        .name(format!("engine-step-{}", args.device_rank))
+        .spawn(move || {
+            let _alive = step_loop;
+            core.run(queue);
+        })
+        .map_err(|source| EngineError::Start {
+            what: "step loop thread",
+            source,
+        })?;
+
+    let addr = SocketAddr::new(args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| EngineError::Bind { addr, source })?;
+    let http_addr = listener
+        .local_addr()
+        .map_err(|source| EngineError::Bind { addr, source })?;
+    let state = Arc::new(http::EngineState {
+        commands,
+        alive,
+        tokenizer: switchyard_wire::tokenizer::byte_level_tokenizer(),
+        transport: Arc::new(transport),
+        metrics,
+        latency,
+        model_name: args.model.clone(),
+        num_pages: args.kv_pages,
+        page_size: args.page_size as usize,
+    });
+    let server = tokio::spawn(http::serve(listener, state));
+    Ok(RunningEngine {
+        http_addr,
+        kv_addr,
+        device_rank: args.device_rank,
+        server,
+    })
+}
+
+/// Marks the step loop dead when its thread ends, however it ends, so the HTTP side stops
+/// reporting ready and cuts streams instead of finishing them.
+struct StepLoopAlive(Arc<AtomicBool>);
+
+impl Drop for StepLoopAlive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+        if std::thread::panicking() {
+            tracing::error!("the engine step loop panicked; the engine answers 503 from now on");
+        }
+    }
+}
+
+/// `switchyard engine`: starts the engine, prints the ready line, serves until `shutdown`
+/// resolves (the binary passes SIGINT/SIGTERM).
+pub fn run(args: EngineArgs, shutdown: impl Future<Output = ()>) -> Result<(), EngineError> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(|source| EngineError::Start {
+            what: "tokio runtime",
+            source,
+        })?;
+    runtime.block_on(async {
+        let engine = start(&args).await?;
+        println!("{}", engine.ready_line());
+        use std::io::Write as _;
+        let _ = std::io::stdout().flush();
+        tracing::info!(http = %engine.http_addr(), kv = %engine.kv_addr(), "engine ready");
+        shutdown.await;
+        Ok(())
+    })
+}
+
+/// The flags are parsed already; an `EngineArgs` built by hand is checked here again.
+fn latency_from(args: &EngineArgs) -> Result<Latency, EngineError> {
+    let profile = Profile::by_name(&args.profile).ok_or_else(|| EngineError::BadArg {
+        flag: "profile",
+        reason: format!(
+            "unknown profile {:?}; known: {}",
+            args.profile,
+            Profile::ALL.map(|p| p.name).join(", ")
+        ),
+    })?;
+    if !(args.time_scale.is_finite() && args.time_scale >= 0.0) {
+        return Err(EngineError::BadArg {
+            flag: "time-scale",
+            reason: "must be a finite number >= 0".into(),
+        });
+    }
+    Ok(Latency {
+        profile,
+        time_scale: args.time_scale,
+    })
+}
+
+/// A reservation must outlive any push that may still be under way into it: P gives up on a
+/// push after the transfer timeout, so a shorter TTL could free pages P is still writing.
+fn check_reservation_ttl(args: &EngineArgs) -> Result<(), EngineError> {
+    if args.reservation_ttl_ms <= args.kv_transfer_timeout_ms {
+        return Err(EngineError::BadArg {
+            flag: "reservation-ttl-ms",
+            reason: format!(
+                "{} ms must exceed --kv-transfer-timeout-ms ({} ms)",
+                args.reservation_ttl_ms, args.kv_transfer_timeout_ms
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// How long an expired reservation's pages stay unused. The tcp receiver refuses closed slots,
+/// so it needs none; one-sided transports write without asking, so their pages wait out the
+/// longest a router (with default timeouts) keeps a remote_send going.
+fn expiry_quarantine(kind: TransportKind) -> Duration {
+    match kind {
+        TransportKind::Tcp => Duration::ZERO,
+        TransportKind::Shm | TransportKind::Cuda => {
+            switchyard_wire::microserving::DEFAULT_CALL_TIMEOUT
+        }
+    }
+}
+
+fn pool_slots(args: &EngineArgs) -> Result<u32, EngineError> {
+    if args.page_size == 0 || args.kv_pages == 0 {
+        return Err(EngineError::BadArg {
+            flag: if args.page_size == 0 {
+                "page-size"
+            } else {
+                "kv-pages"
+            },
+            reason: "must be positive".into(),
+        });
+    }
+    args.kv_pages
+        .checked_mul(args.page_size)
+        .ok_or_else(|| EngineError::BadArg {
+            flag: "kv-pages",
+            reason: "kv-pages × page-size overflows the slot id space".into(),
+        })
+}
+
+/// Starts the KV transport; this engine's own rank is always a peer, so a request whose P and D
+/// are the same engine works like any other.
+async fn start_transport(
+    args: &EngineArgs,
+    store: Arc<KvStore>,
+) -> Result<KvTransport, EngineError> {
+    let peers: HashMap<u32, PeerAddr> = args.kv_peers.iter().cloned().collect();
+    let config = TransportConfig {
+        rank: Some(args.device_rank),
+        listen: args.kv_listen.clone(),
+        peers: peers.clone(),
+        transfer_timeout: Duration::from_millis(args.kv_transfer_timeout_ms),
+        ..TransportConfig::new(args.kv_transport)
+    };
+    let transport = KvTransport::start_with(config, store).await?;
+    if !peers.contains_key(&args.device_rank) {
+        transport.add_peer(args.device_rank, transport.listen_addr())?;
+    }
+    Ok(transport)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,634 @@
+//! The core driven through its command channel on its own thread, as the HTTP layer drives it,
+//! and by hand (commands straight into `handle`, one `turn` at a time on a clock the test
+//! chooses) where timing matters.
+
+use std::sync::mpsc::Sender;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::*;
+use crate::latency::Profile;
+use switchyard_kv::KvShape;
+
+/// Bound on every wait for the core thread, so a bug fails the test instead of hanging it.
+const PATIENCE: Duration = Duration::from_secs(20);
+
+struct Harness {
+    commands: Sender<Command>,
+    store: Arc<KvStore>,
+    metrics: Metrics,
+}
+
+fn config(num_pages: u32) -> CoreConfig {
+    CoreConfig {
+        page_size: 4,
+        num_pages,
+        prefix_cache: false,
+        prefill_chunk: 64,
+        max_batch: 16,
+        reservation_ttl: Duration::from_secs(60),
+        expiry_quarantine: Duration::ZERO,
+        preempt_every: None,
+        latency: Latency {
+            profile: Profile::NULL,
+            time_scale: 0.0,
+        },
+    }
+}
+
+/// A guarded pool sized for `cfg`, as the engine builds it.
+fn pool_for(cfg: &CoreConfig) -> Arc<KvStore> {
+    let slots = cfg.num_pages * cfg.page_size as u32;
+    Arc::new(
+        KvStore::new(KvShape::SMALL, slots)
+            .unwrap()
+            .with_guarded_slots(),
+    )
+}
+
+fn start(cfg: CoreConfig) -> Harness {
+    let store = pool_for(&cfg);
+    let metrics = Metrics::default();
+    let core = Core::new(cfg, store.clone(), metrics.clone());
+    let (commands, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || core.run(rx));
+    Harness {
+        commands,
+        store,
+        metrics,
+    }
+}
+
+fn request(prompt: &[u8], max_tokens: usize) -> GenRequest {
+    GenRequest {
+        tokens: prompt.iter().map(|&b| u32::from(b)).collect(),
+        sampling: Sampling::GREEDY,
+        max_tokens,
+        stop: Vec::new(),
+    }
+}
+
+/// Waits for `next` from the core thread, at most [`PATIENCE`].
+fn within<T>(next: impl std::future::Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap()
+        .block_on(async { tokio::time::timeout(PATIENCE, next).await })
+        .expect("the core answered in time")
+}
+
+/// Collects events until the finish.
+fn finish(rx: &mut mpsc::UnboundedReceiver<Event>) -> (String, FinishReason, Usage) {
+    let mut text = String::new();
+    loop {
+        let event = within(rx.recv()).expect("events closed before finish");
+        text.push_str(&event.text);
+        if let Some((reason, usage)) = event.finish {
+            return (text, reason, usage);
+        }
+    }
+}
+
+fn generate(h: &Harness, req: GenRequest) -> (String, FinishReason, Usage) {
+    let (events, mut rx) = mpsc::unbounded_channel();
+    h.commands
+        .send(Command::Generate {
+            request: req,
+            events,
+        })
+        .unwrap();
+    finish(&mut rx)
+}
+
+/// Polls a gauge the core thread publishes after its step (no event says it changed), with a
+/// bounded deadline.
+fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + PATIENCE;
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn prep_recv(
+    h: &Harness,
+    user: &str,
+    req: GenRequest,
+    end: usize,
+) -> Result<PrepRecvReply, CoreError> {
+    let (reply, rx) = oneshot::channel();
+    h.commands
+        .send(Command::PrepRecv {
+            user: user.into(),
+            request: req,
+            end,
+            reply,
+        })
+        .unwrap();
+    rx.blocking_recv().unwrap()
+}
+
+#[test]
+fn generates_deterministically_with_usage() {
+    let h = start(config(64));
+    let (a, reason, usage) = generate(&h, request(b"hello there", 20));
+    let (b, ..) = generate(&h, request(b"hello there", 20));
+    assert_eq!(a, b);
+    assert!(matches!(reason, FinishReason::Length | FinishReason::Stop));
+    assert_eq!(usage.prompt_tokens, 11);
+    assert_eq!(usage.completion_tokens, a.len());
+    wait_for("pages freed", || h.metrics.kv_pages_used.get() == 0);
+}
+
+#[test]
+fn chunked_prefill_and_prefix_cache_do_not_change_tokens() {
+    let prompt: Vec<u8> = (0..150).map(|i| b'a' + (i % 26) as u8).collect();
+    let plain = generate(&start(config(64)), request(&prompt, 30));
+    let chunked = generate(
+        &start(CoreConfig {
+            prefill_chunk: 7,
+            ..config(64)
+        }),
+        request(&prompt, 30),
+    );
+    assert_eq!(plain, chunked);
+    let cached = start(CoreConfig {
+        prefix_cache: true,
+        ..config(64)
+    });
+    assert_eq!(generate(&cached, request(&prompt, 30)), plain);
+    assert_eq!(generate(&cached, request(&prompt, 30)), plain);
+    assert!(
+        cached.metrics.prefix_matched_tokens.get() >= 140,
+        "the second run reused the prefix"
+    );
+}
+
+#[test]
+fn stop_strings_end_the_text_before_the_match() {
+    let h = start(config(64));
+    let (text, ..) = generate(&h, request(b"stop test", 40));
+    let stop = text[5..7].to_owned();
+    let mut req = request(b"stop test", 40);
+    req.stop = vec![stop.clone()];
+    let (stopped, reason, _) = generate(&h, req);
+    assert_eq!(reason, FinishReason::Stop);
+    let cut = text.find(&stop).unwrap();
+    assert_eq!(stopped, text[..cut]);
+}
+
+#[test]
+fn kv_pressure_preempts_the_last_running_request() {
+    // 14 pages of 4 slots: three requests of 10-token prompts need 3 pages each up front and
+    // then grow to 13; they cannot all reach 40 tokens, but the first alone can.
+    let h = start(config(14));
+    let receivers: Vec<_> = (0..3)
+        .map(|i| {
+            let (events, rx) = mpsc::unbounded_channel();
+            let req = request(format!("prompt #{i}!").as_bytes(), 40);
+            h.commands
+                .send(Command::Generate {
+                    request: req,
+                    events,
+                })
+                .unwrap();
+            rx
+        })
+        .collect();
+    let outcomes: Vec<_> = receivers
+        .into_iter()
+        .map(|mut rx| finish(&mut rx))
+        .collect();
+    let preempted: Vec<_> = outcomes
+        .iter()
+        .filter(|o| o.1 == FinishReason::Preempt)
+        .collect();
+    assert!(!preempted.is_empty(), "{outcomes:?}");
+    assert!(preempted.iter().all(|o| o.2 == Usage::default()));
+    assert_ne!(
+        outcomes[0].1,
+        FinishReason::Preempt,
+        "the first request is never the victim"
+    );
+    assert!(h.metrics.preemptions.get() >= 1);
+    wait_for("pages freed", || h.metrics.kv_pages_used.get() == 0);
+}
+
+#[test]
+fn preempt_every_k_cuts_at_half_max_tokens() {
+    let h = start(CoreConfig {
+        preempt_every: Some(2),
+        ..config(64)
+    });
+    let first = generate(&h, request(b"aaaa", 10));
+    let second = generate(&h, request(b"bbbb", 10));
+    assert_ne!(first.1, FinishReason::Preempt);
+    assert_eq!(second.1, FinishReason::Preempt);
+}
+
+#[test]
+fn disaggregated_flow_inside_one_pool_matches_plain_generation() {
+    let prompt = b"a prompt that is split between prefill and decode";
+    let expected = generate(&start(config(64)), request(prompt, 25));
+    let h = start(config(64));
+    let end = prompt.len() - 10;
+    let reply = prep_recv(&h, "cmpl-1", request(prompt, 25), end).unwrap();
+    assert_eq!(reply.prefix_matched_length, 0);
+    // P (here the same engine) prefills prompt[0:end] and leases its slots.
+    let (lease_tx, lease_rx) = oneshot::channel();
+    let tokens: Vec<u32> = prompt[..end].iter().map(|&b| u32::from(b)).collect();
+    h.commands
+        .send(Command::PrefillForSend {
+            tokens,
+            begin: 0,
+            reply: lease_tx,
+        })
+        .unwrap();
+    let lease = lease_rx.blocking_recv().unwrap();
+    let dst: Vec<u32> = reply.kv_addr_info.slots().collect();
+    assert_eq!(lease.slots.len(), dst.len());
+    for (&src, &dst) in lease.slots.iter().zip(&dst) {
+        h.store.write_slot(dst, &h.store.read_slot_to_vec(src));
+    }
+    drop(lease);
+    let (events, mut rx) = mpsc::unbounded_channel();
+    let (reply, ack) = oneshot::channel();
+    h.commands
+        .send(Command::StartGenerate {
+            user: "cmpl-1".into(),
+            begin: end,
+            events,
+            reply,
+        })
+        .unwrap();
+    ack.blocking_recv().unwrap().unwrap();
+    assert_eq!(finish(&mut rx), expected);
+}
+
+#[test]
+fn a_corrupted_transferred_slot_changes_the_output() {
+    let prompt = b"corruption must be visible in the generated text";
+    let expected = generate(&start(config(64)), request(prompt, 8));
+    let h = start(config(64));
+    let end = prompt.len() - 1;
+    let reply = prep_recv(&h, "u", request(prompt, 8), end).unwrap();
+    // Fill the reserved slots as P would, but write position 5's KV into position 6's slot.
+    let model = Model::new(KvShape::SMALL);
+    let chain = model.chain(&prompt.map(u32::from));
+    let slots: Vec<u32> = reply.kv_addr_info.slots().collect();
+    for (pos, &slot) in slots.iter().enumerate() {
+        let mut bytes = vec![0; KvShape::SMALL.bytes_per_token()];
+        model.fill_kv(chain[if pos == 6 { 5 } else { pos }], &mut bytes);
+        h.store.write_slot(slot, &bytes);
+    }
+    let (events, mut rx) = mpsc::unbounded_channel();
+    let (ack_tx, ack) = oneshot::channel();
+    h.commands
+        .send(Command::StartGenerate {
+            user: "u".into(),
+            begin: end,
+            events,
+            reply: ack_tx,
+        })
+        .unwrap();
+    ack.blocking_recv().unwrap().unwrap();
+    assert_ne!(finish(&mut rx).0, expected.0);
+}
+
+#[test]
+fn protocol_violations_are_errors_not_crashes() {
+    let h = start(config(64));
+    prep_recv(&h, "dup", request(b"abcdef", 4), 3).unwrap();
+    assert_eq!(
+        prep_recv(&h, "dup", request(b"abcdef", 4), 3),
+        Err(CoreError::DuplicateUser { user: "dup".into() })
+    );
+    let start_generate = |user: &str, begin| {
+        let (events, _rx) = mpsc::unbounded_channel();
+        let (reply, ack) = oneshot::channel();
+        h.commands
+            .send(Command::StartGenerate {
+                user: user.into(),
+                begin,
+                events,
+                reply,
+            })
+            .unwrap();
+        ack.blocking_recv().unwrap()
+    };
+    assert_eq!(
+        start_generate("nobody", 0),
+        Err(CoreError::NoReservation {
+            user: "nobody".into()
+        })
+    );
+    assert_eq!(
+        start_generate("dup", 5),
+        Err(CoreError::BeginPastWindow { begin: 5, end: 3 })
+    );
+    // The engine still works.
+    assert_eq!(
+        generate(&h, request(b"still alive", 3)).1,
+        FinishReason::Length
+    );
+}
+
+// === driven by hand ===
+
+fn manual(cfg: CoreConfig) -> Core {
+    let store = pool_for(&cfg);
+    Core::new(cfg, store, Metrics::default())
+}
+
+/// prep_recv on a hand-driven core: the command, then one turn at `now` to answer it.
+fn manual_prep(
+    core: &mut Core,
+    now: Instant,
+    user: &str,
+    req: GenRequest,
+    end: usize,
+) -> PrepRecvReply {
+    let (reply, mut rx) = oneshot::channel();
+    core.handle(Command::PrepRecv {
+        user: user.into(),
+        request: req,
+        end,
+        reply,
+    });
+    core.turn(now);
+    rx.try_recv()
+        .expect("answered in one turn")
+        .expect("reserved")
+}
+
+/// start_generate on a hand-driven core; the events, when accepted.
+fn manual_start(
+    core: &mut Core,
+    user: &str,
+    begin: usize,
+) -> Result<mpsc::UnboundedReceiver<Event>, CoreError> {
+    let (events, rx) = mpsc::unbounded_channel();
+    let (reply, mut ack) = oneshot::channel();
+    core.handle(Command::StartGenerate {
+        user: user.into(),
+        begin,
+        events,
+        reply,
+    });
+    ack.try_recv().expect("answered at once").map(|()| rx)
+}
+
+const MS: Duration = Duration::from_millis(1);
+
+#[test]
+fn reservations_expire_exactly_at_their_ttl_and_free_their_pages() {
+    let ttl = Duration::from_secs(30);
+    let mut core = manual(CoreConfig {
+        reservation_ttl: ttl,
+        ..config(16)
+    });
+    let t0 = Instant::now();
+    manual_prep(&mut core, t0, "leak", request(&[b'x'; 30], 4), 29);
+    // 29 positions in pages of 4: 8 pages, held until the TTL passes.
+    assert_eq!(core.metrics.kv_pages_used.get(), 8);
+    core.turn(t0 + ttl - MS);
+    assert_eq!(core.metrics.kv_pages_used.get(), 8, "held until the TTL");
+    assert_eq!(core.metrics.reservations_expired.get(), 0);
+    core.turn(t0 + ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+    // The id is free again, and its old window is closed to receivers.
+    let again = manual_prep(&mut core, t0 + ttl, "leak", request(&[b'x'; 30], 4), 29);
+    assert_eq!(again.kv_addr_info.total_len(), 29);
+}
+
+#[test]
+fn an_expired_window_is_closed_to_late_pushes() {
+    let mut core = manual(config(16));
+    let t0 = Instant::now();
+    let reply = manual_prep(&mut core, t0, "late", request(&[b'x'; 30], 4), 29);
+    let runs = reply.kv_addr_info.models[0].clone();
+    assert!(
+        core.store.gate().claim(&runs).is_ok(),
+        "open while reserved"
+    );
+    core.turn(t0 + core.cfg.reservation_ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert!(matches!(
+        core.store.gate().claim(&runs),
+        Err(switchyard_kv::GateError::NotOpen { .. })
+    ));
+}
+
+#[test]
+fn one_sided_transports_quarantine_expired_pages() {
+    let (ttl, quarantine) = (Duration::from_secs(5), Duration::from_secs(120));
+    let mut core = manual(CoreConfig {
+        reservation_ttl: ttl,
+        expiry_quarantine: quarantine,
+        ..config(16)
+    });
+    let t0 = Instant::now();
+    manual_prep(&mut core, t0, "q", request(&[b'x'; 30], 4), 29);
+    core.turn(t0 + ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert_eq!(
+        core.metrics.kv_pages_used.get(),
+        8,
+        "a late one-sided push may still land there"
+    );
+    core.turn(t0 + ttl + quarantine - MS);
+    assert_eq!(core.metrics.kv_pages_used.get(), 8);
+    core.turn(t0 + ttl + quarantine);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn pages_a_receiver_is_writing_are_not_reused_or_read() {
+    let mut core = manual(config(16));
+    let t0 = Instant::now();
+    let reply = manual_prep(&mut core, t0, "w", request(&[b'x'; 30], 4), 29);
+    let runs = reply.kv_addr_info.models[0].clone();
+    let store = core.store.clone();
+    let claim = store.gate().claim(&runs).expect("open");
+    // start_generate would read the slots while they are written: refused, reservation kept.
+    assert_eq!(
+        manual_start(&mut core, "w", 29).err(),
+        Some(CoreError::TransferInProgress { user: "w".into() })
+    );
+    // Expiry closes the window but keeps the pages while the write goes on.
+    core.turn(t0 + core.cfg.reservation_ttl);
+    assert_eq!(core.metrics.reservations_expired.get(), 1);
+    assert_eq!(core.metrics.kv_pages_used.get(), 8);
+    drop(claim);
+    core.turn(t0 + core.cfg.reservation_ttl);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn start_generate_before_the_matched_prefix_is_refused() {
+    let mut core = manual(CoreConfig {
+        prefix_cache: true,
+        ..config(64)
+    });
+    let t0 = Instant::now();
+    let prompt = [b'p'; 30];
+    // A first request fills the prefix cache with the prompt's whole pages.
+    let first = manual_prep(&mut core, t0, "a", request(&prompt, 2), 29);
+    assert_eq!(first.prefix_matched_length, 0);
+    let mut events = manual_start(&mut core, "a", 0).expect("recomputes everything itself");
+    for _ in 0..100 {
+        if core.metrics.kv_pages_used.get() == 0 {
+            break;
+        }
+        core.turn(t0);
+    }
+    let last = std::iter::from_fn(|| events.try_recv().ok()).last();
+    assert!(last.is_some_and(|e| e.finish.is_some()), "a finished");
+    let second = manual_prep(&mut core, t0, "b", request(&prompt, 2), 29);
+    let matched = second.prefix_matched_length;
+    assert!(matched > 0, "the prefix is cached");
+    assert_eq!(
+        manual_start(&mut core, "b", matched - 1).err(),
+        Some(CoreError::BeginBeforeMatched {
+            begin: matched - 1,
+            matched
+        })
+    );
+    assert!(manual_start(&mut core, "b", matched).is_ok());
+}
+
+#[test]
+fn a_lease_nobody_received_still_comes_back() {
+    let mut core = manual(config(16));
+    let (reply, lease_rx) = oneshot::channel();
+    core.handle(Command::PrefillForSend {
+        tokens: vec![7; 20],
+        begin: 0,
+        reply,
+    });
+    core.turn(Instant::now());
+    assert_eq!(core.metrics.kv_pages_used.get(), 5, "prefilled and leased");
+    // The handler was cancelled after the lease was sent but before it was received.
+    drop(lease_rx);
+    core.turn(Instant::now());
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn a_dropped_lease_releases_its_pages() {
+    let mut core = manual(config(16));
+    let (reply, mut lease_rx) = oneshot::channel();
+    core.handle(Command::PrefillForSend {
+        tokens: vec![7; 20],
+        begin: 4,
+        reply,
+    });
+    core.turn(Instant::now());
+    let lease = lease_rx.try_recv().expect("leased in one turn");
+    assert_eq!(lease.slots.len(), 16);
+    core.turn(Instant::now());
+    assert_eq!(
+        core.metrics.kv_pages_used.get(),
+        5,
+        "held while the lease lives"
+    );
+    drop(lease);
+    core.turn(Instant::now());
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+}
+
+#[test]
+fn injected_preemption_sends_no_held_back_text() {
+    // The plain text's 5th character starts a stop string the model can never complete
+    // (tokens are bytes; U+2603 is not one), so it is held back when the preemption hits at
+    // max_tokens / 2 = 5 tokens, and must not be flushed into the stream.
+    let (plain, ..) = generate(&start(config(64)), request(b"held back", 10));
+    let chars: Vec<char> = plain.chars().collect();
+    assert!(chars.len() >= 5, "{plain:?}");
+    let h = start(CoreConfig {
+        preempt_every: Some(1),
+        ..config(64)
+    });
+    let mut req = request(b"held back", 10);
+    req.stop = vec![format!("{}\u{2603}", chars[4])];
+    let (text, reason, _) = generate(&h, req);
+    assert_eq!(reason, FinishReason::Preempt);
+    assert_eq!(text, chars[..4].iter().collect::<String>());
+}
+
+#[test]
+fn the_tail_search_finds_what_a_full_search_finds() {
+    let stops = vec!["cab".to_owned(), "é!".to_owned(), "zz".to_owned()];
+    let text = "abcaé!xcabzz";
+    let mut grown = String::new();
+    let mut found = None;
+    for ch in text.chars() {
+        grown.push(ch);
+        found = first_stop_match(&grown, &stops, ch.len_utf8());
+        if found.is_some() {
+            break;
+        }
+    }
+    let full = stops.iter().filter_map(|s| grown.find(s.as_str())).min();
+    assert_eq!(found, full);
+    assert_eq!(&grown[found.unwrap()..], "é!");
+}
+
+#[test]
+fn prep_recv_blocks_until_pages_are_free() {
+    let h = start(config(8));
+    // 8 pages of 4: the first reservation takes 7 pages, the second needs 7 more.
+    prep_recv(&h, "a", request(&[b'a'; 29], 2), 28).unwrap();
+    let (reply, mut rx) = oneshot::channel();
+    let cmd = Command::PrepRecv {
+        user: "b".into(),
+        request: request(&[b'b'; 29], 2),
+        end: 28,
+        reply,
+    };
+    h.commands.send(cmd).unwrap();
+    wait_for("b to be waiting", || h.metrics.waiting.get() == 1);
+    assert!(rx.try_recv().is_err(), "b must wait for a's pages");
+    let (events, mut a_rx) = mpsc::unbounded_channel();
+    let (ack_tx, ack) = oneshot::channel();
+    // a recomputes everything itself (begin 0), finishes, and frees its pages.
+    h.commands
+        .send(Command::StartGenerate {
+            user: "a".into(),
+            begin: 0,
+            events,
+            reply: ack_tx,
+        })
+        .unwrap();
+    ack.blocking_recv().unwrap().unwrap();
+    finish(&mut a_rx);
+    let reply = within(rx).expect("b got its pages");
+    assert_eq!(reply.unwrap().kv_addr_info.total_len(), 28);
+}
+
+#[test]
+fn a_gone_client_frees_its_pages() {
+    // Slow steps (the realistic profile) so the request is still running when the client goes.
+    let slow = Latency {
+        profile: Profile::LLAMA3_8B_H100,
+        time_scale: 1.0,
+    };
+    let h = start(CoreConfig {
+        latency: slow,
+        ..config(64)
+    });
+    let (events, rx) = mpsc::unbounded_channel();
+    h.commands
+        .send(Command::Generate {
+            request: request(b"bye", 100_000),
+            events,
+        })
+        .unwrap();
+    wait_for("running", || h.metrics.running.get() == 1);
+    drop(rx);
+    wait_for("abort", || h.metrics.requests_aborted.get() == 1);
+    wait_for("pages freed", || h.metrics.kv_pages_used.get() == 0);
+}

@@ -1,0 +1,348 @@
+//! The policy host: routing policies are WebAssembly components implementing
+//! `wit/policy.wit`, loaded into a wasmtime sandbox and asked for a plan per request attempt.
+//!
+//! This crate owns everything wasmtime: the sandbox, loading and checks, the compile cache, the
+//! hot-swapping [`PolicyRegistry`] and its plugins [`watch`]er. It speaks to the router only
+//! through `switchyard-contract` (a loaded policy and a registry selection are
+//! [`Planner`](switchyard_contract::Planner)s) and must never depend on an HTTP client or on
+//! the router: a policy can reach nothing but its `log` import.
+//!
+//! ```no_run
+//! use switchyard_contract::{PolicyContext, PolicyRequest};
+//! use switchyard_policy_host::{PolicyHost, PolicyLimits};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let host = PolicyHost::new(PolicyLimits::default())?;
+//! let policy = host.load_file("plugins/disagg.wasm".as_ref(), None)?;
+//! let prompt = [1, 2, 3];
+//! let request = PolicyRequest { id: 1, prompt: &prompt, max_tokens: 16, stream: false,
+//!     model: "m", user: None, headers: &[] };
+//! let context = PolicyContext { attempt: 1, last_failure: None, endpoints: vec![] };
+//! let plan = policy.translate(&request, &context)?; // validate with `switchyard_contract::validate`
+//! # Ok(()) }
+//! ```
+//!
+//! Every call runs on a warm instance under an epoch deadline and a memory cap; a call that
+//! traps, overruns or passes the cap fails with a [`TranslateError`] and the instance is rebuilt,
+//! so a misbehaving policy fails its own requests and nothing else.
+//!
+//! A router serves many policies through a [`PolicyRegistry`] (every `*.wasm` of the plugins
+//! directory, hot-swapped by the [`watch`]er when a file changes, with a fallback policy and
+//! quarantine for faulting ones); [`Policy::carry_state_from`] hands a policy's state to its
+//! next version.
+
+mod bindings;
+mod blocking_io;
+mod check;
+mod instance;
+mod load;
+mod registry;
+mod sandbox;
+mod wasm;
+mod watch;
+
+#[cfg(test)]
+mod tests;
+
+/// The synthetic endpoints and prompts [`check`] plans over, for tools that show a policy's
+/// plans without a router (`switchyard policy plan`).
+pub mod synthetic {
+    pub use crate::check::{snapshot, split_roles, synthetic_prompt as prompt};
+}
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use wasmtime::component::Linker;
+
+pub use check::{CheckError, CheckReport, check};
+pub use registry::{
+    CallSummary, LastReload, POLICY_HEADER, PolicyRegistry, PolicyState, PolicyView,
+    QuarantineRule, RegistryConfig, RegistryError, ReloadError, ReloadOutcome, ReloadResult,
+    SelectError, Selection,
+};
+pub use watch::{DEFAULT_DEBOUNCE, PluginWatcher, WatchError, watch};
+
+use switchyard_contract::{Outcome, Plan, Planner, PolicyContext, PolicyRequest, TranslateError};
+
+use instance::Instances;
+use sandbox::StoreState;
+use wasm::WasmEngine;
+
+/// Bounds on what one policy may do.
+#[derive(Debug, Clone)]
+pub struct PolicyLimits {
+    /// Wall-clock budget of one guest call on a warm instance (`translate-request`,
+    /// `on-complete`, state carry-over).
+    pub deadline: Duration,
+    /// Wall-clock budget of building an instance: instantiation plus `init`. Kept apart from
+    /// `deadline` because a Python or JavaScript guest takes milliseconds to start (tens on a
+    /// loaded machine), and a request-sized budget would refuse to load it at all.
+    pub setup_deadline: Duration,
+    /// Linear memory cap of one instance.
+    pub memory_bytes: usize,
+    /// Bytes of stdout+stderr per stream and instance forwarded to the log; the rest is dropped.
+    pub output_bytes: usize,
+    /// Where compiled components are kept across restarts; `None` keeps them in memory only.
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl Default for PolicyLimits {
+    fn default() -> Self {
+        PolicyLimits {
+            deadline: Duration::from_millis(50),
+            setup_deadline: Duration::from_secs(5),
+            memory_bytes: 64 << 20,
+            output_bytes: 64 << 10,
+            cache_dir: default_cache_dir(),
+        }
+    }
+}
+
+/// `$SWITCHYARD_CACHE_DIR`, else the user's cache directory + `switchyard`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    std::env::var_os("SWITCHYARD_CACHE_DIR")
+        .filter(|dir| !dir.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|dir| dir.join("switchyard")))
+}
+
+/// What is known about a loaded policy.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct PolicyInfo {
+    pub name: String,
+    /// sha256 of the component's bytes, lower-case hex.
+    pub sha256: String,
+    /// As the policy describes itself (`rust`, `python`, ...).
+    pub language: String,
+    /// Leading prompt tokens the policy wants to see.
+    pub prompt_tokens: u32,
+    /// The file it was loaded from, if any.
+    pub source: Option<PathBuf>,
+}
+
+/// Why a policy could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read policy file {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("policy {policy}: not a WebAssembly component: {reason}")]
+    NotAComponent { policy: String, reason: String },
+    #[error("policy {policy}: config is not valid JSON: {reason}")]
+    Config { policy: String, reason: String },
+    #[error("policy {policy}: cannot compile the component: {reason}")]
+    Compile { policy: String, reason: String },
+    #[error("policy {policy}: not a switchyard policy: {reason}")]
+    WrongWorld { policy: String, reason: String },
+    #[error("policy {policy}: cannot start an instance: {reason}")]
+    Instantiate { policy: String, reason: String },
+    #[error("policy {policy}: init rejected its config: {message}")]
+    Init { policy: String, message: String },
+    #[error("policy engine: {reason}")]
+    Engine { reason: String },
+}
+
+/// Why a policy's state could not be carried over to its next version.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    #[error("policy {policy}: export-state failed: {reason}")]
+    Export { policy: String, reason: String },
+    #[error("policy {policy}: import-state failed: {reason}")]
+    Import { policy: String, reason: String },
+}
+
+// === impl PolicyHost ===
+
+/// Loads policies: owns the wasmtime engine, its epoch ticker, the compile cache, the linker and
+/// the limits. Cheap to clone.
+#[derive(Clone)]
+pub struct PolicyHost {
+    inner: Arc<HostInner>,
+}
+
+struct HostInner {
+    engine: WasmEngine,
+    linker: Linker<StoreState>,
+    limits: PolicyLimits,
+}
+
+impl PolicyHost {
+    pub fn new(limits: PolicyLimits) -> Result<Self, LoadError> {
+        let engine = WasmEngine::new(limits.cache_dir.clone())?;
+        let linker = sandbox::linker(engine.engine())?;
+        Ok(PolicyHost {
+            inner: Arc::new(HostInner {
+                engine,
+                linker,
+                limits,
+            }),
+        })
+    }
+
+    /// Load a policy from its component bytes; `config_json` is given to its `init` (`{}` when
+    /// `None`).
+    pub fn load(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        config_json: Option<&str>,
+    ) -> Result<Policy, LoadError> {
+        load::load(&self.inner, name, bytes, config_json, None)
+    }
+
+    /// [`PolicyHost::load`], naming the file the bytes were read from.
+    pub fn load_from(
+        &self,
+        name: &str,
+        bytes: &[u8],
+        config_json: Option<&str>,
+        source: Option<PathBuf>,
+    ) -> Result<Policy, LoadError> {
+        load::load(&self.inner, name, bytes, config_json, source)
+    }
+
+    /// Load a policy from a file; its name is the file stem (`plugins/disagg.wasm` → `disagg`).
+    pub fn load_file(&self, path: &Path, config_json: Option<&str>) -> Result<Policy, LoadError> {
+        let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let name = path
+            .file_stem()
+            .map(|stem| stem.to_string_lossy().into_owned())
+            .unwrap_or_else(|| path.display().to_string());
+        load::load(
+            &self.inner,
+            &name,
+            &bytes,
+            config_json,
+            Some(path.to_owned()),
+        )
+    }
+
+    pub fn limits(&self) -> &PolicyLimits {
+        &self.inner.limits
+    }
+
+    /// Components really compiled so far (not served by the compile cache).
+    #[cfg(test)]
+    fn compiles(&self) -> u64 {
+        self.inner.engine.compiles()
+    }
+}
+
+// === impl Policy ===
+
+/// A loaded policy with its warm instance. Cheap to clone; calls are serialized, so the policy
+/// may keep state between them.
+#[derive(Clone)]
+pub struct Policy {
+    inner: Arc<PolicyInner>,
+}
+
+struct PolicyInner {
+    info: PolicyInfo,
+    instances: Mutex<Instances>,
+}
+
+impl Policy {
+    fn new(info: PolicyInfo, instances: Instances) -> Self {
+        Policy {
+            inner: Arc::new(PolicyInner {
+                info,
+                instances: Mutex::new(instances),
+            }),
+        }
+    }
+
+    pub fn info(&self) -> &PolicyInfo {
+        &self.inner.info
+    }
+
+    /// Ask the policy for a plan. The plan is returned as the policy wrote it: validate it with
+    /// [`switchyard_contract::validate`] before running it.
+    pub fn translate(
+        &self,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        self.inner
+            .instances
+            .lock()
+            .translate(req, ctx, self.inner.info.prompt_tokens)
+    }
+
+    /// Tell the policy how a request ended. A failure is logged (and the instance rebuilt), never
+    /// returned: the request is over either way.
+    pub fn on_complete(&self, outcome: &Outcome) {
+        if let Err(fault) = self.inner.instances.lock().on_complete(outcome) {
+            tracing::warn!(policy = %self.inner.info.name, request_id = outcome.request_id,
+                %fault, "on-complete failed");
+        }
+    }
+
+    /// Hand `previous`'s state to this policy (`export-state` there, `import-state` here), when
+    /// both are components of the `stateful-policy` world and `previous` has state to give.
+    /// Returns the bytes carried over (0: nothing to carry).
+    pub fn carry_state_from(&self, previous: &Policy) -> Result<usize, StateError> {
+        let exported = previous.inner.instances.lock().export_state();
+        let state = match exported {
+            Ok(Some(state)) if !state.is_empty() => state,
+            Ok(_) => return Ok(0),
+            Err(fault) => {
+                return Err(StateError::Export {
+                    policy: previous.inner.info.name.clone(),
+                    reason: fault.to_string(),
+                });
+            }
+        };
+        let import_error = |reason: String| StateError::Import {
+            policy: self.inner.info.name.clone(),
+            reason,
+        };
+        match self.inner.instances.lock().import_state(&state) {
+            Ok(Ok(true)) => Ok(state.len()),
+            Ok(Ok(false)) => Ok(0),
+            Ok(Err(refused)) => Err(import_error(refused)),
+            Err(fault) => Err(import_error(fault.to_string())),
+        }
+    }
+
+    /// Instantiate a fresh store from the policy's `InstancePre` (no `init`), for the
+    /// instantiation benchmark. Not part of the API.
+    #[doc(hidden)]
+    pub fn bench_instantiate(&self) -> Result<(), TranslateError> {
+        self.inner
+            .instances
+            .lock()
+            .instantiate_only()
+            .map_err(|fault| fault.into_translate_error(&self.inner.info.name))
+    }
+}
+
+impl std::fmt::Debug for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Policy")
+            .field("info", &self.inner.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Planner for Policy {
+    fn translate(
+        &self,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        Policy::translate(self, req, ctx)
+    }
+
+    fn on_complete(&self, outcome: &Outcome) {
+        Policy::on_complete(self, outcome);
+    }
+}

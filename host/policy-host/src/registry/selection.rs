@@ -1,0 +1,155 @@
+//! The policy one request is planned with: the version of the selected policy that was serving
+//! when the request arrived (kept for all its attempts), and the fallback policy that plans an
+//! attempt when that version faults, returns an invalid plan, is quarantined or never loaded.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use super::Shared;
+use super::slot::{Slot, Version};
+use switchyard_contract::{
+    Outcome, Plan, Planner, PlanningError, PolicyContext, PolicyRequest, TranslateError,
+};
+
+/// One version of one policy, as a planner: calls are counted and timed for its slot.
+#[derive(Clone)]
+pub(crate) struct Served {
+    pub(super) slot: Arc<Slot>,
+    pub(super) version: Arc<Version>,
+    pub(super) shared: Arc<Shared>,
+}
+
+impl Served {
+    fn name(&self) -> &str {
+        &self.slot.name
+    }
+}
+
+impl Planner for Served {
+    fn translate(
+        &self,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        let started = Instant::now();
+        let plan = self.version.policy.translate(req, ctx);
+        let took = started.elapsed();
+        self.slot.stats.call(took);
+        self.shared.metrics.call(self.name(), took);
+        if plan.is_err() {
+            self.slot.stats.error();
+        }
+        plan
+    }
+
+    fn on_complete(&self, outcome: &Outcome) {
+        self.version.policy.on_complete(outcome);
+    }
+}
+
+/// The planner of one request. See the module docs.
+pub struct Selection {
+    /// The policy the request selected (header, model mapping or default).
+    selected: String,
+    /// Plans attempts: the selected policy's version, or the fallback's when the selected
+    /// policy has no loaded version.
+    first: Served,
+    /// Takes over from `first` when it faults or is quarantined.
+    fallback: Option<Served>,
+    /// Whether the last attempt was planned by the fallback: its faults are not the selected
+    /// policy's, and there is nothing further to fall back to.
+    used_fallback: AtomicBool,
+}
+
+impl Selection {
+    pub(super) fn new(selected: String, first: Served, fallback: Option<Served>) -> Self {
+        Selection {
+            selected,
+            first,
+            fallback,
+            used_fallback: AtomicBool::new(false),
+        }
+    }
+
+    /// The policy the request selected.
+    pub fn policy(&self) -> &str {
+        &self.selected
+    }
+
+    fn first_is_selected(&self) -> bool {
+        self.first.name() == self.selected
+    }
+
+    /// Who plans the next attempt, and whether that is a fallback: the selected version unless
+    /// it is quarantined (or was never loaded) and a fallback exists.
+    fn planner(&self) -> (&Served, bool) {
+        let quarantined = self.first.version.is_quarantined();
+        let planner = match &self.fallback {
+            Some(fallback) if quarantined => (fallback, true),
+            // Quarantined with nowhere to go: the selected version beats failing the request.
+            _ => (&self.first, !self.first_is_selected()),
+        };
+        if planner.1 {
+            self.first.shared.metrics.fallback(&self.selected);
+        }
+        planner
+    }
+
+    /// Whoever planned the last attempt (it hears the outcome).
+    fn last_planner(&self) -> &Served {
+        match &self.fallback {
+            Some(fallback) if self.used_fallback.load(Ordering::Relaxed) => fallback,
+            _ => &self.first,
+        }
+    }
+}
+
+impl Planner for Selection {
+    fn translate(
+        &self,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        let (planner, is_fallback) = self.planner();
+        self.used_fallback.store(is_fallback, Ordering::Relaxed);
+        planner.translate(req, ctx)
+    }
+
+    fn on_complete(&self, outcome: &Outcome) {
+        self.last_planner().on_complete(outcome);
+    }
+
+    /// Count the fault against the selected version (quarantining it at the threshold) and hand
+    /// the attempt to the fallback policy.
+    fn fallback(&self, error: &PlanningError) -> Option<Arc<dyn Planner>> {
+        if self.used_fallback.load(Ordering::Relaxed) {
+            return None;
+        }
+        let selected = &self.first;
+        if matches!(error, PlanningError::InvalidPlan(_)) {
+            selected.slot.stats.error();
+        }
+        let shared = &selected.shared;
+        if selected
+            .version
+            .record_fault(shared.quarantine, Instant::now())
+        {
+            shared.metrics.quarantine(selected.name());
+            let message = format!(
+                "quarantined after {} faults within {:?}; the fallback policy serves its requests \
+                 until a new version is loaded. Last fault: {error}",
+                shared.quarantine.faults, shared.quarantine.window
+            );
+            tracing::warn!(policy = %selected.name(), sha256 = %selected.version.policy.info().sha256,
+                "{message}");
+            selected.slot.status.lock().last_error = Some(message);
+        }
+        let fallback = self.fallback.as_ref()?;
+        shared.metrics.fallback(selected.name());
+        tracing::info!(policy = %selected.name(), fallback = %fallback.name(), %error,
+            "policy fault; the fallback policy plans this attempt");
+        self.used_fallback.store(true, Ordering::Relaxed);
+        Some(Arc::new(fallback.clone()))
+    }
+}

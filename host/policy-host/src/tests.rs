@@ -1,0 +1,535 @@
+//! Host-level policy tests: load errors, the sandbox (deadline, memory cap, traps) on the
+//! misbehaving test guest, the compile cache, and `check`.
+//!
+//! Guests are built from source on first use (`switchyard_tests::guest`).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use switchyard_contract::{
+    EndpointSnapshot, Outcome, OutcomeStatus, Plan, PolicyContext, PolicyRequest, Role,
+    TranslateError, ValidPlan, validate,
+};
+use switchyard_tests::Guest;
+
+use super::*;
+
+fn misbehave() -> Vec<u8> {
+    switchyard_tests::guest_bytes(Guest::MISBEHAVE)
+}
+
+/// The deadline of ordinary calls in these tests: generous, because calls that must succeed
+/// share two cores with the compiles of every other test, and a thread descheduled for tens of
+/// milliseconds would overrun a router-sized deadline. Only the deadline tests use
+/// [`SHORT_DEADLINE`].
+const TEST_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The deadline of tests whose guest must be stopped by it (it only ever ends a loop).
+const SHORT_DEADLINE: Duration = Duration::from_millis(20);
+
+/// A host with a generous deadline, a small memory cap and no disk cache.
+pub(super) fn host() -> PolicyHost {
+    host_with_deadline(TEST_DEADLINE)
+}
+
+/// A host whose deadline stops looping guests quickly; see [`SHORT_DEADLINE`].
+fn short_deadline_host() -> PolicyHost {
+    host_with_deadline(SHORT_DEADLINE)
+}
+
+fn host_with_deadline(deadline: Duration) -> PolicyHost {
+    PolicyHost::new(PolicyLimits {
+        deadline,
+        setup_deadline: Duration::from_secs(5),
+        memory_bytes: 16 << 20,
+        output_bytes: 4096,
+        cache_dir: None,
+    })
+    .expect("the policy engine starts")
+}
+
+fn load_misbehave(host: &PolicyHost, mode: &str) -> Policy {
+    let config = format!(r#"{{"mode": "{mode}"}}"#);
+    host.load(&format!("misbehave-{mode}"), &misbehave(), Some(&config))
+        .unwrap_or_else(|e| panic!("misbehave in mode {mode} loads: {e}"))
+}
+
+pub(super) fn snapshot(n: u32) -> Vec<EndpointSnapshot> {
+    check::split_roles(n, &[], &[])
+}
+
+fn translate(policy: &Policy, prompt_len: u32, endpoints: u32) -> Result<Plan, TranslateError> {
+    translate_with_headers(
+        policy,
+        prompt_len,
+        endpoints,
+        &[("x-priority".to_owned(), "high".to_owned())],
+    )
+}
+
+fn translate_with_headers(
+    policy: &Policy,
+    prompt_len: u32,
+    endpoints: u32,
+    headers: &[(String, String)],
+) -> Result<Plan, TranslateError> {
+    let prompt = check::synthetic_prompt(prompt_len);
+    let request = PolicyRequest {
+        id: 7,
+        prompt: &prompt,
+        max_tokens: 16,
+        stream: false,
+        model: "test",
+        user: Some("u"),
+        headers,
+    };
+    let context = PolicyContext {
+        attempt: 1,
+        last_failure: None,
+        endpoints: snapshot(endpoints),
+    };
+    policy.translate(&request, &context)
+}
+
+fn load_error(bytes: &[u8]) -> LoadError {
+    match host().load("bad", bytes, None) {
+        Ok(policy) => panic!("loading {} bytes should fail, got {policy:?}", bytes.len()),
+        Err(e) => e,
+    }
+}
+
+// === load errors ===
+
+#[test]
+fn garbage_is_not_a_component() {
+    let e = load_error(b"this is not webassembly at all");
+    assert!(matches!(e, LoadError::NotAComponent { .. }), "{e:?}");
+    assert!(e.to_string().contains("not WebAssembly"), "{e}");
+}
+
+#[test]
+fn a_too_short_file_says_so() {
+    let e = load_error(b"\0as");
+    assert!(e.to_string().contains("too short"), "{e}");
+}
+
+#[test]
+fn a_core_module_is_named_as_such() {
+    let module = wat::parse_str("(module (func (export \"f\")))").expect("valid wat");
+    let e = load_error(&module);
+    assert!(matches!(e, LoadError::NotAComponent { .. }), "{e:?}");
+    assert!(e.to_string().contains("core WebAssembly module"), "{e}");
+}
+
+#[test]
+fn a_truncated_component_fails_to_compile() {
+    let component =
+        wat::parse_str("(component (core module (func (export \"f\") (result i32) i32.const 42)))")
+            .expect("valid wat");
+    let e = load_error(&component[..component.len() - 3]);
+    assert!(matches!(e, LoadError::Compile { .. }), "{e:?}");
+}
+
+#[test]
+fn an_empty_component_names_the_missing_export() {
+    let component = wat::parse_str("(component)").expect("valid wat");
+    let e = load_error(&component);
+    assert!(matches!(e, LoadError::WrongWorld { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("init") || text.contains("describe") || text.contains("translate"),
+        "the reason should name a missing export: {text}"
+    );
+}
+
+#[test]
+fn a_component_of_another_world_is_rejected() {
+    let bytes = switchyard_tests::guest_bytes(Guest::OTHER_WORLD);
+    let e = load_error(&bytes);
+    assert!(matches!(e, LoadError::WrongWorld { .. }), "{e:?}");
+    eprintln!("other world: {e}");
+}
+
+#[test]
+fn config_that_is_not_json_is_rejected_before_init() {
+    let e = host()
+        .load("m", &misbehave(), Some("{mode: ok"))
+        .expect_err("bad JSON");
+    assert!(matches!(e, LoadError::Config { .. }), "{e:?}");
+}
+
+#[test]
+fn init_failure_is_a_load_error_with_the_policy_message() {
+    let e = host()
+        .load("m", &misbehave(), Some(r#"{"mode": "init-fails"}"#))
+        .expect_err("init fails");
+    assert!(matches!(e, LoadError::Init { .. }), "{e:?}");
+    assert!(e.to_string().contains("refusing to start"), "{e}");
+}
+
+#[test]
+fn a_missing_file_names_the_path() {
+    let e = host()
+        .load_file(Path::new("/nonexistent/policy.wasm"), None)
+        .expect_err("no such file");
+    assert!(e.to_string().contains("/nonexistent/policy.wasm"), "{e}");
+}
+
+// === the sandbox ===
+
+#[test]
+fn a_good_policy_plans_and_keeps_its_instance() {
+    let host = host();
+    let policy = load_misbehave(&host, "ok");
+    assert_eq!(policy.info().name, "misbehave-ok");
+    assert_eq!(policy.info().sha256.len(), 64);
+    for _ in 0..3 {
+        let plan = translate(&policy, 17, 4).expect("a plan");
+        validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
+    }
+    policy.on_complete(&Outcome {
+        request_id: 7,
+        status: OutcomeStatus::Ok,
+        attempts: 1,
+        generator: Some(1),
+        prefix_matched: 0,
+        completion_tokens: 3,
+        ttft_us: 10,
+        e2e_us: 20,
+    });
+    translate(&policy, 1, 1).expect("still planning after on-complete");
+}
+
+/// Asserts that a fault is followed by a rebuilt instance: the next call behaves like the first
+/// one on a fresh instance (the same fault, reached by running the guest again), not like a call
+/// into a poisoned instance (which wasmtime refuses) or a missing one.
+fn assert_rebuilt(policy: &Policy, first: &TranslateError) {
+    let second = translate(policy, 17, 4).expect_err("the mode misbehaves on every call");
+    assert_eq!(
+        std::mem::discriminant(first),
+        std::mem::discriminant(&second),
+        "second call: {second}"
+    );
+}
+
+#[test]
+fn an_infinite_loop_hits_the_deadline_and_the_instance_is_rebuilt() {
+    let host = short_deadline_host();
+    let deadline = host.limits().deadline;
+    let policy = load_misbehave(&host, "loop");
+    let started = Instant::now();
+    let e = translate(&policy, 17, 4).expect_err("loops");
+    let took = started.elapsed();
+    assert!(matches!(e, TranslateError::Deadline { .. }), "{e:?}");
+    eprintln!(
+        "deadline {deadline:?}: stopped after {took:?} (overshoot {:?}, incl. rebuilding the instance)",
+        took.saturating_sub(deadline)
+    );
+    assert!(
+        took < deadline * 10,
+        "took {took:?} for a {deadline:?} deadline"
+    );
+    assert_rebuilt(&policy, &e);
+}
+
+#[test]
+fn the_deadline_still_fires_after_the_host_is_dropped() {
+    // The policy keeps the epoch ticker alive; without it a loop would never be stopped.
+    let policy = load_misbehave(&short_deadline_host(), "loop");
+    let e = translate(&policy, 17, 4).expect_err("loops");
+    assert!(matches!(e, TranslateError::Deadline { .. }), "{e:?}");
+}
+
+#[test]
+fn a_loop_started_while_the_epoch_ticker_sleeps_still_hits_the_deadline() {
+    let host = short_deadline_host();
+    let deadline = host.limits().deadline;
+    let policy = load_misbehave(&host, "loop");
+    // Idle since the load: the ticker goes to sleep by itself after IDLE_TICKS. No event
+    // announces it, so look every tick, for at most 10 s. Were the call not to wake it, the
+    // loop would never be interrupted.
+    let ticker = host.inner.engine.ticker();
+    let mut looks = 0;
+    while !ticker.is_asleep() {
+        looks += 1;
+        assert!(looks < 2000, "the idle ticker never went to sleep");
+        std::thread::sleep(super::wasm::EPOCH_TICK);
+    }
+    let started = Instant::now();
+    let e = translate(&policy, 17, 4).expect_err("loops");
+    let took = started.elapsed();
+    assert!(matches!(e, TranslateError::Deadline { .. }), "{e:?}");
+    assert!(
+        took < deadline * 10,
+        "took {took:?} for a {deadline:?} deadline"
+    );
+}
+
+#[test]
+fn allocating_past_the_cap_is_a_memory_error_and_the_instance_is_rebuilt() {
+    let host = host();
+    let policy = load_misbehave(&host, "alloc");
+    let e = translate(&policy, 17, 4).expect_err("allocates forever");
+    assert!(matches!(e, TranslateError::MemoryExceeded { .. }), "{e:?}");
+    assert_rebuilt(&policy, &e);
+}
+
+#[test]
+fn a_trap_is_a_trap_error_and_the_instance_is_rebuilt() {
+    let host = host();
+    let policy = load_misbehave(&host, "trap");
+    let e = translate(&policy, 17, 4).expect_err("traps");
+    assert!(matches!(e, TranslateError::Trap { .. }), "{e:?}");
+    assert!(e.is_fault(), "{e}");
+    assert_rebuilt(&policy, &e);
+}
+
+#[test]
+fn one_misbehaving_policy_does_not_disturb_another() {
+    let host = host();
+    let good = load_misbehave(&host, "ok");
+    let bad = load_misbehave(&host, "trap");
+    for _ in 0..3 {
+        translate(&bad, 17, 4).expect_err("traps");
+        translate(&good, 17, 4).expect("the good policy still plans");
+    }
+}
+
+#[test]
+fn an_invalid_plan_is_returned_raw_and_fails_validation() {
+    let policy = load_misbehave(&host(), "invalid-plan");
+    let plan = translate(&policy, 17, 4).expect("a plan, although invalid");
+    assert!(validate(&plan, 17, &snapshot(4)).is_err(), "{plan:?}");
+}
+
+/// One policy shared by threads: every call of every thread gets a valid plan. (Whether calls
+/// overlap is a property of the instance pool, not checked here: 0.1.0 policies are called one
+/// at a time through one instance.)
+#[test]
+fn calls_from_several_threads_all_get_valid_plans() {
+    let policy = load_misbehave(&host(), "ok");
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for _ in 0..25 {
+                    let plan = translate(&policy, 17, 4).expect("a plan");
+                    validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
+                }
+            });
+        }
+    });
+}
+
+// === the compile cache ===
+
+#[test]
+fn loading_the_same_bytes_twice_compiles_once() {
+    let host = host();
+    let bytes = misbehave();
+    host.load("a", &bytes, None).expect("loads");
+    host.load("b", &bytes, None).expect("loads again");
+    assert_eq!(host.compiles(), 1);
+}
+
+#[test]
+fn a_restarted_host_reads_the_disk_cache() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let limits = PolicyLimits {
+        cache_dir: Some(dir.path().to_owned()),
+        ..PolicyLimits::default()
+    };
+    let bytes = misbehave();
+
+    let first = PolicyHost::new(limits.clone()).expect("engine");
+    let policy = first.load("m", &bytes, None).expect("loads");
+    assert_eq!(first.compiles(), 1);
+    let sha = policy.info().sha256.clone();
+    let files: Vec<_> = std::fs::read_dir(dir.path())
+        .expect("cache dir exists")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert!(
+        files
+            .iter()
+            .any(|f| f.starts_with(&sha) && f.ends_with(".cwasm")),
+        "{files:?}"
+    );
+    drop(policy);
+    drop(first);
+
+    let second = PolicyHost::new(limits).expect("engine");
+    let policy = second.load("m", &bytes, None).expect("loads from cache");
+    assert_eq!(second.compiles(), 0, "served from the disk cache");
+    translate(&policy, 17, 4).expect("the cached component plans");
+}
+
+#[test]
+fn a_corrupt_cache_entry_is_recompiled() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let limits = PolicyLimits {
+        cache_dir: Some(dir.path().to_owned()),
+        ..PolicyLimits::default()
+    };
+    let bytes = misbehave();
+    let first = PolicyHost::new(limits.clone()).expect("engine");
+    first.load("m", &bytes, None).expect("loads");
+    for entry in std::fs::read_dir(dir.path()).expect("cache dir") {
+        let path = entry.expect("entry").path();
+        std::fs::write(&path, b"garbage").expect("overwrite");
+    }
+    let second = PolicyHost::new(limits).expect("engine");
+    let policy = second.load("m", &bytes, None).expect("recompiles");
+    assert_eq!(second.compiles(), 1);
+    translate(&policy, 17, 4).expect("plans");
+}
+
+// === check ===
+
+#[test]
+fn check_accepts_a_good_policy() {
+    let policy = load_misbehave(&host(), "ok");
+    let report = check(&policy).expect("passes");
+    assert_eq!(report.cases.len(), check::cases().len());
+    assert!(report.plans > 0);
+    eprintln!("{report}");
+}
+
+#[test]
+fn check_fails_an_invalid_plan_naming_the_case() {
+    let policy = load_misbehave(&host(), "invalid-plan");
+    let e = check(&policy).expect_err("invalid plan");
+    assert!(matches!(e, CheckError::InvalidPlan { .. }), "{e:?}");
+    assert!(e.to_string().contains("endpoints"), "{e}");
+}
+
+#[test]
+fn check_fails_a_looping_policy() {
+    let policy = load_misbehave(&short_deadline_host(), "loop");
+    let e = check(&policy).expect_err("deadline");
+    assert!(
+        matches!(
+            e,
+            CheckError::Translate {
+                error: TranslateError::Deadline { .. },
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn check_passes_the_built_in_policies() {
+    let host = host();
+    for (name, built) in [
+        ("disagg", Guest::DISAGG),
+        ("round-robin", Guest::ROUND_ROBIN),
+    ] {
+        let bytes = switchyard_tests::guest_bytes(built);
+        let policy = host.load(name, &bytes, None).expect("loads");
+        assert_eq!(policy.info().name, name);
+        let report = check(&policy).unwrap_or_else(|e| panic!("{name}: {e}"));
+        eprintln!("{report}");
+    }
+}
+
+// === conversions ===
+
+#[test]
+fn only_the_requested_prompt_prefix_crosses_into_the_guest() {
+    let prompt: Vec<u32> = (0..100).collect();
+    let request = PolicyRequest {
+        id: 1,
+        prompt: &prompt,
+        max_tokens: 1,
+        stream: false,
+        model: "m",
+        user: None,
+        headers: &[],
+    };
+    let wit = bindings::request(&request, 8);
+    assert_eq!(wit.prompt_len, 100);
+    assert_eq!(wit.prompt_prefix, (0..8).collect::<Vec<u32>>());
+    assert_eq!(
+        bindings::request(&request, u32::MAX).prompt_prefix.len(),
+        100
+    );
+    assert!(bindings::request(&request, 0).prompt_prefix.is_empty());
+}
+
+#[test]
+fn the_disagg_plugin_splits_prefill_and_decode() {
+    let host = host();
+    let policy = host
+        .load(
+            "disagg",
+            &switchyard_tests::guest_bytes(Guest::DISAGG),
+            None,
+        )
+        .expect("the built-in policy loads");
+    let endpoints = check::snapshot(&[Role::Prefill, Role::Decode], &[], &[]);
+    let prompt = check::synthetic_prompt(1000);
+    let request = PolicyRequest {
+        id: 1,
+        prompt: &prompt,
+        max_tokens: 1,
+        stream: false,
+        model: "m",
+        user: None,
+        headers: &[],
+    };
+    let context = PolicyContext {
+        attempt: 1,
+        last_failure: None,
+        endpoints: endpoints.clone(),
+    };
+    let plan = policy.translate(&request, &context).expect("a plan");
+    let valid = validate(&plan, 1000, &endpoints).expect("valid");
+    assert!(
+        matches!(valid, ValidPlan::Disagg { decode: 1, .. }),
+        "{valid:?}"
+    );
+}
+
+/// Guest stdout/stderr writes go through wasmtime-wasi's sync bindings, which block on a Tokio
+/// runtime; on a current-thread runtime that cannot be allowed and they panic. A trapping Rust
+/// guest writes its panic message to stderr: there this must still end as a `Trap` error, not a
+/// host panic. (On a multi-thread runtime, as the router runs, writes just work: see below.)
+#[tokio::test]
+async fn a_guest_writing_to_stderr_inside_a_tokio_runtime_is_a_trap_not_a_host_panic() {
+    let host = host();
+    let bad = load_misbehave(&host, "trap");
+    let e = translate(&bad, 17, 4).expect_err("traps");
+    assert!(matches!(e, TranslateError::Trap { .. }), "{e:?}");
+    let good = load_misbehave(&host, "ok");
+    translate(&good, 17, 4).expect("a policy that does no I/O plans inside a runtime");
+}
+
+/// The same policy faults on one request and serves the next: after each kind of fault the
+/// host rebuilds the instance, so a well-behaved request right after gets a valid plan. The
+/// deadline must end the loop, yet leave ordinary calls on a busy machine room: one second.
+#[test]
+fn after_each_fault_the_next_call_on_the_same_policy_succeeds() {
+    let host = host_with_deadline(Duration::from_secs(1));
+    let policy = load_misbehave(&host, "ok");
+    for mode in ["trap", "loop", "alloc"] {
+        let header = [("x-misbehave".to_owned(), mode.to_owned())];
+        let e = translate_with_headers(&policy, 17, 4, &header).expect_err(mode);
+        assert!(e.is_fault(), "{mode}: {e:?}");
+        let plan = translate(&policy, 17, 4).unwrap_or_else(|e| panic!("after {mode}: {e}"));
+        validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
+    }
+}
+
+/// A guest that prints on every call, called from a router worker thread (a multi-thread
+/// runtime, as in `serve`): its output goes to the log and its plans are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_printing_on_a_runtime_worker_plans_normally() {
+    let host = host();
+    let policy = load_misbehave(&host, "print");
+    for _ in 0..3 {
+        let plan = translate(&policy, 17, 4).expect("a guest that prints still plans");
+        validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
+    }
+}

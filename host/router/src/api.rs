@@ -1,0 +1,446 @@
+//! The OpenAI HTTP surface (hyper 1, no framework): routes → handlers over one shared
+//! [`AppState`].
+//!
+//! | route | handler |
+//! |---|---|
+//! | `POST /v1/completions` | [`openai`] parse → [`Router::start_with`] → JSON or SSE |
+//! | `POST /v1/chat/completions` | the same, with the chat template and chat shapes |
+//! | `GET /v1/models`, `GET /health` | 503 until the endpoints are ready, then 200 |
+//! | `GET /metrics` | Prometheus text |
+//! | `GET /admin/endpoints` | id, url, role, device rank, health, in-flight per endpoint |
+//! | `GET /admin/policies` | every loaded policy: version, state, calls, last reload |
+//! | `POST /admin/policies/{name}/reload` | reload one policy from its file now |
+//!
+//! `/admin/*` needs a bearer token when one is configured, and moves to its own listener
+//! ([`serve_admin`]) when an admin port is configured. A request may pick its policy with the
+//! `x-switchyard-policy` header (unless disabled); an unknown name gets 400.
+//!
+//! Every error body is written by [`respond`].
+
+mod admin;
+mod metrics;
+mod openai;
+mod respond;
+mod sse;
+mod tokenize;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::StreamExt;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+
+pub use metrics::Metrics;
+pub use openai::Shape;
+pub use respond::ApiError;
+// The request path's pure pieces, for the hot-path benchmarks (host/router/benches/hot_path.rs).
+pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
+pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, TokenizerError};
+
+use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
+
+use crate::plan::Event;
+use crate::{RouteRequest, Router, Routing};
+
+/// Every response body the router writes.
+pub type Body = UnsyncBoxBody<Bytes, Infallible>;
+
+/// A whole body.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed_unsync()
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub router: Arc<Router>,
+    pub tokenizer: Arc<PromptTokenizer>,
+    pub metrics: Metrics,
+    /// The served model's name (responses carry the client's when it named one).
+    pub model: String,
+    /// The live policies; each request is planned by the one it selects.
+    pub policies: Arc<PolicyRegistry>,
+    pub admin: AdminAccess,
+    pub max_body_bytes: usize,
+    pub default_max_tokens: u32,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn new(
+        router: Arc<Router>,
+        tokenizer: Arc<PromptTokenizer>,
+        model: String,
+        policies: Arc<PolicyRegistry>,
+        max_body_bytes: usize,
+        default_max_tokens: u32,
+    ) -> Self {
+        AppState {
+            router,
+            tokenizer,
+            metrics: Metrics::new(),
+            model,
+            policies,
+            admin: AdminAccess::default(),
+            max_body_bytes,
+            default_max_tokens,
+            next_id: AtomicU64::new(1),
+        }
+    }
+
+    /// Who may use `/admin/*`, and on which listener.
+    pub fn with_admin(mut self, admin: AdminAccess) -> Self {
+        self.admin = admin;
+        self
+    }
+
+    /// The endpoints are ready (the policy was loaded before the state existed).
+    pub fn is_ready(&self) -> bool {
+        self.router.executor().cluster().is_ready()
+    }
+}
+
+/// Who may use `/admin/*`, and where it is served.
+#[derive(Debug, Clone, Default)]
+pub struct AdminAccess {
+    /// The bearer token `/admin/*` requires; `None`: none.
+    pub token: Option<String>,
+    /// `/admin/*` has a listener of its own ([`serve_admin`]); the main port then answers 404.
+    pub separate_port: bool,
+}
+
+/// How long open connections may take to finish after shutdown begins.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serve HTTP on `listener` until `shutdown` resolves, then let open connections finish.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    serve_with(listener, state, shutdown, handle).await
+}
+
+/// Serve only `/admin/*` on `listener` (the admin port), until `shutdown` resolves.
+pub async fn serve_admin(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()>,
+) -> std::io::Result<()> {
+    serve_with(listener, state, shutdown, admin::handle).await
+}
+
+async fn serve_with<H, F>(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    shutdown: impl Future<Output = ()>,
+    handler: H,
+) -> std::io::Result<()>
+where
+    H: Fn(Arc<AppState>, Request<Incoming>) -> F + Copy + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    let graceful = GracefulShutdown::new();
+    let builder = auto::Builder::new(TokioExecutor::new());
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(conn) => conn,
+                Err(e) => {
+                    // Out of file descriptors and the like: keep serving the open connections.
+                    tracing::warn!(error = %e, "accept failed");
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let state = state.clone();
+            async move { Ok::<_, Infallible>(handler(state, req).await) }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn.into_owned());
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: waiting for open connections");
+    // Streams can be long: give them a bounded grace period, then drop them.
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        tracing::warn!(grace = ?SHUTDOWN_GRACE, "connections still open after the grace period; closing them");
+    }
+    Ok(())
+}
+
+/// Route one request.
+pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+    if req.uri().path().starts_with("/admin/") && !state.admin.separate_port {
+        return admin::handle(state, req).await;
+    }
+    let (parts, body) = req.into_parts();
+    match (&parts.method, parts.uri.path()) {
+        (&Method::POST, "/v1/completions") => {
+            generate(state, Shape::Completion, &parts.headers, body).await
+        }
+        (&Method::POST, "/v1/chat/completions") => {
+            generate(state, Shape::Chat, &parts.headers, body).await
+        }
+        (&Method::GET, "/v1/models") => admin::models(&state),
+        (&Method::GET, "/health") => admin::health(&state),
+        (&Method::GET, "/metrics") => admin::metrics(&state),
+        (method, path) => ApiError::NotFound {
+            method: method.to_string(),
+            path: path.to_owned(),
+        }
+        .response(),
+    }
+}
+
+/// Read at most `limit` bytes of body.
+async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ApiError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(ApiError::BodyRead(e.to_string())),
+    }
+}
+
+/// `/v1/completions` and `/v1/chat/completions`.
+async fn generate(
+    state: Arc<AppState>,
+    shape: Shape,
+    headers: &HeaderMap,
+    body: Incoming,
+) -> Response<Body> {
+    let arrived = Instant::now();
+    let parsed = match read_body(body, headers, state.max_body_bytes)
+        .await
+        .and_then(|bytes| parse(&state, shape, &bytes))
+    {
+        Ok(p) => p,
+        Err(e) => return reject(&state, shape, &e),
+    };
+    if !state.is_ready() {
+        return reject(
+            &state,
+            shape,
+            &ApiError::NotReady("the endpoints are not ready yet"),
+        );
+    }
+    let selection = match state
+        .policies
+        .select(policy_header(headers).as_deref(), &parsed.model)
+    {
+        Ok(selection) => selection,
+        Err(e @ SelectError::Unknown { .. }) => {
+            return reject(
+                &state,
+                shape,
+                &ApiError::invalid(POLICY_HEADER, e.to_string()),
+            );
+        }
+        Err(SelectError::Unavailable { .. }) => {
+            return reject(
+                &state,
+                shape,
+                &ApiError::NotReady("no policy can plan the request"),
+            );
+        }
+    };
+    let request_id = format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>());
+    let responder = Responder {
+        shape,
+        id: request_id.clone(),
+        created: unix_now(),
+        model: parsed.model.clone(),
+        include_usage: parsed.include_usage,
+    };
+    let stream = parsed.stream;
+    let route = RouteRequest {
+        id: state.next_id.fetch_add(1, Ordering::Relaxed),
+        request_id,
+        prompt: parsed.prompt,
+        max_tokens: parsed.max_tokens,
+        stream,
+        model: parsed.model,
+        user: parsed.user,
+        headers: x_headers(headers),
+        template: parsed.template,
+        arrived,
+    };
+    let mut routing = state.router.start_with(route, Arc::new(selection));
+    // Nothing is committed until the first event: a request that fails before any text gets
+    // a real error status instead of a 200 stream.
+    let Some(first) = routing.next().await else {
+        return reject(
+            &state,
+            shape,
+            &ApiError::NotReady("the request was abandoned by the router"),
+        );
+    };
+    if let Event::Failed { error, summary } = first {
+        state.metrics.finished(&summary, arrived.elapsed());
+        return reject(&state, shape, &ApiError::Route(error));
+    }
+    if stream {
+        return sse::stream_response(state, responder, first, routing, arrived);
+    }
+    collect(state, responder, first, routing, arrived).await
+}
+
+fn parse(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let defaults = Defaults {
+        model: &state.model,
+        max_tokens: state.default_max_tokens,
+    };
+    match shape {
+        Shape::Completion => openai::parse_completion(body, &state.tokenizer, defaults),
+        Shape::Chat => openai::parse_chat(body, &state.tokenizer, defaults),
+    }
+}
+
+/// A non-streaming response: concatenate the text, answer with the real usage.
+async fn collect(
+    state: Arc<AppState>,
+    responder: Responder,
+    first: Event,
+    mut routing: Routing,
+    arrived: Instant,
+) -> Response<Body> {
+    let mut abandoned = CountIfAbandoned {
+        state: &state,
+        route: responder.shape.route(),
+        armed: true,
+    };
+    let response = collect_events(&state, &responder, first, &mut routing, arrived).await;
+    abandoned.armed = false;
+    response
+}
+
+/// Counts a non-streaming request whose client hung up as 499, as an abandoned stream is:
+/// hyper then drops the handler's future mid-`collect`, and this guard with it.
+struct CountIfAbandoned<'a> {
+    state: &'a AppState,
+    route: &'static str,
+    armed: bool,
+}
+
+impl Drop for CountIfAbandoned<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.state
+                .metrics
+                .request(self.route, sse::CLIENT_CLOSED_REQUEST);
+        }
+    }
+}
+
+async fn collect_events(
+    state: &AppState,
+    responder: &Responder,
+    first: Event,
+    routing: &mut Routing,
+    arrived: Instant,
+) -> Response<Body> {
+    let mut text = String::new();
+    let mut next = Some(first);
+    loop {
+        let event = match next.take() {
+            Some(e) => Some(e),
+            None => routing.next().await,
+        };
+        match event {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done {
+                finish_reason,
+                usage,
+                summary,
+            }) => {
+                state.metrics.finished(&summary, arrived.elapsed());
+                state.metrics.request(responder.shape.route(), 200);
+                let body = responder.full_response(text, &finish_reason, &usage);
+                return respond::json_response(StatusCode::OK, &body);
+            }
+            Some(Event::Failed { error, summary }) => {
+                state.metrics.finished(&summary, arrived.elapsed());
+                return reject(state, responder.shape, &ApiError::Route(error));
+            }
+            None => {
+                return reject(
+                    state,
+                    responder.shape,
+                    &ApiError::NotReady("the request was abandoned by the router"),
+                );
+            }
+        }
+    }
+}
+
+fn reject(state: &AppState, shape: Shape, error: &ApiError) -> Response<Body> {
+    state
+        .metrics
+        .request(shape.route(), error.status().as_u16());
+    error.response()
+}
+
+/// The policy the request names, if any (a value that is not UTF-8 names no policy that exists).
+fn policy_header(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get(POLICY_HEADER)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+}
+
+/// The `x-*` headers a policy may route on.
+fn x_headers(headers: &HeaderMap) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .filter(|(name, _)| name.as_str().starts_with("x-"))
+        .filter_map(|(name, value)| {
+            value
+                .to_str()
+                .ok()
+                .map(|v| (name.as_str().to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Bind `addr` (port 0 picks a free one).
+pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr).await
+}

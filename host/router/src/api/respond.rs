@@ -1,0 +1,187 @@
+//! The one place where errors become OpenAI error bodies and HTTP status codes:
+//! `{"error": {"message", "type", "param", "code"}}`, as a response or as a terminal SSE event.
+
+use bytes::Bytes;
+use http::{Response, StatusCode, header};
+use serde::Serialize;
+use switchyard_contract::TranslateError;
+use switchyard_wire::error::{ErrorBody, INVALID_REQUEST_ERROR, SERVER_ERROR};
+use switchyard_wire::sse;
+
+use super::{Body, full};
+use crate::RouteError;
+use crate::microserving::CallError;
+use crate::plan::StepKind;
+
+/// Everything a client request can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON at all.
+    #[error("the request body is not valid JSON: {0}")]
+    MalformedJson(String),
+    /// A field has the wrong type or an invalid value.
+    #[error("{message}")]
+    InvalidField {
+        param: &'static str,
+        message: String,
+    },
+    #[error("the request body is larger than {limit} bytes")]
+    BodyTooLarge { limit: usize },
+    #[error("cannot read the request body: {0}")]
+    BodyRead(String),
+    #[error("no route for {method} {path}")]
+    NotFound { method: String, path: String },
+    #[error("this route needs `Authorization: Bearer <admin token>`")]
+    Unauthorized,
+    #[error("the router is not ready: {0}")]
+    NotReady(&'static str),
+    #[error("cannot tokenize the prompt: {0}")]
+    Tokenize(String),
+    #[error(transparent)]
+    Route(#[from] RouteError),
+}
+
+impl ApiError {
+    pub fn invalid(param: &'static str, message: impl Into<String>) -> Self {
+        ApiError::InvalidField {
+            param,
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::MalformedJson(_) | ApiError::InvalidField { .. } | ApiError::BodyRead(_) => {
+                StatusCode::BAD_REQUEST
+            }
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
+            ApiError::Route(e) => route_status(e),
+        }
+    }
+
+    /// OpenAI's `type`: the client's fault or ours.
+    fn kind(&self) -> &'static str {
+        if self.status().is_client_error() {
+            INVALID_REQUEST_ERROR
+        } else {
+            SERVER_ERROR
+        }
+    }
+
+    fn param(&self) -> Option<&'static str> {
+        match self {
+            ApiError::InvalidField { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            ApiError::MalformedJson(_) => "invalid_json",
+            ApiError::InvalidField { .. } => "invalid_value",
+            ApiError::BodyTooLarge { .. } => "body_too_large",
+            ApiError::BodyRead(_) => "invalid_body",
+            ApiError::NotFound { .. } => "not_found",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::NotReady(_) => "not_ready",
+            ApiError::Tokenize(_) => "invalid_prompt",
+            ApiError::Route(RouteError::Policy(TranslateError::Unavailable { .. })) => {
+                "no_endpoint_available"
+            }
+            ApiError::Route(RouteError::Policy(TranslateError::Rejected { .. })) => {
+                "rejected_by_policy"
+            }
+            ApiError::Route(RouteError::Policy(_)) => "policy_error",
+            ApiError::Route(RouteError::InvalidPlan(_)) => "invalid_plan",
+            ApiError::Route(RouteError::Exhausted { .. } | RouteError::Engine(_)) => {
+                "upstream_error"
+            }
+            ApiError::Route(RouteError::Tokenize(_)) => "internal_error",
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody::new(
+            self.to_string(),
+            self.kind(),
+            self.param(),
+            Some(self.code()),
+        )
+    }
+
+    /// The error as a response.
+    pub fn response(&self) -> Response<Body> {
+        json_response(self.status(), &self.body())
+    }
+
+    /// The error as the terminal event of an SSE stream (followed by `[DONE]`).
+    pub fn sse_event(&self) -> Bytes {
+        sse::event(&self.body())
+    }
+}
+
+fn route_status(error: &RouteError) -> StatusCode {
+    match error {
+        RouteError::Policy(TranslateError::Unavailable { .. }) => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::Policy(TranslateError::Rejected { .. }) => StatusCode::BAD_REQUEST,
+        RouteError::Policy(_) | RouteError::InvalidPlan(_) | RouteError::Tokenize(_) => {
+            StatusCode::INTERNAL_SERVER_ERROR
+        }
+        RouteError::Exhausted { last, .. } if last.source.is_timeout() => {
+            StatusCode::GATEWAY_TIMEOUT
+        }
+        RouteError::Exhausted { .. } => StatusCode::BAD_GATEWAY,
+        // The engine refused the request itself (e.g. a prompt longer than its context).
+        RouteError::Engine(e) => match &e.source {
+            CallError::Status { status, .. }
+                if (400..500).contains(status) && e.step != StepKind::Relay =>
+            {
+                StatusCode::BAD_REQUEST
+            }
+            _ => StatusCode::BAD_GATEWAY,
+        },
+    }
+}
+
+/// A JSON response.
+pub fn json_response(status: StatusCode, value: &impl Serialize) -> Response<Body> {
+    // Plain data structs and JSON values always serialise.
+    let body = serde_json::to_vec(value).expect("a response body serialises");
+    let mut response = Response::new(full(body));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn error_bodies_have_the_openai_shape() {
+        let e = ApiError::invalid("max_tokens", "max_tokens must be at least 1");
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            serde_json::to_value(e.body()).expect("serializes"),
+            json!({"error": {"message": "max_tokens must be at least 1",
+                "type": "invalid_request_error", "param": "max_tokens", "code": "invalid_value"}})
+        );
+        let e = ApiError::BodyTooLarge { limit: 10 };
+        assert_eq!(e.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(e.body().error.param, None);
+        let e = ApiError::NotReady("engines starting");
+        assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(e.body().error.kind, "server_error");
+        assert!(e.sse_event().starts_with(b"data: {\"error\""));
+    }
+}

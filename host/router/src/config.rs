@@ -1,0 +1,717 @@
+//! The router's configuration: flags and an optional TOML file, parsed and validated once at
+//! startup into a typed [`Config`]. A bad value is reported with the flag or key it came from,
+//! before any port is bound.
+//!
+//! ```toml
+//! host = "127.0.0.1"
+//! port = 8000
+//! policy = "disagg"                          # the default policy: plugins/disagg.wasm
+//! plugins = "plugins"                         # every *.wasm in it is loaded, and watched
+//! policy_config = { pd_balance_factor = 0.1 } # the default policy's config, or a JSON string
+//!                                             # (other policies: plugins/<name>.json)
+//! fallback_policy = "round-robin"             # plans a faulting policy's requests ("none": off)
+//! policy_header = true                        # x-switchyard-policy may select a policy
+//! quarantine_faults = 5                       # faults within the window that quarantine
+//! quarantine_window_ms = 30000
+//! admin_token = "s3cret"                      # /admin/* then needs `Authorization: Bearer …`
+//! admin_port = 9001                           # /admin/* on its own port instead of `port`
+//! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json
+//! model = "llama"                              # name reported by /v1/models
+//! max_attempts = 3
+//! max_body_bytes = 33554432
+//! default_max_tokens = 256
+//!
+//! [[endpoints]]
+//! url = "http://127.0.0.1:8081"
+//! role = "prefill"    # any | prefill | decode (a hint for the policy)
+//! num_gpus = 1
+//!
+//!
+//! [model_policies]                            # model name -> policy, for requests without
+//! llama = "round-robin"                        # an x-switchyard-policy header
+//! ```
+//!
+//! Flags override the file; `--endpoint` flags replace the file's endpoints.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use switchyard_contract::Role;
+use switchyard_policy_host::QuarantineRule;
+
+use crate::cluster::EndpointSpec;
+use crate::{RetryPolicy, RetryPolicyError};
+
+/// `switchyard serve` flags: where the engines are, and how the router runs.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// An engine's base URL, e.g. http://127.0.0.1:8081 (repeat for each engine, in id order).
+    #[arg(long = "endpoint")]
+    pub endpoints: Vec<String>,
+    /// GPUs of each `--endpoint`, in the same order (default 1 each); device ranks are their
+    /// prefix sums.
+    #[arg(long = "endpoint-num-gpus")]
+    pub endpoint_num_gpus: Vec<u32>,
+    /// A TOML config file (see the `config` module docs).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub router: RouterArgs,
+}
+
+/// How the router runs, whoever started the engines: the flags `switchyard serve` and
+/// `switchyard up` share. Each overrides its key in the `--config` file; unset, the file's
+/// value or the default applies.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct RouterArgs {
+    /// Address to listen on [default: 127.0.0.1].
+    #[arg(long)]
+    pub host: Option<IpAddr>,
+    /// Port to listen on (0 picks a free one) [default: 8000].
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// The default policy: `<plugins>/<NAME>.wasm` (the last --policy given wins) [default:
+    /// disagg].
+    #[arg(long, overrides_with = "policy")]
+    pub policy: Option<String>,
+    /// Where policies live: every `*.wasm` in it is loaded, and reloaded when its file (or
+    /// `<name>.json` config) changes (the last --plugins given wins) [default: plugins].
+    #[arg(long, overrides_with = "plugins")]
+    pub plugins: Option<PathBuf>,
+    /// The default policy's JSON config, given to its `init` (instead of `<plugins>/<NAME>.json`).
+    #[arg(long)]
+    pub policy_config: Option<String>,
+    /// Plans the requests of a policy that faults or is quarantined (default `round-robin`;
+    /// `none`: those requests fail).
+    #[arg(long)]
+    pub fallback_policy: Option<String>,
+    /// Ignore the `x-switchyard-policy` request header (clients cannot pick a policy).
+    #[arg(long)]
+    pub no_policy_header: bool,
+    /// Faults (trap, deadline, memory cap, invalid plan) within --quarantine-window-ms that
+    /// quarantine a policy version.
+    #[arg(long)]
+    pub quarantine_faults: Option<u32>,
+    #[arg(long)]
+    pub quarantine_window_ms: Option<u64>,
+    /// Require `Authorization: Bearer TOKEN` on `/admin/*`.
+    #[arg(long, env = "SWITCHYARD_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Serve `/admin/*` on this port (same host) instead of the main port.
+    #[arg(long)]
+    pub admin_port: Option<u16>,
+    /// A model directory with `tokenizer.json` (and `tokenizer_config.json` for chat);
+    /// default: the reference engine's byte-level tokenizer.
+    #[arg(long)]
+    pub model_dir: Option<PathBuf>,
+    /// The model name `/v1/models` reports.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Failed attempts (engine errors, preemptions without progress) before a request fails.
+    #[arg(long)]
+    pub max_attempts: Option<u32>,
+    /// Largest accepted request body; larger ones get 413.
+    #[arg(long)]
+    pub max_body_bytes: Option<usize>,
+    /// `max_tokens` for requests that give none.
+    #[arg(long)]
+    pub default_max_tokens: Option<u32>,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub endpoints: Vec<EndpointSpec>,
+    /// The default policy.
+    pub policy_name: String,
+    pub policy_path: PathBuf,
+    /// The default policy's config, compact JSON; `None`: `<plugins>/<name>.json` or `{}`.
+    pub policy_config: Option<String>,
+    pub plugins: PathBuf,
+    pub policies: PolicySettings,
+    pub admin: AdminSettings,
+    pub model_dir: Option<PathBuf>,
+    pub model: String,
+    pub retry: RetryPolicy,
+    pub max_body_bytes: usize,
+    pub default_max_tokens: u32,
+}
+
+/// How requests find their policy, and what happens when it faults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicySettings {
+    pub fallback: Option<String>,
+    /// Model name → policy name.
+    pub models: BTreeMap<String, String>,
+    /// Whether `x-switchyard-policy` may select a policy.
+    pub header: bool,
+    pub quarantine: QuarantineRule,
+}
+
+/// Who may use `/admin/*`, and where.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct AdminSettings {
+    /// The bearer token `/admin/*` requires; `None`: no token.
+    pub token: Option<String>,
+    /// A separate listener for `/admin/*`; `None`: the main port serves them.
+    pub listen: Option<SocketAddr>,
+}
+
+/// Why the configuration is unusable; each names the flag or key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {}: {source}", path.display())]
+    ReadFile {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config file {}: {reason}", path.display())]
+    ParseFile { path: PathBuf, reason: String },
+    #[error("no endpoints: give --endpoint URL (repeatable) or [[endpoints]] in --config")]
+    NoEndpoints,
+    #[error("endpoint {index} ({url:?}): {reason}")]
+    BadEndpoint {
+        index: usize,
+        url: String,
+        reason: String,
+    },
+    #[error(
+        "--endpoint-num-gpus: {given} values for {endpoints} endpoints (give one per --endpoint)"
+    )]
+    NumGpusCount { given: usize, endpoints: usize },
+    #[error("--policy {name:?}: {reason}")]
+    BadPolicy { name: String, reason: String },
+    #[error("--policy-config is not valid JSON: {0}")]
+    PolicyConfig(String),
+    #[error("--fallback-policy {name:?}: {reason}")]
+    BadFallback { name: String, reason: String },
+    #[error("model_policies: model {model:?} -> policy {name:?}: {reason}")]
+    BadModelPolicy {
+        model: String,
+        name: String,
+        reason: String,
+    },
+    #[error("--quarantine-faults and --quarantine-window-ms must be at least 1")]
+    Quarantine,
+    #[error("--admin-token must not be empty")]
+    AdminToken,
+    #[error("--admin-port {0} is the main port; give another one or leave it out")]
+    AdminPort(u16),
+    #[error("--model-dir {}: {reason}", path.display())]
+    ModelDir { path: PathBuf, reason: String },
+    #[error("--max-attempts: {0}")]
+    Retry(#[from] RetryPolicyError),
+    #[error("--max-body-bytes must be at least 1")]
+    BodyLimit,
+    #[error("--default-max-tokens must be at least 1")]
+    DefaultMaxTokens,
+}
+
+/// The TOML file, every key optional.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    host: Option<IpAddr>,
+    port: Option<u16>,
+    policy: Option<String>,
+    plugins: Option<PathBuf>,
+    policy_config: Option<toml::Value>,
+    fallback_policy: Option<String>,
+    policy_header: Option<bool>,
+    #[serde(default)]
+    model_policies: BTreeMap<String, String>,
+    quarantine_faults: Option<u32>,
+    quarantine_window_ms: Option<u64>,
+    admin_token: Option<String>,
+    admin_port: Option<u16>,
+    model_dir: Option<PathBuf>,
+    model: Option<String>,
+    max_attempts: Option<u32>,
+    max_body_bytes: Option<usize>,
+    default_max_tokens: Option<u32>,
+    #[serde(default)]
+    endpoints: Vec<EndpointSpec>,
+}
+
+pub const DEFAULT_PORT: u16 = 8000;
+pub const DEFAULT_POLICY: &str = "disagg";
+pub const DEFAULT_FALLBACK_POLICY: &str = "round-robin";
+/// `--fallback-policy none` turns the fallback off.
+pub const NO_FALLBACK: &str = "none";
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+pub const DEFAULT_MODEL: &str = "switchyard-reference";
+
+impl Config {
+    /// Parse and validate `args` (and the file it names).
+    pub fn from_args(args: &ServeArgs) -> Result<Config, ConfigError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let endpoints = endpoints(args, file.endpoints)?;
+        let host = args
+            .router
+            .host
+            .or(file.host)
+            .unwrap_or(IpAddr::from([127, 0, 0, 1]));
+        let port = args.router.port.or(file.port).unwrap_or(DEFAULT_PORT);
+        let policy_name = args
+            .router
+            .policy
+            .clone()
+            .or(file.policy)
+            .unwrap_or_else(|| DEFAULT_POLICY.to_owned());
+        let plugins = args
+            .router
+            .plugins
+            .clone()
+            .or(file.plugins)
+            .unwrap_or_else(|| PathBuf::from("plugins"));
+        let policy_path = policy_path(&plugins, &policy_name)?;
+        let policy_config = match (&args.router.policy_config, file.policy_config) {
+            (Some(json), _) => Some(compact_json(json)?),
+            (None, Some(toml::Value::String(json))) => Some(compact_json(&json)?),
+            (None, Some(value)) => Some(
+                serde_json::to_string(&value)
+                    .map_err(|e| ConfigError::PolicyConfig(e.to_string()))?,
+            ),
+            (None, None) => None,
+        };
+        let policy_keys = PolicyKeys {
+            fallback: file.fallback_policy,
+            header: file.policy_header,
+            models: file.model_policies,
+            faults: file.quarantine_faults,
+            window_ms: file.quarantine_window_ms,
+        };
+        let policies = policy_settings(&args.router, policy_keys, &plugins)?;
+        let admin = admin_settings(&args.router, file.admin_token, file.admin_port, host, port)?;
+        let model_dir = args.router.model_dir.clone().or(file.model_dir);
+        if let Some(dir) = &model_dir
+            && !dir.join("tokenizer.json").is_file()
+        {
+            return Err(ConfigError::ModelDir {
+                path: dir.clone(),
+                reason: "no tokenizer.json in it".into(),
+            });
+        }
+        let model = args
+            .router
+            .model
+            .clone()
+            .or(file.model)
+            .or_else(|| {
+                model_dir
+                    .as_ref()
+                    .and_then(|d| d.file_name())
+                    .map(|n| n.to_string_lossy().into_owned())
+            })
+            .unwrap_or_else(|| DEFAULT_MODEL.to_owned());
+        let defaults = RetryPolicy::default();
+        let retry = RetryPolicy::try_new(
+            args.router
+                .max_attempts
+                .or(file.max_attempts)
+                .unwrap_or(defaults.max_attempts()),
+            Duration::from_millis(10),
+            Duration::from_secs(1),
+        )?;
+        let max_body_bytes = args
+            .router
+            .max_body_bytes
+            .or(file.max_body_bytes)
+            .unwrap_or(DEFAULT_MAX_BODY_BYTES);
+        if max_body_bytes == 0 {
+            return Err(ConfigError::BodyLimit);
+        }
+        let default_max_tokens = args
+            .router
+            .default_max_tokens
+            .or(file.default_max_tokens)
+            .unwrap_or(DEFAULT_MAX_TOKENS);
+        if default_max_tokens == 0 {
+            return Err(ConfigError::DefaultMaxTokens);
+        }
+        Ok(Config {
+            listen: SocketAddr::new(host, port),
+            endpoints,
+            policy_name,
+            policy_path,
+            policy_config,
+            plugins,
+            policies,
+            admin,
+            model_dir,
+            model,
+            retry,
+            max_body_bytes,
+            default_max_tokens,
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|e| ConfigError::ParseFile {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })
+}
+
+fn endpoints(
+    args: &ServeArgs,
+    from_file: Vec<EndpointSpec>,
+) -> Result<Vec<EndpointSpec>, ConfigError> {
+    let specs = if args.endpoints.is_empty() {
+        if !args.endpoint_num_gpus.is_empty() {
+            return Err(ConfigError::NumGpusCount {
+                given: args.endpoint_num_gpus.len(),
+                endpoints: 0,
+            });
+        }
+        from_file
+    } else {
+        let n = args.endpoints.len();
+        let gpus = match args.endpoint_num_gpus.len() {
+            0 => vec![1; n],
+            given if given == n => args.endpoint_num_gpus.clone(),
+            given => {
+                return Err(ConfigError::NumGpusCount {
+                    given,
+                    endpoints: n,
+                });
+            }
+        };
+        args.endpoints
+            .iter()
+            .zip(gpus)
+            .map(|(url, num_gpus)| EndpointSpec {
+                url: url.clone(),
+                role: Role::Any,
+                num_gpus,
+            })
+            .collect()
+    };
+    if specs.is_empty() {
+        return Err(ConfigError::NoEndpoints);
+    }
+    for (index, spec) in specs.iter().enumerate() {
+        let bad = |reason: &str| ConfigError::BadEndpoint {
+            index,
+            url: spec.url.clone(),
+            reason: reason.to_owned(),
+        };
+        let url = reqwest::Url::parse(&spec.url).map_err(|e| bad(&e.to_string()))?;
+        if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
+            return Err(bad("expected http://HOST:PORT"));
+        }
+        if spec.num_gpus == 0 {
+            return Err(bad("num_gpus must be at least 1"));
+        }
+    }
+    Ok(specs)
+}
+
+fn policy_path(plugins: &Path, name: &str) -> Result<PathBuf, ConfigError> {
+    existing_policy(plugins, name).map_err(|reason| ConfigError::BadPolicy {
+        name: name.to_owned(),
+        reason,
+    })
+}
+
+/// `<plugins>/<name>.wasm`, if `name` is a plain file stem and the file exists.
+fn existing_policy(plugins: &Path, name: &str) -> Result<PathBuf, String> {
+    if name.is_empty() || name.contains(['/', '\\']) || name.starts_with('.') {
+        return Err("a policy name is a file stem in the plugins directory".into());
+    }
+    let path = plugins.join(format!("{name}.wasm"));
+    if !path.is_file() {
+        return Err(format!(
+            "{} does not exist (build the built-in policies with `make plugins`)",
+            path.display()
+        ));
+    }
+    Ok(path)
+}
+
+/// The policy keys of the config file.
+struct PolicyKeys {
+    fallback: Option<String>,
+    header: Option<bool>,
+    models: BTreeMap<String, String>,
+    faults: Option<u32>,
+    window_ms: Option<u64>,
+}
+
+/// Fallback, per-model mapping, header switch and quarantine rule. The default fallback may be
+/// missing from the plugins directory (faults then fail their requests); one named explicitly
+/// must exist.
+fn policy_settings(
+    args: &RouterArgs,
+    file: PolicyKeys,
+    plugins: &Path,
+) -> Result<PolicySettings, ConfigError> {
+    let fallback = match args.fallback_policy.clone().or(file.fallback) {
+        Some(name) if name == NO_FALLBACK => None,
+        Some(name) => {
+            existing_policy(plugins, &name).map_err(|reason| ConfigError::BadFallback {
+                name: name.clone(),
+                reason,
+            })?;
+            Some(name)
+        }
+        None => Some(DEFAULT_FALLBACK_POLICY.to_owned()),
+    };
+    for (model, name) in &file.models {
+        existing_policy(plugins, name).map_err(|reason| ConfigError::BadModelPolicy {
+            model: model.clone(),
+            name: name.clone(),
+            reason,
+        })?;
+    }
+    let defaults = QuarantineRule::default();
+    let faults = args
+        .quarantine_faults
+        .or(file.faults)
+        .unwrap_or(defaults.faults);
+    let window_ms = args
+        .quarantine_window_ms
+        .or(file.window_ms)
+        .unwrap_or(u64::try_from(defaults.window.as_millis()).unwrap_or(u64::MAX));
+    if faults == 0 || window_ms == 0 {
+        return Err(ConfigError::Quarantine);
+    }
+    Ok(PolicySettings {
+        fallback,
+        models: file.models,
+        header: !args.no_policy_header && file.header.unwrap_or(true),
+        quarantine: QuarantineRule {
+            faults,
+            window: Duration::from_millis(window_ms),
+        },
+    })
+}
+
+fn admin_settings(
+    args: &RouterArgs,
+    file_token: Option<String>,
+    file_port: Option<u16>,
+    host: IpAddr,
+    port: u16,
+) -> Result<AdminSettings, ConfigError> {
+    let token = args.admin_token.clone().or(file_token);
+    if token.as_deref().is_some_and(str::is_empty) {
+        return Err(ConfigError::AdminToken);
+    }
+    let admin_port = args.admin_port.or(file_port);
+    if let Some(admin_port) = admin_port
+        && admin_port == port
+        && port != 0
+    {
+        return Err(ConfigError::AdminPort(admin_port));
+    }
+    Ok(AdminSettings {
+        token,
+        listen: admin_port.map(|p| SocketAddr::new(host, p)),
+    })
+}
+
+fn compact_json(text: &str) -> Result<String, ConfigError> {
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| ConfigError::PolicyConfig(e.to_string()))?;
+    Ok(value.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plugins_with(name: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::fs::write(dir.path().join(format!("{name}.wasm")), b"\0asm").expect("write");
+        dir
+    }
+
+    fn args(plugins: &Path) -> ServeArgs {
+        ServeArgs {
+            endpoints: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
+            router: RouterArgs {
+                plugins: Some(plugins.to_owned()),
+                ..RouterArgs::default()
+            },
+            ..ServeArgs::default()
+        }
+    }
+
+    #[test]
+    fn flags_give_a_config_with_defaults() {
+        let dir = plugins_with("disagg");
+        let config = Config::from_args(&args(dir.path())).expect("valid");
+        assert_eq!(config.listen, "127.0.0.1:8000".parse().expect("addr"));
+        assert_eq!(config.endpoints.len(), 2);
+        assert_eq!(config.policy_path, dir.path().join("disagg.wasm"));
+        assert_eq!(config.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+        assert_eq!(config.retry.max_attempts(), 3);
+    }
+
+    #[test]
+    fn bad_values_name_what_is_wrong() {
+        let dir = plugins_with("disagg");
+        let mut a = args(dir.path());
+        a.endpoints.clear();
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::NoEndpoints)
+        ));
+        let mut a = args(dir.path());
+        a.endpoints.push("ftp://x".into());
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::BadEndpoint { index: 2, .. })
+        ));
+        let mut a = args(dir.path());
+        a.endpoint_num_gpus = vec![1];
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::NumGpusCount {
+                given: 1,
+                endpoints: 2
+            })
+        ));
+        let mut a = args(dir.path());
+        a.router.policy = Some("missing".into());
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::BadPolicy { .. })
+        ));
+        let mut a = args(dir.path());
+        a.router.policy_config = Some("{oops".into());
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::PolicyConfig(_))
+        ));
+        let mut a = args(dir.path());
+        a.router.max_attempts = Some(0);
+        assert!(matches!(Config::from_args(&a), Err(ConfigError::Retry(_))));
+    }
+
+    #[test]
+    fn policy_and_admin_settings_have_defaults_and_are_checked() {
+        let dir = plugins_with("disagg");
+        let config = Config::from_args(&args(dir.path())).expect("valid");
+        assert_eq!(config.plugins, dir.path());
+        assert_eq!(
+            config.policies.fallback.as_deref(),
+            Some(DEFAULT_FALLBACK_POLICY)
+        );
+        assert!(config.policies.header);
+        assert_eq!(config.policies.quarantine, QuarantineRule::default());
+        assert_eq!(config.admin, AdminSettings::default());
+
+        let mut a = args(dir.path());
+        a.router.fallback_policy = Some(NO_FALLBACK.into());
+        a.router.no_policy_header = true;
+        a.router.admin_token = Some("s3cret".into());
+        a.router.admin_port = Some(9001);
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.policies.fallback, None);
+        assert!(!config.policies.header);
+        assert_eq!(config.admin.token.as_deref(), Some("s3cret"));
+        assert_eq!(
+            config.admin.listen,
+            Some("127.0.0.1:9001".parse().expect("addr"))
+        );
+
+        let refused = |edit: &dyn Fn(&mut ServeArgs)| {
+            let mut a = args(dir.path());
+            edit(&mut a);
+            Config::from_args(&a).expect_err("refused")
+        };
+        assert!(matches!(
+            refused(&|a| a.router.fallback_policy = Some("missing".into())),
+            ConfigError::BadFallback { .. }
+        ));
+        assert!(matches!(
+            refused(&|a| a.router.admin_token = Some(String::new())),
+            ConfigError::AdminToken
+        ));
+        assert!(matches!(
+            refused(&|a| a.router.admin_port = Some(DEFAULT_PORT)),
+            ConfigError::AdminPort(DEFAULT_PORT)
+        ));
+        assert!(matches!(
+            refused(&|a| a.router.quarantine_faults = Some(0)),
+            ConfigError::Quarantine
+        ));
+    }
+
+    #[test]
+    fn the_file_maps_models_to_policies_that_exist() {
+        let dir = plugins_with("disagg");
+        std::fs::write(dir.path().join("round-robin.wasm"), b"\0asm").expect("write");
+        let file = dir.path().join("router.toml");
+        let write = |mapping: &str| {
+            std::fs::write(
+                &file,
+                format!(
+                    "plugins = {:?}\nquarantine_faults = 2\n[model_policies]\n{mapping}\n",
+                    dir.path()
+                ),
+            )
+            .expect("write")
+        };
+        let with_file = ServeArgs {
+            config: Some(file.clone()),
+            endpoints: vec!["http://127.0.0.1:1".into()],
+            ..ServeArgs::default()
+        };
+        write(r#"small = "round-robin""#);
+        let config = Config::from_args(&with_file).expect("valid");
+        assert_eq!(
+            config.policies.models.get("small").map(String::as_str),
+            Some("round-robin")
+        );
+        assert_eq!(config.policies.quarantine.faults, 2);
+        write(r#"small = "missing""#);
+        assert!(matches!(
+            Config::from_args(&with_file),
+            Err(ConfigError::BadModelPolicy { .. })
+        ));
+    }
+
+    #[test]
+    fn a_toml_file_gives_endpoints_roles_and_policy_config() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "port = 9000\nplugins = {:?}\npolicy_config = {{ pd_balance_factor = 0.1 }}\n\
+                 [[endpoints]]\nurl = \"http://127.0.0.1:1\"\nrole = \"prefill\"\nnum_gpus = 4\n\
+                 [[endpoints]]\nurl = \"http://127.0.0.1:2\"\nrole = \"decode\"\n",
+                dir.path()
+            ),
+        )
+        .expect("write");
+        let config = Config::from_args(&ServeArgs {
+            config: Some(file),
+            ..ServeArgs::default()
+        })
+        .expect("valid");
+        assert_eq!(config.listen.port(), 9000);
+        assert_eq!(config.endpoints[0].role, Role::Prefill);
+        assert_eq!(config.endpoints[0].num_gpus, 4);
+        assert_eq!(config.endpoints[1].num_gpus, 1);
+        assert_eq!(
+            config.policy_config.as_deref(),
+            Some(r#"{"pd_balance_factor":0.1}"#)
+        );
+    }
+}

@@ -1,0 +1,361 @@
+//! The client side of MLC-LLM's microserving protocol: wire types and an HTTP client for an
+//! engine's `/microserving/*` and `/v1/completions` endpoints.
+//!
+//! ```text
+//! EngineClient::new(Timeouts)                         one pooled keep-alive client for all engines
+//!   prep_recv(url, &PrepRecvRequest)        -> PrepRecvResponse
+//!   remote_send(url, &RemoteSendRequest)    -> ()
+//!   start_generate(url, &StartGenerateRequest) -> ChunkStream   (SSE, or one JSON as one chunk)
+//!   forward(url, &CompletionRequest)        -> ChunkStream
+//!   ready(url)                              -> bool             (GET /v1/models == 200)
+//!   metrics(url)                            -> Option<String>   (GET /metrics, Prometheus text)
+//! ```
+//!
+//! The router always asks engines to stream, even for a non-streaming client: one code path
+//! relays, counts and resumes every generation, and time to first token is measurable.
+
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use switchyard_wire::completion::{CompletionRequest, CompletionResponse};
+use switchyard_wire::error_chain;
+use switchyard_wire::microserving::{
+    DEFAULT_CALL_TIMEOUT, PrepRecvRequest, PrepRecvResponse, RemoteSendRequest,
+    StartGenerateRequest,
+};
+use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
+
+/// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read
+/// from an engine: real ones are a few KiB, and an engine must not make the router buffer
+/// without bound.
+const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// How long the router waits on an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// TCP connect.
+    pub connect: Duration,
+    /// A whole prep_recv or remote_send, and the response headers of a generation. prep_recv
+    /// may block until the decode engine has free KV pages, and remote_send includes the
+    /// prefill, so this is generous.
+    pub call: Duration,
+    /// Longest gap between two chunks of a generation.
+    pub stream_idle: Duration,
+    /// A readiness probe.
+    pub probe: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            connect: Duration::from_secs(2),
+            call: DEFAULT_CALL_TIMEOUT,
+            stream_idle: Duration::from_secs(60),
+            probe: Duration::from_secs(2),
+        }
+    }
+}
+
+/// Why one call to an engine failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The HTTP client itself could not be set up (at startup, before any engine is called).
+    #[error("cannot build the HTTP client for engines: {reason}")]
+    Build { reason: String },
+    #[error("cannot reach {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("{url} did not answer within {after:?}")]
+    Timeout { url: String, after: Duration },
+    #[error("{url} answered HTTP {status}: {body}")]
+    Status {
+        url: String,
+        status: u16,
+        body: String,
+    },
+    #[error("{url} sent an answer that does not parse: {reason}")]
+    Decode { url: String, reason: String },
+    #[error("{url}: {source}")]
+    Stream {
+        url: String,
+        #[source]
+        source: SseError,
+    },
+}
+
+impl CallError {
+    /// Whether the engine failed to answer in time (as opposed to answering badly).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, CallError::Timeout { .. })
+    }
+
+    /// Whether the engine could not be reached at all (a sign it is down). A connection that
+    /// breaks after the answer started is a [`CallError::Stream`] instead: the engine was up.
+    pub fn is_unreachable(&self) -> bool {
+        matches!(self, CallError::Connect { .. })
+    }
+}
+
+/// One HTTP client shared by every call to every engine (connections are pooled per host).
+#[derive(Debug, Clone)]
+pub struct EngineClient {
+    http: reqwest::Client,
+    timeouts: Timeouts,
+}
+
+impl EngineClient {
+    pub fn new(timeouts: Timeouts) -> Result<Self, CallError> {
+        let http = reqwest::Client::builder()
+            .connect_timeout(timeouts.connect)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| CallError::Build {
+                reason: e.to_string(),
+            })?;
+        Ok(EngineClient { http, timeouts })
+    }
+
+    pub fn timeouts(&self) -> Timeouts {
+        self.timeouts
+    }
+
+    /// Ask the decode engine to reserve KV slots for `[0, end)`.
+    pub async fn prep_recv(
+        &self,
+        base: &str,
+        body: &PrepRecvRequest,
+    ) -> Result<PrepRecvResponse, CallError> {
+        self.call_json(base, "/microserving/prep_recv", body).await
+    }
+
+    /// Ask the prefill engine to compute the prompt and push KV into the decode engine.
+    pub async fn remote_send(&self, base: &str, body: &RemoteSendRequest) -> Result<(), CallError> {
+        let _: serde_json::Value = self
+            .call_json(base, "/microserving/remote_send", body)
+            .await?;
+        Ok(())
+    }
+
+    /// Start generating on the decode engine; the answer is streamed.
+    pub async fn start_generate(
+        &self,
+        base: &str,
+        body: &StartGenerateRequest,
+    ) -> Result<ChunkStream, CallError> {
+        self.generate(base, "/microserving/start_generate", body)
+            .await
+    }
+
+    /// Send the whole request to one engine's `/v1/completions`.
+    pub async fn forward(
+        &self,
+        base: &str,
+        body: &CompletionRequest,
+    ) -> Result<ChunkStream, CallError> {
+        self.generate(base, "/v1/completions", body).await
+    }
+
+    /// Readiness: `GET /v1/models` answers 200.
+    pub async fn ready(&self, base: &str) -> bool {
+        let url = format!("{base}/v1/models");
+        matches!(
+            self.http.get(&url).timeout(self.timeouts.probe).send().await,
+            Ok(r) if r.status() == reqwest::StatusCode::OK
+        )
+    }
+
+    /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
+    /// answer within the probe timeout.
+    pub async fn metrics(&self, base: &str) -> Option<String> {
+        let url = format!("{base}/metrics");
+        let response = self
+            .http
+            .get(&url)
+            .timeout(self.timeouts.probe)
+            .send()
+            .await
+            .ok()?;
+        if response.status() != reqwest::StatusCode::OK {
+            return None;
+        }
+        response.text().await.ok()
+    }
+
+    async fn send<B: Serialize>(
+        &self,
+        url: &str,
+        body: &B,
+        timeout: Option<Duration>,
+    ) -> Result<reqwest::Response, CallError> {
+        let mut request = self.http.post(url).json(body);
+        if let Some(t) = timeout {
+            request = request.timeout(t);
+        }
+        let response = request
+            .send()
+            .await
+            .map_err(|e| classify(url, &e, self.timeouts.call))?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        // The body only explains the status: a cut or oversized one still yields the status.
+        let body = read_capped(url, response, self.timeouts.call)
+            .await
+            .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
+            .unwrap_or_default();
+        Err(CallError::Status {
+            url: url.to_owned(),
+            status: status.as_u16(),
+            body: truncate(body, 512),
+        })
+    }
+
+    async fn call_json<B: Serialize, R: DeserializeOwned>(
+        &self,
+        base: &str,
+        path: &str,
+        body: &B,
+    ) -> Result<R, CallError> {
+        let url = format!("{base}{path}");
+        let response = self.send(&url, body, Some(self.timeouts.call)).await?;
+        let bytes = read_capped(&url, response, self.timeouts.call).await?;
+        serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
+            url,
+            reason: e.to_string(),
+        })
+    }
+
+    async fn generate<B: Serialize>(
+        &self,
+        base: &str,
+        path: &str,
+        body: &B,
+    ) -> Result<ChunkStream, CallError> {
+        let url = format!("{base}{path}");
+        // No whole-request timeout on a stream: it lives as long as the generation. The
+        // headers get `call`, each chunk after that gets `stream_idle`.
+        let response = tokio::time::timeout(self.timeouts.call, self.send(&url, body, None))
+            .await
+            .map_err(|_| CallError::Timeout {
+                url: url.clone(),
+                after: self.timeouts.call,
+            })??;
+        let is_sse = response
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if !is_sse {
+            let bytes = read_capped(&url, response, self.timeouts.call).await?;
+            let one: CompletionResponse =
+                serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
+                    url,
+                    reason: e.to_string(),
+                })?;
+            return Ok(single_chunk(one));
+        }
+        Ok(with_idle_timeout(
+            parse_chunks(response.bytes_stream()),
+            self.timeouts.stream_idle,
+        ))
+    }
+}
+
+/// A whole non-streamed answer, at most [`MAX_ANSWER_BYTES`], within `within`.
+async fn read_capped(
+    url: &str,
+    mut response: reqwest::Response,
+    within: Duration,
+) -> Result<bytes::Bytes, CallError> {
+    let read = async {
+        let mut body = Vec::new();
+        while let Some(chunk) = response.chunk().await.map_err(|e| broken_answer(url, &e))? {
+            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+                return Err(CallError::Decode {
+                    url: url.to_owned(),
+                    reason: format!("the answer is over {MAX_ANSWER_BYTES} bytes"),
+                });
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(bytes::Bytes::from(body))
+    };
+    tokio::time::timeout(within, read)
+        .await
+        .map_err(|_| CallError::Timeout {
+            url: url.to_owned(),
+            after: within,
+        })?
+}
+
+/// An answer that started and then broke off: the engine is up (it answered), so this is a
+/// failed call to retry, not a sign the endpoint is down, and not a malformed answer either
+/// (reqwest reports body failures as "decode" errors).
+fn broken_answer(url: &str, e: &reqwest::Error) -> CallError {
+    CallError::Stream {
+        url: url.to_owned(),
+        source: SseError::Transport(error_chain(e)),
+    }
+}
+
+/// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:
+/// polling it again after its end keeps answering `None`.
+fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
+    Box::pin(
+        futures::stream::unfold((chunks, false), move |(mut chunks, done)| async move {
+            if done {
+                return None;
+            }
+            match tokio::time::timeout(idle, chunks.next()).await {
+                Ok(Some(item)) => Some((item, (chunks, false))),
+                Ok(None) => None,
+                Err(_) => Some((Err(SseError::Idle(idle)), (chunks, true))),
+            }
+        })
+        .fuse(),
+    )
+}
+
+fn classify(url: &str, e: &reqwest::Error, after: Duration) -> CallError {
+    if e.is_timeout() {
+        CallError::Timeout {
+            url: url.to_owned(),
+            after,
+        }
+    } else if e.is_connect() {
+        CallError::Connect {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        }
+    } else if e.is_decode() {
+        CallError::Decode {
+            url: url.to_owned(),
+            reason: e.to_string(),
+        }
+    } else {
+        // A reset or an early close before any answer: the engine went away mid-call. (Once
+        // an answer has started, a break is `broken_answer`'s, not this.)
+        CallError::Connect {
+            url: url.to_owned(),
+            reason: error_chain(e),
+        }
+    }
+}
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}

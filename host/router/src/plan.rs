@@ -1,0 +1,8 @@
+//! Executing a validated plan ([`switchyard_contract::ValidPlan`]) against the engines, and
+//! relaying the generation it starts to the client while counting what was delivered.
+
+mod execute;
+mod relay;
+
+pub use execute::{AttemptId, ExecError, Execute, Executor, Generation, StepKind};
+pub use relay::{Delivered, Event, RelayEnd, relay};

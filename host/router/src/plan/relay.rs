@@ -1,0 +1,117 @@
+//! Relays a generation to the client chunk by chunk and keeps count of what was delivered, so
+//! a preempted or broken generation can be continued exactly where the client's copy ends.
+
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use switchyard_wire::completion::{FINISH_PREEMPT, Usage};
+use switchyard_wire::sse::SseError;
+
+use super::execute::{ExecError, Generation, StepKind};
+use crate::RouteError;
+use crate::Summary;
+use crate::microserving::CallError;
+
+/// What the client side of a request receives, in order: text deltas, then exactly one
+/// `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    /// New text for the client.
+    Text(String),
+    /// The response is complete.
+    Done {
+        finish_reason: String,
+        usage: Usage,
+        summary: Summary,
+    },
+    /// The router gave up; whatever text was sent stays sent.
+    Failed { error: RouteError, summary: Summary },
+}
+
+/// What the client has received so far, over every attempt.
+#[derive(Debug, Default)]
+pub struct Delivered {
+    pub text: String,
+    /// When the first text reached the client's channel.
+    pub first_at: Option<Instant>,
+}
+
+/// How one attempt's generation ended.
+#[derive(Debug)]
+pub enum RelayEnd {
+    /// The engine finished; `usage` is the engine's own count for this attempt, if it sent one.
+    Finished {
+        finish_reason: String,
+        usage: Option<Usage>,
+    },
+    /// The engine aborted the request to free KV (`finish_reason: "preempt"`).
+    Preempted,
+    /// The stream broke or went quiet.
+    Failed(ExecError),
+    /// The client went away: stop everything.
+    ClientGone,
+}
+
+/// Forward `generation`'s text to `sink` until it ends.
+pub async fn relay(
+    generation: &mut Generation,
+    sink: &mpsc::Sender<Event>,
+    attempt: u32,
+    delivered: &mut Delivered,
+) -> RelayEnd {
+    let mut finish_reason: Option<String> = None;
+    let mut usage = None;
+    while let Some(item) = generation.chunks.next().await {
+        let chunk = match item {
+            Ok(chunk) => chunk,
+            // The engine said it finished; a broken tail (e.g. a lost [DONE]) loses nothing.
+            Err(_) if finish_reason.is_some() => break,
+            Err(source) => {
+                return RelayEnd::Failed(ExecError {
+                    endpoint: generation.generator,
+                    step: StepKind::Relay,
+                    attempt,
+                    source: CallError::Stream {
+                        url: String::new(),
+                        source,
+                    },
+                });
+            }
+        };
+        if let Some(u) = chunk.usage {
+            usage = Some(u.counts);
+        }
+        let Some(choice) = chunk.choices.into_iter().next() else {
+            continue;
+        };
+        if choice.finish_reason.as_deref() == Some(FINISH_PREEMPT) {
+            return RelayEnd::Preempted;
+        }
+        if !choice.text.is_empty() {
+            delivered.text.push_str(&choice.text);
+            delivered.first_at.get_or_insert_with(Instant::now);
+            if sink.send(Event::Text(choice.text)).await.is_err() {
+                return RelayEnd::ClientGone;
+            }
+        }
+        if let Some(reason) = choice.finish_reason {
+            finish_reason = Some(reason);
+        }
+    }
+    match finish_reason {
+        Some(finish_reason) => RelayEnd::Finished {
+            finish_reason,
+            usage,
+        },
+        None => RelayEnd::Failed(ExecError {
+            endpoint: generation.generator,
+            step: StepKind::Relay,
+            attempt,
+            source: CallError::Stream {
+                url: String::new(),
+                source: SseError::Transport("the stream ended without a finish_reason".into()),
+            },
+        }),
+    }
+}

@@ -1,0 +1,602 @@
+//! The attempt loop: plan → execute → relay, again until the client has its whole response or
+//! the failure budget is spent.
+//!
+//! The rules, in the order they apply:
+//!
+//! - **A policy fault** (a trap, deadline or memory cap, an `internal` error, an invalid plan)
+//!   is reported to the planner ([`Planner::fallback`](switchyard_contract::Planner::fallback)), which may name a fallback planner for
+//!   the attempt (the policy registry's fallback policy); with none, it ends the request.
+//!   The policy's own answers `unavailable` and `rejected` end the request (no retry): the
+//!   policy is deterministic enough that asking again gives the same answer.
+//! - **An engine failure** (unreachable, timeout, 5xx/429, a broken stream) re-invokes the
+//!   policy with `attempt + 1` and the failure in its context, after an exponential backoff
+//!   with jitter. A 4xx answer is the request's fault and ends it.
+//! - **Preemption** (`finish_reason == "preempt"`) and a stream that broke after text reached
+//!   the client both **continue**: the next attempt's prompt is the original prompt plus the
+//!   token ids of the text already delivered (re-tokenized with the serving tokenizer), its
+//!   `max_tokens` is what is left, and the client sees one seamless stream whose final usage
+//!   counts the original prompt and every delivered token.
+//! - **The budget** counts attempts that made no progress; an attempt that delivered text
+//!   resets the backoff and does not count, so the loop is bounded by
+//!   `max_attempts + max_tokens` attempts.
+//! - Every attempt has its own upstream id (`<request id>-<attempt>`) on all of its legs.
+//! - The client going away drops the attempt in flight, which closes every upstream
+//!   connection (engines abort a request whose connection closes).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use backon::BackoffBuilder;
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use switchyard_contract::{
+    Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError, PolicyContext,
+    PolicyRequest, TranslateError, ValidPlan, validate,
+};
+use switchyard_wire::completion::{CompletionRequest, Prompt, Usage};
+use switchyard_wire::sse::SseError;
+
+use crate::microserving::CallError;
+use crate::plan::{
+    AttemptId, Delivered, Event, ExecError, Execute, Executor, RelayEnd, StepKind, relay,
+};
+
+/// Why a retry policy is not valid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RetryPolicyError {
+    #[error("max attempts must be at least 1")]
+    ZeroAttempts,
+    #[error("the minimum backoff {min:?} is above the maximum {max:?}")]
+    MinAboveMax { min: Duration, max: Duration },
+}
+
+/// How many failed attempts a request may make, and how long to wait between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    max_attempts: u32,
+    min_delay: Duration,
+    max_delay: Duration,
+}
+
+impl RetryPolicy {
+    pub fn try_new(
+        max_attempts: u32,
+        min_delay: Duration,
+        max_delay: Duration,
+    ) -> Result<Self, RetryPolicyError> {
+        if max_attempts == 0 {
+            return Err(RetryPolicyError::ZeroAttempts);
+        }
+        if min_delay > max_delay {
+            return Err(RetryPolicyError::MinAboveMax {
+                min: min_delay,
+                max: max_delay,
+            });
+        }
+        Ok(RetryPolicy {
+            max_attempts,
+            min_delay,
+            max_delay,
+        })
+    }
+
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// Exponential delays with jitter, capped at `max_delay`.
+    fn backoff(&self) -> impl Iterator<Item = Duration> + Send + use<> {
+        let max = self.max_delay;
+        backon::ExponentialBuilder::default()
+            .with_min_delay(self.min_delay)
+            .with_max_delay(self.max_delay)
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+            .build()
+            .chain(std::iter::repeat(max))
+    }
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 3,
+            min_delay: Duration::from_millis(10),
+            max_delay: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why a request failed, as the client hears about it.
+#[derive(Debug, thiserror::Error)]
+pub enum RouteError {
+    #[error(transparent)]
+    Policy(TranslateError),
+    #[error("the policy returned an invalid plan: {0}")]
+    InvalidPlan(PlanError),
+    #[error("gave up after {attempts} failed attempts; last: {last}")]
+    Exhausted { attempts: u32, last: ExecError },
+    #[error(transparent)]
+    Engine(ExecError),
+    #[error("cannot tokenize the delivered text to continue: {0}")]
+    Tokenize(String),
+}
+
+impl From<PlanningError> for RouteError {
+    fn from(error: PlanningError) -> Self {
+        match error {
+            PlanningError::Translate(e) => RouteError::Policy(e),
+            PlanningError::InvalidPlan(e) => RouteError::InvalidPlan(e),
+        }
+    }
+}
+
+/// What happened to one request, for metrics and the policy's `on-complete`.
+#[derive(Debug, Clone, Default)]
+pub struct Summary {
+    /// Attempts started.
+    pub attempts: u32,
+    /// Attempts started after an engine failure.
+    pub retries: u32,
+    pub preemptions: u32,
+    pub remote_sends_skipped: u32,
+    /// Time spent in each `translate-request` call.
+    pub policy_calls: Vec<Duration>,
+    pub generator: Option<u32>,
+    pub prefix_matched: u32,
+    pub completion_tokens: u32,
+    /// Arrival to first text handed to the client.
+    pub ttft: Option<Duration>,
+}
+
+/// One client request, tokenized, as the router routes it.
+#[derive(Debug, Clone)]
+pub struct RouteRequest {
+    /// Numeric id given to the policy.
+    pub id: u64,
+    /// The client-visible id (`cmpl-<32 hex>`); upstream ids derive from it.
+    pub request_id: String,
+    pub prompt: Vec<u32>,
+    pub max_tokens: u32,
+    pub stream: bool,
+    pub model: String,
+    /// The client's OpenAI `user`, for the policy (the wire `user` is the upstream id).
+    pub user: Option<String>,
+    /// The request's `x-*` headers, lower-case names.
+    pub headers: Vec<(String, String)>,
+    /// Sampling parameters; prompt, max_tokens and user are set per attempt.
+    pub template: CompletionRequest,
+    pub arrived: Instant,
+}
+
+/// Plans, executes and relays requests. Shared by every connection. `E` is a test seam: the
+/// retry loop's unit tests run it against a scripted executor.
+pub struct Router<E = Executor> {
+    executor: E,
+    planner: Arc<dyn Planner>,
+    retry: RetryPolicy,
+    tokenizer: Arc<tokenizers::Tokenizer>,
+}
+
+/// Per-request state that outlives a cancelled attempt (for the outcome report).
+struct State {
+    /// Plans every attempt of this request and hears its outcome.
+    planner: Arc<dyn Planner>,
+    summary: Summary,
+    delivered: Delivered,
+}
+
+impl State {
+    fn new(planner: Arc<dyn Planner>) -> Self {
+        State {
+            planner,
+            summary: Summary::default(),
+            delivered: Delivered::default(),
+        }
+    }
+}
+
+/// A request being routed: the routed request's `run` future plus the events it queued. The
+/// routing has no task of its own: whoever polls it (the response body of a stream, the
+/// handler of a non-streaming request) drives the whole request, so an engine's chunk is
+/// read, reframed and written to the client in one task, and chunks that arrive together
+/// leave together. Dropping it drops every upstream leg and reports the request to its
+/// policy as cancelled.
+pub struct Routing {
+    /// `None` once the request is over (its sender is then gone: the queue ends).
+    run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    events: mpsc::Receiver<Event>,
+}
+
+/// Events a request may queue before its run waits for the consumer: the client's socket sets
+/// the pace, and a slow client holds back the engine's stream rather than the router's memory.
+const EVENT_QUEUE: usize = 64;
+
+impl Stream for Routing {
+    type Item = Event;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let this = self.get_mut();
+        loop {
+            if let Poll::Ready(event) = this.events.poll_recv(cx) {
+                return Poll::Ready(event);
+            }
+            // Nothing queued: drive the request until it queues an event or waits.
+            let Some(run) = this.run.as_mut() else {
+                // Unreachable: a finished run dropped its sender, so the queue said so above.
+                return Poll::Ready(None);
+            };
+            if run.as_mut().poll(cx).is_ready() {
+                this.run = None;
+            } else {
+                return this.events.poll_recv(cx);
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for Routing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Routing")
+            .field("over", &self.run.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A request and its state inside its run, which may be dropped at any await: the policy hears
+/// the outcome either way.
+struct Request {
+    req: RouteRequest,
+    state: State,
+    /// The run finished (and reported the outcome) rather than being dropped.
+    over: bool,
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if !self.over {
+            // The attempt in flight was dropped before this (it is a later local of the run),
+            // so its upstream connections are closed by now.
+            tracing::debug!(request = %self.req.request_id, "client went away; upstream legs dropped");
+            report(&self.req, &self.state, OutcomeStatus::Cancelled);
+        }
+    }
+}
+
+/// How one attempt ended.
+enum AttemptEnd {
+    /// The request is over (done, failed or the client left).
+    Over,
+    /// Try again with this failure in the policy's context.
+    Again {
+        failure: Failure,
+        progressed: bool,
+        error: Option<ExecError>,
+    },
+}
+
+impl<E: Execute> Router<E> {
+    pub fn new(
+        executor: E,
+        planner: Arc<dyn Planner>,
+        retry: RetryPolicy,
+        tokenizer: Arc<tokenizers::Tokenizer>,
+    ) -> Self {
+        Router {
+            executor,
+            planner,
+            retry,
+            tokenizer,
+        }
+    }
+
+    pub fn executor(&self) -> &E {
+        &self.executor
+    }
+
+    /// Route `req` with the router's planner; see [`Router::start_with`].
+    pub fn start(self: &Arc<Self>, req: RouteRequest) -> Routing {
+        self.start_with(req, Arc::clone(&self.planner))
+    }
+
+    /// Route `req` with a planner chosen for this request (the policy it selected); every
+    /// attempt of the request is planned by it. Nothing runs until the returned [`Routing`] is
+    /// polled; dropping it cancels the request and every upstream leg.
+    pub fn start_with(self: &Arc<Self>, req: RouteRequest, planner: Arc<dyn Planner>) -> Routing {
+        let (tx, events) = mpsc::channel(EVENT_QUEUE);
+        let router = Arc::clone(self);
+        let run = async move {
+            let mut request = Request {
+                req,
+                state: State::new(planner),
+                over: false,
+            };
+            router.run(&request.req, &tx, &mut request.state).await;
+            request.over = true;
+        };
+        Routing {
+            run: Some(Box::pin(run)),
+            events,
+        }
+    }
+
+    async fn run(&self, req: &RouteRequest, tx: &mpsc::Sender<Event>, st: &mut State) {
+        let mut backoff = self.retry.backoff();
+        let mut failures = 0u32;
+        let mut last_failure = None;
+        loop {
+            match self.attempt(req, tx, st, last_failure).await {
+                Ok(AttemptEnd::Over) => return,
+                Ok(AttemptEnd::Again {
+                    failure,
+                    progressed,
+                    error,
+                }) => {
+                    if progressed {
+                        backoff = self.retry.backoff();
+                    } else {
+                        failures += 1;
+                    }
+                    if let Some(error) = error {
+                        if !error.retryable() {
+                            return self.fail(req, tx, st, RouteError::Engine(error)).await;
+                        }
+                        if failures >= self.retry.max_attempts {
+                            let attempts = st.summary.attempts;
+                            let e = RouteError::Exhausted {
+                                attempts,
+                                last: error,
+                            };
+                            return self.fail(req, tx, st, e).await;
+                        }
+                        tracing::info!(request = %req.request_id, %error, "retrying");
+                        st.summary.retries += 1;
+                    } else if failures >= self.retry.max_attempts {
+                        // Preempted again and again without delivering anything.
+                        let last = ExecError {
+                            endpoint: failure.endpoint,
+                            step: StepKind::Relay,
+                            attempt: st.summary.attempts,
+                            source: CallError::Stream {
+                                url: String::new(),
+                                source: SseError::Transport("preempted without progress".into()),
+                            },
+                        };
+                        let attempts = st.summary.attempts;
+                        return self
+                            .fail(req, tx, st, RouteError::Exhausted { attempts, last })
+                            .await;
+                    }
+                    last_failure = Some(failure);
+                    if let Some(delay) = backoff.next() {
+                        tokio::time::sleep(delay).await;
+                    }
+                }
+                Err(error) => return self.fail(req, tx, st, error).await,
+            }
+        }
+    }
+
+    /// One attempt: plan, execute, relay.
+    async fn attempt(
+        &self,
+        req: &RouteRequest,
+        tx: &mpsc::Sender<Event>,
+        st: &mut State,
+        last_failure: Option<Failure>,
+    ) -> Result<AttemptEnd, RouteError> {
+        st.summary.attempts += 1;
+        let attempt = st.summary.attempts;
+        let continued = self.continuation_tokens(&st.delivered.text)?;
+        let already = continued.len() as u32;
+        let remaining = req.max_tokens.saturating_sub(already);
+        if remaining == 0 {
+            // Preempted right after the last token: the response is complete.
+            let usage = final_usage(req, already, None);
+            self.finish(req, tx, st, "length".into(), usage).await;
+            return Ok(AttemptEnd::Over);
+        }
+        let mut prompt = req.prompt.clone();
+        prompt.extend_from_slice(&continued);
+        let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
+        let mut body = req.template.clone();
+        body.prompt = Prompt::Tokens(prompt);
+        body.max_tokens = Some(remaining);
+        let id = AttemptId::new(&req.request_id, attempt);
+        let mut generation = match self.executor.execute(&plan, body, &id).await {
+            Ok(g) => g,
+            Err(error) => {
+                return Ok(AttemptEnd::Again {
+                    failure: failure_of(&error),
+                    progressed: false,
+                    error: Some(error),
+                });
+            }
+        };
+        st.summary.generator = Some(generation.generator);
+        st.summary.prefix_matched = generation.prefix_matched;
+        st.summary.remote_sends_skipped += u32::from(generation.remote_send_skipped);
+        let before = st.delivered.text.len();
+        let end = relay(&mut generation, tx, attempt, &mut st.delivered).await;
+        let progressed = st.delivered.text.len() > before;
+        if st.summary.ttft.is_none() {
+            st.summary.ttft = st.delivered.first_at.map(|t| t - req.arrived);
+        }
+        match end {
+            RelayEnd::Finished {
+                finish_reason,
+                usage,
+            } => {
+                let this_attempt = match usage {
+                    Some(u) => u.completion_tokens,
+                    None => self.count_tokens(&st.delivered.text[before..])?,
+                };
+                let usage = final_usage(req, already, Some(this_attempt));
+                self.finish(req, tx, st, finish_reason, usage).await;
+                Ok(AttemptEnd::Over)
+            }
+            RelayEnd::ClientGone => Ok(AttemptEnd::Over),
+            RelayEnd::Preempted => {
+                st.summary.preemptions += 1;
+                tracing::debug!(request = %req.request_id, attempt, endpoint = generation.generator, "preempted; continuing");
+                Ok(AttemptEnd::Again {
+                    failure: Failure {
+                        kind: FailureKind::Preempted,
+                        endpoint: generation.generator,
+                    },
+                    progressed,
+                    error: None,
+                })
+            }
+            RelayEnd::Failed(error) => Ok(AttemptEnd::Again {
+                failure: failure_of(&error),
+                progressed,
+                error: Some(error),
+            }),
+        }
+    }
+
+    /// Ask the request's planner for a plan and validate it against the snapshot it saw; on a
+    /// policy fault, ask the fallback the planner names.
+    fn plan(
+        &self,
+        req: &RouteRequest,
+        prompt: &[u32],
+        max_tokens: u32,
+        attempt: u32,
+        last_failure: Option<Failure>,
+        st: &mut State,
+    ) -> Result<ValidPlan, RouteError> {
+        let request = PolicyRequest {
+            id: req.id,
+            prompt,
+            max_tokens,
+            stream: req.stream,
+            model: &req.model,
+            user: req.user.as_deref(),
+            headers: &req.headers,
+        };
+        let context = PolicyContext {
+            attempt,
+            last_failure,
+            endpoints: self.executor.cluster().snapshot(),
+        };
+        let planner = Arc::clone(&st.planner);
+        let planned = match Self::ask(planner.as_ref(), &request, &context, st) {
+            Err(error) if error.is_fault() => match planner.fallback(&error) {
+                Some(fallback) => Self::ask(fallback.as_ref(), &request, &context, st),
+                None => Err(error),
+            },
+            planned => planned,
+        };
+        Ok(planned?)
+    }
+
+    /// One `translate-request` call, timed, and its plan validated against the snapshot the
+    /// planner saw.
+    fn ask(
+        planner: &dyn Planner,
+        request: &PolicyRequest<'_>,
+        context: &PolicyContext,
+        st: &mut State,
+    ) -> Result<ValidPlan, PlanningError> {
+        let started = std::time::Instant::now();
+        let plan = planner.translate(request, context);
+        st.summary.policy_calls.push(started.elapsed());
+        let plan = plan.map_err(PlanningError::Translate)?;
+        validate(&plan, request.prompt.len() as u32, &context.endpoints)
+            .map_err(PlanningError::InvalidPlan)
+    }
+
+    fn continuation_tokens(&self, delivered: &str) -> Result<Vec<u32>, RouteError> {
+        if delivered.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.tokenizer
+            .encode(delivered, false)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| RouteError::Tokenize(e.to_string()))
+    }
+
+    fn count_tokens(&self, text: &str) -> Result<u32, RouteError> {
+        Ok(self.continuation_tokens(text)?.len() as u32)
+    }
+
+    async fn finish(
+        &self,
+        req: &RouteRequest,
+        tx: &mpsc::Sender<Event>,
+        st: &mut State,
+        finish_reason: String,
+        usage: Usage,
+    ) {
+        st.summary.completion_tokens = usage.completion_tokens;
+        report(req, st, OutcomeStatus::Ok);
+        let summary = st.summary.clone();
+        let _ = tx
+            .send(Event::Done {
+                finish_reason,
+                usage,
+                summary,
+            })
+            .await;
+    }
+
+    async fn fail(
+        &self,
+        req: &RouteRequest,
+        tx: &mpsc::Sender<Event>,
+        st: &mut State,
+        error: RouteError,
+    ) {
+        tracing::warn!(request = %req.request_id, %error, "request failed");
+        if let Ok(tokens) = self.count_tokens(&st.delivered.text) {
+            st.summary.completion_tokens = tokens;
+        }
+        report(req, st, OutcomeStatus::Failed);
+        let summary = st.summary.clone();
+        let _ = tx.send(Event::Failed { error, summary }).await;
+    }
+}
+
+/// Tell the request's planner how it ended.
+fn report(req: &RouteRequest, st: &State, status: OutcomeStatus) {
+    let summary = &st.summary;
+    let outcome = Outcome {
+        request_id: req.id,
+        status,
+        attempts: summary.attempts,
+        generator: summary.generator,
+        prefix_matched: summary.prefix_matched,
+        completion_tokens: summary.completion_tokens,
+        ttft_us: summary.ttft.map_or(0, |d| d.as_micros() as u64),
+        e2e_us: req.arrived.elapsed().as_micros() as u64,
+    };
+    st.planner.on_complete(&outcome);
+}
+
+fn failure_of(error: &ExecError) -> Failure {
+    Failure {
+        kind: error.failure_kind(),
+        endpoint: error.endpoint,
+    }
+}
+
+/// The usage the client sees: the original prompt, and every token delivered over all attempts.
+fn final_usage(req: &RouteRequest, earlier: u32, this_attempt: Option<u32>) -> Usage {
+    let prompt_tokens = req.prompt.len() as u32;
+    let completion_tokens = earlier + this_attempt.unwrap_or(0);
+    Usage {
+        prompt_tokens,
+        completion_tokens,
+        total_tokens: prompt_tokens + completion_tokens,
+    }
+}
+
+#[cfg(test)]
+mod tests;

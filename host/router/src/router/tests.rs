@@ -1,0 +1,631 @@
+//! The attempt loop against a scripted planner and executor on a paused clock: backoff bounds
+//! and jitter, attempt numbering and upstream ids, the failure the policy hears about, the
+//! budget, preemption continuation arithmetic and cancellation.
+//!
+//! The byte-level tokenizer makes one token per byte, so token arithmetic reads as string
+//! lengths.
+
+use std::collections::VecDeque;
+
+use futures::StreamExt;
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+
+use switchyard_contract::{EndpointId, Plan, Role, Step};
+use switchyard_wire::completion::{Choice, CompletionResponse, FINISH_PREEMPT};
+use switchyard_wire::sse::ChunkStream;
+
+use super::*;
+use crate::cluster::{Cluster, EndpointSpec};
+use crate::plan::Generation;
+
+const REQUEST_ID: &str = "cmpl-0123456789abcdef0123456789abcdef";
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+// === the scripted planner ===
+
+/// What the planner was asked, per attempt.
+#[derive(Debug, Clone)]
+struct Asked {
+    attempt: u32,
+    last_failure: Option<Failure>,
+    prompt: Vec<u32>,
+    max_tokens: u32,
+}
+
+/// Plans a forward to endpoint `(attempt - 1) % 2`, so consecutive attempts alternate
+/// endpoints and the failed one is visible in the next context.
+struct FakePlanner {
+    asked: Mutex<Vec<Asked>>,
+    outcomes: mpsc::UnboundedSender<Outcome>,
+}
+
+impl Planner for FakePlanner {
+    fn translate(
+        &self,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        self.asked.lock().push(Asked {
+            attempt: ctx.attempt,
+            last_failure: ctx.last_failure,
+            prompt: req.prompt.to_vec(),
+            max_tokens: req.max_tokens,
+        });
+        Ok(Plan {
+            steps: vec![Step::Forward {
+                endpoint: (ctx.attempt - 1) % 2,
+            }],
+        })
+    }
+
+    fn on_complete(&self, outcome: &Outcome) {
+        let _ = self.outcomes.send(*outcome);
+    }
+}
+
+// === the scripted executor ===
+
+/// What one attempt's execution does.
+enum Script {
+    /// The plan fails before a stream exists.
+    Fail(CallError),
+    /// The generating engine answers with these chunks.
+    Stream(Vec<Result<CompletionResponse, SseError>>),
+    /// One text chunk, then nothing until dropped; dropping answers on the sender.
+    Hang(oneshot::Sender<()>),
+}
+
+/// What the executor was asked to run, per attempt.
+#[derive(Debug, Clone)]
+struct Ran {
+    at: Instant,
+    endpoint: EndpointId,
+    upstream_id: String,
+    attempt: u32,
+    body: CompletionRequest,
+}
+
+struct FakeExecutor {
+    cluster: Arc<Cluster>,
+    script: Mutex<VecDeque<Script>>,
+    ran: Mutex<Vec<Ran>>,
+}
+
+impl Execute for FakeExecutor {
+    fn cluster(&self) -> &Arc<Cluster> {
+        &self.cluster
+    }
+
+    async fn execute(
+        &self,
+        plan: &ValidPlan,
+        body: CompletionRequest,
+        id: &AttemptId,
+    ) -> Result<Generation, ExecError> {
+        let ValidPlan::Forward { endpoint } = *plan else {
+            panic!("the fake planner only forwards: {plan:?}");
+        };
+        self.ran.lock().push(Ran {
+            at: Instant::now(),
+            endpoint,
+            upstream_id: id.upstream_id.clone(),
+            attempt: id.attempt,
+            body,
+        });
+        let script = self.script.lock().pop_front();
+        let chunks: ChunkStream = match script {
+            Some(Script::Fail(source)) => {
+                return Err(ExecError {
+                    endpoint,
+                    step: StepKind::Forward,
+                    attempt: id.attempt,
+                    source,
+                });
+            }
+            Some(Script::Stream(chunks)) => Box::pin(futures::stream::iter(chunks)),
+            Some(Script::Hang(dropped)) => hanging_stream(dropped),
+            None => panic!("attempt {} was not scripted", id.attempt),
+        };
+        let in_flight = self.cluster.in_flight(endpoint).expect("endpoint exists");
+        Ok(Generation::new(chunks, endpoint, 0, false, in_flight))
+    }
+}
+
+/// Sends on `dropped` when dropped.
+struct DropSignal(Option<oneshot::Sender<()>>);
+
+impl Drop for DropSignal {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Yields "a", then never another chunk. The stream owns the signal, so it fires exactly when
+/// the stream is dropped.
+fn hanging_stream(dropped: oneshot::Sender<()>) -> ChunkStream {
+    let signal = DropSignal(Some(dropped));
+    Box::pin(futures::stream::unfold(
+        (signal, true),
+        |(signal, first)| async move {
+            if first {
+                Some((text("a"), (signal, false)))
+            } else {
+                futures::future::pending().await
+            }
+        },
+    ))
+}
+
+// === chunks ===
+
+fn chunk(text: &str, finish_reason: Option<&str>) -> Result<CompletionResponse, SseError> {
+    Ok(CompletionResponse {
+        id: String::new(),
+        object: "text_completion".into(),
+        created: 0,
+        model: None,
+        choices: vec![Choice {
+            index: 0,
+            text: text.into(),
+            finish_reason: finish_reason.map(str::to_owned),
+            logprobs: None,
+        }],
+        usage: None,
+    })
+}
+
+fn text(t: &str) -> Result<CompletionResponse, SseError> {
+    chunk(t, None)
+}
+
+fn finish(reason: &str) -> Result<CompletionResponse, SseError> {
+    chunk("", Some(reason))
+}
+
+fn engine_usage(
+    prompt_tokens: u32,
+    completion_tokens: u32,
+) -> Result<CompletionResponse, SseError> {
+    Ok(CompletionResponse {
+        id: String::new(),
+        object: "text_completion".into(),
+        created: 0,
+        model: None,
+        choices: Vec::new(),
+        usage: Some(Usage::new(prompt_tokens, completion_tokens).into()),
+    })
+}
+
+fn connect_error() -> CallError {
+    CallError::Connect {
+        url: "http://127.0.0.1:1".into(),
+        reason: "connection refused".into(),
+    }
+}
+
+fn status_error(status: u16) -> CallError {
+    CallError::Status {
+        url: "http://127.0.0.1:1".into(),
+        status,
+        body: String::new(),
+    }
+}
+
+fn timeout_error() -> CallError {
+    CallError::Timeout {
+        url: "http://127.0.0.1:1".into(),
+        after: ms(5),
+    }
+}
+
+// === harness ===
+
+struct Harness {
+    router: Arc<Router<FakeExecutor>>,
+    planner: Arc<FakePlanner>,
+    outcomes: mpsc::UnboundedReceiver<Outcome>,
+}
+
+impl Harness {
+    fn new(retry: RetryPolicy, script: Vec<Script>) -> Self {
+        let spec = |port: u16| EndpointSpec {
+            url: format!("http://127.0.0.1:{port}"),
+            role: Role::Any,
+            num_gpus: 1,
+        };
+        let cluster = Arc::new(Cluster::new(vec![spec(1), spec(2)]));
+        cluster.set_health(0, true);
+        cluster.set_health(1, true);
+        let executor = FakeExecutor {
+            cluster,
+            script: Mutex::new(script.into()),
+            ran: Mutex::default(),
+        };
+        let (tx, outcomes) = mpsc::unbounded_channel();
+        let planner = Arc::new(FakePlanner {
+            asked: Mutex::default(),
+            outcomes: tx,
+        });
+        let tokenizer = Arc::new(switchyard_wire::tokenizer::byte_level_tokenizer());
+        let router = Arc::new(Router::new(executor, planner.clone(), retry, tokenizer));
+        Harness {
+            router,
+            planner,
+            outcomes,
+        }
+    }
+
+    fn request(prompt: &str, max_tokens: u32) -> RouteRequest {
+        RouteRequest {
+            id: 7,
+            request_id: REQUEST_ID.into(),
+            prompt: prompt.bytes().map(u32::from).collect(),
+            max_tokens,
+            stream: true,
+            model: "m".into(),
+            user: None,
+            headers: Vec::new(),
+            template: CompletionRequest::new(Vec::new(), 0, String::new()),
+            arrived: Instant::now(),
+        }
+    }
+
+    /// Route one request and collect its text and last event.
+    async fn route(&self, prompt: &str, max_tokens: u32) -> (String, Event) {
+        let mut events = self.router.start(Self::request(prompt, max_tokens));
+        let mut delivered = String::new();
+        loop {
+            match events
+                .next()
+                .await
+                .expect("a last event before the stream ends")
+            {
+                Event::Text(t) => delivered.push_str(&t),
+                last => {
+                    assert!(
+                        events.next().await.is_none(),
+                        "nothing after the last event"
+                    );
+                    return (delivered, last);
+                }
+            }
+        }
+    }
+
+    fn ran(&self) -> Vec<Ran> {
+        self.router.executor().ran.lock().clone()
+    }
+
+    fn asked(&self) -> Vec<Asked> {
+        self.planner.asked.lock().clone()
+    }
+
+    fn outcome(&mut self) -> Outcome {
+        self.outcomes.try_recv().expect("the outcome was reported")
+    }
+}
+
+fn policy(max_attempts: u32, min: Duration, max: Duration) -> RetryPolicy {
+    RetryPolicy::try_new(max_attempts, min, max).expect("valid retry policy")
+}
+
+fn tokens(s: &str) -> Vec<u32> {
+    s.bytes().map(u32::from).collect()
+}
+
+fn expect_done(event: Event) -> (String, Usage, Summary) {
+    match event {
+        Event::Done {
+            finish_reason,
+            usage,
+            summary,
+        } => (finish_reason, usage, summary),
+        other => panic!("expected Done, got {other:?}"),
+    }
+}
+
+fn expect_failed(event: Event) -> (RouteError, Summary) {
+    match event {
+        Event::Failed { error, summary } => (error, summary),
+        other => panic!("expected Failed, got {other:?}"),
+    }
+}
+
+// === tests ===
+
+#[test]
+fn retry_policies_are_checked_when_built() {
+    assert_eq!(
+        RetryPolicy::try_new(0, ms(1), ms(2)),
+        Err(RetryPolicyError::ZeroAttempts)
+    );
+    assert!(matches!(
+        RetryPolicy::try_new(3, ms(5), ms(2)),
+        Err(RetryPolicyError::MinAboveMax { .. })
+    ));
+}
+
+#[test]
+fn backoff_doubles_with_jitter_below_the_cap_and_never_runs_dry() {
+    let policy = policy(3, ms(10), ms(80));
+    // backon's jitter adds up to one whole current delay: attempt k waits in
+    // [base_k, 2 * base_k) with base_k = min(10 ms * 2^k, 80 ms).
+    let bases = [10, 20, 40, 80, 80, 80];
+    let mut firsts = Vec::new();
+    for _ in 0..20 {
+        let delays: Vec<Duration> = policy.backoff().take(50).collect();
+        assert_eq!(delays.len(), 50, "the backoff never runs dry");
+        for (k, delay) in delays.iter().enumerate() {
+            let base = ms(bases[k.min(bases.len() - 1)]);
+            assert!(
+                *delay >= base && *delay <= base * 2,
+                "delay {k} = {delay:?}, base {base:?}"
+            );
+        }
+        firsts.push(delays[0]);
+    }
+    firsts.dedup();
+    assert!(
+        firsts.len() > 1,
+        "20 backoffs all started with the same delay: no jitter"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn engine_failures_re_plan_with_backoff_and_the_failure_in_context() {
+    let h = Harness::new(
+        policy(3, ms(10), ms(1000)),
+        vec![
+            Script::Fail(connect_error()),
+            Script::Fail(status_error(503)),
+            Script::Stream(vec![text("hi"), finish("stop")]),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 10).await;
+    assert_eq!(delivered, "hi");
+    let (finish_reason, usage, summary) = expect_done(last);
+    assert_eq!(finish_reason, "stop");
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.total_tokens
+        ),
+        (5, 2, 7)
+    );
+    assert_eq!((summary.attempts, summary.retries), (3, 2));
+
+    let ran = h.ran();
+    let ids: Vec<&str> = ran.iter().map(|r| r.upstream_id.as_str()).collect();
+    assert_eq!(
+        ids,
+        [
+            format!("{REQUEST_ID}-1"),
+            format!("{REQUEST_ID}-2"),
+            format!("{REQUEST_ID}-3")
+        ]
+    );
+    for r in &ran {
+        assert_eq!(
+            r.body.prompt,
+            Prompt::Tokens(tokens("hello")),
+            "a retry resends the request"
+        );
+        assert_eq!(r.body.max_tokens, Some(10));
+    }
+    let attempts: Vec<(u32, EndpointId)> = ran.iter().map(|r| (r.attempt, r.endpoint)).collect();
+    assert_eq!(
+        attempts,
+        [(1, 0), (2, 1), (3, 0)],
+        "each attempt runs its own plan"
+    );
+
+    let asked = h.asked();
+    let contexts: Vec<_> = asked.iter().map(|a| (a.attempt, a.last_failure)).collect();
+    let endpoint_error = |endpoint| Failure {
+        kind: FailureKind::EndpointError,
+        endpoint,
+    };
+    assert_eq!(
+        contexts,
+        [
+            (1, None),
+            (2, Some(endpoint_error(0))),
+            (3, Some(endpoint_error(1)))
+        ]
+    );
+
+    // Exponential backoff with jitter: [10, 20) ms, then [20, 40) ms.
+    let gaps: Vec<Duration> = ran.windows(2).map(|w| w[1].at - w[0].at).collect();
+    assert!(gaps[0] >= ms(10) && gaps[0] <= ms(20), "{gaps:?}");
+    assert!(gaps[1] >= ms(20) && gaps[1] <= ms(40), "{gaps:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_ends_the_request_with_the_last_failure() {
+    let mut h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![
+            Script::Fail(timeout_error()),
+            Script::Fail(timeout_error()),
+            Script::Fail(timeout_error()),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 10).await;
+    assert_eq!(delivered, "");
+    let (error, summary) = expect_failed(last);
+    match error {
+        RouteError::Exhausted { attempts, last } => {
+            assert_eq!(attempts, 3);
+            assert_eq!((last.attempt, last.endpoint), (3, 0));
+            assert!(last.source.is_timeout(), "{last}");
+        }
+        other => panic!("expected Exhausted, got {other}"),
+    }
+    assert_eq!((summary.attempts, summary.retries), (3, 2));
+    assert_eq!(h.ran().len(), 3, "no attempt past the budget");
+    let kinds: Vec<_> = h
+        .asked()
+        .iter()
+        .map(|a| a.last_failure.map(|f| f.kind))
+        .collect();
+    assert_eq!(
+        kinds,
+        [None, Some(FailureKind::Timeout), Some(FailureKind::Timeout)]
+    );
+    let outcome = h.outcome();
+    assert_eq!(
+        (outcome.status, outcome.attempts),
+        (OutcomeStatus::Failed, 3)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_error_from_the_engine_is_not_retried() {
+    let h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![Script::Fail(status_error(400))],
+    );
+    let (_, last) = h.route("hello", 10).await;
+    let (error, summary) = expect_failed(last);
+    assert!(matches!(error, RouteError::Engine(_)), "{error}");
+    assert_eq!((summary.attempts, summary.retries), (1, 0));
+    assert_eq!(h.ran().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn preemption_continues_from_the_delivered_text_with_one_usage() {
+    let mut h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![text("ab"), text("c"), finish(FINISH_PREEMPT)]),
+            Script::Stream(vec![text("defg"), finish("length"), engine_usage(8, 4)]),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 7).await;
+    assert_eq!(delivered, "abcdefg", "no repeated text, no gap");
+    let (finish_reason, usage, summary) = expect_done(last);
+    assert_eq!(finish_reason, "length");
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            usage.total_tokens
+        ),
+        (5, 7, 12),
+        "the original prompt and every delivered token"
+    );
+    assert_eq!(
+        (summary.attempts, summary.preemptions, summary.retries),
+        (2, 1, 0)
+    );
+
+    let ran = h.ran();
+    assert_eq!(
+        ran[1].body.prompt,
+        Prompt::Tokens(tokens("helloabc")),
+        "prompt + delivered"
+    );
+    assert_eq!(ran[1].body.max_tokens, Some(4), "7 - 3 delivered");
+    assert_eq!(ran[1].upstream_id, format!("{REQUEST_ID}-2"));
+    let asked = h.asked();
+    assert_eq!((asked[1].prompt.len(), asked[1].max_tokens), (8, 4));
+    assert_eq!(
+        asked[1].last_failure,
+        Some(Failure {
+            kind: FailureKind::Preempted,
+            endpoint: 0
+        })
+    );
+    let outcome = h.outcome();
+    assert_eq!(
+        (outcome.status, outcome.completion_tokens),
+        (OutcomeStatus::Ok, 7)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn preempted_after_the_last_token_finishes_without_another_attempt() {
+    let h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![Script::Stream(vec![text("abc"), finish(FINISH_PREEMPT)])],
+    );
+    let (delivered, last) = h.route("hello", 3).await;
+    assert_eq!(delivered, "abc");
+    let (finish_reason, usage, _) = expect_done(last);
+    assert_eq!(finish_reason, "length");
+    assert_eq!((usage.completion_tokens, usage.total_tokens), (3, 8));
+    assert_eq!(h.ran().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn preemptions_without_progress_spend_the_budget() {
+    let h = Harness::new(
+        policy(2, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![finish(FINISH_PREEMPT)]),
+            Script::Stream(vec![finish(FINISH_PREEMPT)]),
+        ],
+    );
+    let (_, last) = h.route("hello", 5).await;
+    let (error, summary) = expect_failed(last);
+    assert!(
+        matches!(error, RouteError::Exhausted { attempts: 2, .. }),
+        "{error}"
+    );
+    assert_eq!(summary.preemptions, 2);
+    assert_eq!(h.ran().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_broken_after_text_continues_without_spending_the_budget() {
+    // One attempt of budget: only an attempt that made no progress would spend it.
+    let h = Harness::new(
+        policy(1, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![text("ab"), Err(SseError::Truncated)]),
+            Script::Stream(vec![text("cd"), finish("stop")]),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 10).await;
+    assert_eq!(delivered, "abcd");
+    let (_, usage, summary) = expect_done(last);
+    assert_eq!(
+        usage.completion_tokens, 4,
+        "counted from the text: no engine usage"
+    );
+    assert_eq!((summary.attempts, summary.retries), (2, 1));
+    let ran = h.ran();
+    assert_eq!(ran[1].body.prompt, Prompt::Tokens(tokens("helloab")));
+    assert_eq!(ran[1].body.max_tokens, Some(8));
+}
+
+#[tokio::test(start_paused = true)]
+async fn dropping_the_routing_cancels_the_upstream_and_releases_in_flight() {
+    let (dropped_tx, dropped) = oneshot::channel();
+    let mut h = Harness::new(policy(3, ms(10), ms(100)), vec![Script::Hang(dropped_tx)]);
+    let mut events = h.router.start(Harness::request("hello", 100));
+    assert!(matches!(events.next().await, Some(Event::Text(t)) if t == "a"));
+    let cluster = h.router.executor().cluster().clone();
+    assert_eq!(
+        cluster.snapshot()[0].in_flight,
+        1,
+        "the generation is counted"
+    );
+    drop(events);
+    let outcome = h.outcomes.recv().await.expect("the outcome is reported");
+    assert_eq!(outcome.status, OutcomeStatus::Cancelled);
+    // The outcome is reported after the attempt was dropped: the stream is gone by now.
+    assert_eq!(dropped.await, Ok(()), "the upstream stream was dropped");
+    assert_eq!(
+        cluster.snapshot()[0].in_flight,
+        0,
+        "no leaked in-flight count"
+    );
+}

@@ -1,0 +1,232 @@
+//! `switchyard serve`: the router in front of engines that are already running.
+//!
+//! Startup order: tokenizer → policies (every `*.wasm` of the plugins directory loaded,
+//! `init`ed and checked; the default must load) → plugins watcher → cluster + health probes →
+//! bind (and the admin port, if any) → serve. `/health` turns 200 once every endpoint has
+//! answered `GET /v1/models`.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use switchyard_contract::Planner;
+use switchyard_policy_host::{
+    DEFAULT_DEBOUNCE, LoadError, PluginWatcher, PolicyHost, PolicyLimits, PolicyRegistry,
+    RegistryConfig, RegistryError, WatchError,
+};
+
+use crate::Router;
+use crate::api::{self, AdminAccess, AppState, PromptTokenizer, TokenizerError};
+use crate::cluster::{Cluster, ProbeConfig, spawn_probes};
+use crate::config::Config;
+use crate::microserving::{CallError, EngineClient, Timeouts};
+use crate::plan::Executor;
+
+/// Why the router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error(transparent)]
+    Policy(#[from] LoadError),
+    #[error(transparent)]
+    Policies(#[from] RegistryError),
+    #[error(transparent)]
+    Watch(#[from] WatchError),
+    #[error("cannot build the engine client: {0}")]
+    Client(#[from] CallError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the server failed: {0}")]
+    Serve(std::io::Error),
+}
+
+/// A started router. Dropping it stops the server (and the admin listener and the watcher).
+pub struct RunningRouter {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<()>>,
+    admin: Option<Listener>,
+    _watcher: PluginWatcher,
+}
+
+/// A background HTTP server and the way to stop it.
+struct Listener {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Listener {
+    async fn stop(mut self) -> Result<(), ServeError> {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match (&mut self.task).await {
+            Ok(result) => result.map_err(ServeError::Serve),
+            Err(e) => Err(ServeError::Serve(std::io::Error::other(e))),
+        }
+    }
+}
+
+impl RunningRouter {
+    /// The address the router listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn state(&self) -> &Arc<AppState> {
+        &self.state
+    }
+
+    /// The admin listener's address, when `/admin/*` has a port of its own.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().map(|a| a.addr)
+    }
+
+    /// Wait until `/health` would answer 200, at most `timeout`.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self.state.is_ready() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    /// Stop accepting, let open responses finish, and return.
+    pub async fn shutdown(mut self) -> Result<(), ServeError> {
+        if let Some(admin) = self.admin.take() {
+            admin.stop().await?;
+        }
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        match (&mut self.task).await {
+            Ok(result) => result.map_err(ServeError::Serve),
+            Err(e) => Err(ServeError::Serve(std::io::Error::other(e))),
+        }
+    }
+}
+
+impl Drop for RunningRouter {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(stop) = self.admin.as_mut().and_then(|a| a.stop.take()) {
+            let _ = stop.send(());
+        }
+    }
+}
+
+/// What the policy registry needs from the router's configuration.
+fn registry_config(config: &Config) -> RegistryConfig {
+    RegistryConfig {
+        plugins: config.plugins.clone(),
+        default: config.policy_name.clone(),
+        default_config: config.policy_config.clone(),
+        fallback: config.policies.fallback.clone(),
+        models: config.policies.models.clone(),
+        header: config.policies.header,
+        quarantine: config.policies.quarantine,
+    }
+}
+
+/// Load everything, bind, and start serving in the background.
+pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
+    let tokenizer = match &config.model_dir {
+        Some(dir) => PromptTokenizer::from_model_dir(dir)?,
+        None => PromptTokenizer::byte_level()?,
+    };
+    let tokenizer = Arc::new(tokenizer);
+    let host = PolicyHost::new(PolicyLimits::default())?;
+    let policies = PolicyRegistry::open(host, registry_config(config)).await?;
+    let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
+    let planner: Arc<dyn Planner> = policies.clone();
+
+    let cluster = Arc::new(Cluster::new(config.endpoints.clone()));
+    let client = EngineClient::new(Timeouts::default())?;
+    spawn_probes(&cluster, client.clone(), ProbeConfig::default());
+    let executor = Executor::new(cluster, client);
+    let router = Arc::new(Router::new(
+        executor,
+        planner,
+        config.retry,
+        tokenizer.tokenizer(),
+    ));
+    let state = Arc::new(
+        AppState::new(
+            router,
+            tokenizer,
+            config.model.clone(),
+            policies,
+            config.max_body_bytes,
+            config.default_max_tokens,
+        )
+        .with_admin(AdminAccess {
+            token: config.admin.token.clone(),
+            separate_port: config.admin.listen.is_some(),
+        }),
+    );
+
+    let (listener, addr) = bind(config.listen).await?;
+    let admin = match config.admin.listen {
+        Some(admin_addr) => {
+            let (admin_listener, admin_addr) = bind(admin_addr).await?;
+            let (stop, stopped) = oneshot::channel::<()>();
+            let task = tokio::spawn(api::serve_admin(
+                admin_listener,
+                state.clone(),
+                async move {
+                    let _ = stopped.await;
+                },
+            ));
+            println!("switchyard admin listening on http://{admin_addr}");
+            Some(Listener {
+                addr: admin_addr,
+                stop: Some(stop),
+                task,
+            })
+        }
+        None => None,
+    };
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(api::serve(listener, state.clone(), async move {
+        let _ = stopped.await;
+    }));
+    tracing::info!(%addr, endpoints = config.endpoints.len(), "router listening");
+    Ok(RunningRouter {
+        addr,
+        state,
+        stop: Some(stop),
+        task,
+        admin,
+        _watcher: watcher,
+    })
+}
+
+async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), ServeError> {
+    let bind_error = |source| ServeError::Bind { addr, source };
+    let listener = api::bind(addr).await.map_err(bind_error)?;
+    let local = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, local))
+}
+
+/// Run the router until `shutdown` resolves.
+pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+    let router = start(&config).await?;
+    println!("switchyard router listening on http://{}", router.addr());
+    shutdown.await;
+    router.shutdown().await
+}

@@ -1,0 +1,208 @@
+//! `switchyard up`: the embedded default (`make run`). Starts `--prefill` + `--decode`
+//! reference engines as child processes of this one (device ranks 0..N, KV peers wired over
+//! the shm transport), runs the router in-process in front of them, prints the URL and a
+//! ready-to-paste request once ready, and stops everything on SIGINT/SIGTERM.
+//!
+//! Engines never outlive the router: each child is killed when its handle drops, and the
+//! kernel kills it (`PR_SET_PDEATHSIG`) if the router dies without running destructors.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+use switchyard_contract::Role;
+use switchyard_engine::ReadyLine;
+use switchyard_router::config::{Config, ConfigError, RouterArgs, ServeArgs};
+use switchyard_router::serve::{self, ServeError};
+
+/// `switchyard up` flags: the engines to start, and the router's own (as `switchyard serve`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// Engines with the prefill role (endpoint ids 0..P).
+    #[arg(long, default_value_t = 1)]
+    pub prefill: u32,
+    /// Engines with the decode role (endpoint ids P..P+D).
+    #[arg(long, default_value_t = 2)]
+    pub decode: u32,
+    /// Start the engines with their prefix cache on.
+    #[arg(long)]
+    pub prefix_cache: bool,
+    /// An extra flag for every engine, e.g. `--engine-arg=--preempt-every=2` (repeatable).
+    #[arg(long = "engine-arg", allow_hyphen_values = true)]
+    pub engine_args: Vec<String>,
+    #[command(flatten)]
+    pub router: RouterArgs,
+}
+
+/// Why `up` could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum UpError {
+    #[error("--prefill + --decode must be at least 1")]
+    NoEngines,
+    #[error("cannot find this executable to start engines: {0}")]
+    CurrentExe(std::io::Error),
+    #[error("cannot start engine {rank}: {source}")]
+    Spawn { rank: u32, source: std::io::Error },
+    #[error("engine {rank} did not report ready within {after:?} (see its log above)")]
+    EngineNotReady { rank: u32, after: Duration },
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+    #[error("the router did not become ready within {0:?}")]
+    RouterNotReady(Duration),
+}
+
+const ENGINE_READY_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// A reference engine child process; killed when dropped.
+#[derive(Debug)]
+pub struct EngineChild {
+    pub rank: u32,
+    pub url: String,
+    /// Held for `kill_on_drop`: the engine dies with this handle.
+    _child: Child,
+}
+
+/// Start engines and the router; run until `shutdown` resolves.
+pub async fn run(
+    args: UpArgs,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<(), UpError> {
+    // Validate the router's side before starting any process.
+    let probe = serve_args(&args, vec!["http://127.0.0.1:1".into()]);
+    Config::from_args(&probe)?;
+    let engines = spawn_engines(&args).await?;
+    let urls = engines.iter().map(|e| e.url.clone()).collect();
+    let mut config = Config::from_args(&serve_args(&args, urls))?;
+    for (i, endpoint) in config.endpoints.iter_mut().enumerate() {
+        endpoint.role = if (i as u32) < args.prefill {
+            Role::Prefill
+        } else {
+            Role::Decode
+        };
+    }
+    let router = serve::start(&config).await?;
+    let ready_within = Duration::from_secs(30);
+    if !router.wait_ready(ready_within).await {
+        return Err(UpError::RouterNotReady(ready_within));
+    }
+    print_banner(&router.addr().to_string(), &engines);
+    shutdown.await;
+    router.shutdown().await?;
+    drop(engines);
+    Ok(())
+}
+
+fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
+    ServeArgs {
+        endpoint_num_gpus: vec![1; endpoints.len()],
+        endpoints,
+        config: None,
+        router: args.router.clone(),
+    }
+}
+
+fn print_banner(addr: &str, engines: &[EngineChild]) {
+    for e in engines {
+        println!("engine {} (device rank {}) on {}", e.rank, e.rank, e.url);
+    }
+    println!("switchyard router ready on http://{addr}");
+    println!(
+        "try:\n  curl -s http://{addr}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"prompt\": \"Disaggregated serving splits prefill from decode\", \"max_tokens\": 32}}'"
+    );
+}
+
+/// Start every engine, each knowing every other engine's KV address up front.
+pub async fn spawn_engines(args: &UpArgs) -> Result<Vec<EngineChild>, UpError> {
+    let n = args.prefill + args.decode;
+    if n == 0 {
+        return Err(UpError::NoEngines);
+    }
+    let exe = std::env::current_exe().map_err(UpError::CurrentExe)?;
+    let nonce: u32 = rand::random();
+    let kv_addr = |rank: u32| {
+        format!(
+            "unix:@switchyard-up-{}-{nonce:08x}-{rank}",
+            std::process::id()
+        )
+    };
+    let mut engines = Vec::with_capacity(n as usize);
+    for rank in 0..n {
+        let mut cmd = Command::new(&exe);
+        cmd.args(["engine", "--port", "0", "--host", "127.0.0.1"])
+            .args(["--device-rank", &rank.to_string()])
+            .args(["--kv-transport", "shm", "--kv-listen", &kv_addr(rank)]);
+        for peer in (0..n).filter(|&p| p != rank) {
+            cmd.arg("--kv-peer")
+                .arg(format!("{peer}={}", kv_addr(peer)));
+        }
+        if args.prefix_cache {
+            cmd.arg("--prefix-cache");
+        }
+        cmd.args(&args.engine_args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .kill_on_drop(true);
+        die_with_parent(&mut cmd);
+        let child = cmd
+            .spawn()
+            .map_err(|source| UpError::Spawn { rank, source })?;
+        engines.push(child);
+    }
+    let mut started = Vec::with_capacity(n as usize);
+    for (rank, mut child) in (0..n).zip(engines) {
+        let url = tokio::time::timeout(ENGINE_READY_TIMEOUT, ready_url(&mut child))
+            .await
+            .ok()
+            .flatten()
+            .ok_or(UpError::EngineNotReady {
+                rank,
+                after: ENGINE_READY_TIMEOUT,
+            })?;
+        started.push(EngineChild {
+            rank,
+            url,
+            _child: child,
+        });
+    }
+    Ok(started)
+}
+
+/// Read the child's stdout until its ready line; keep draining it afterwards so the engine
+/// never blocks on a full pipe.
+async fn ready_url(child: &mut Child) -> Option<String> {
+    let stdout = child.stdout.take()?;
+    let mut lines = BufReader::new(stdout).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if let Ok(ready) = line.parse::<ReadyLine>() {
+            tokio::spawn(async move {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    println!("{line}");
+                }
+            });
+            return Some(ready.url());
+        }
+        println!("{line}");
+    }
+    None
+}
+
+/// Have the kernel SIGKILL the child when this process dies, however it dies.
+#[expect(
+    unsafe_code,
+    reason = "pre_exec is unsafe: the closure runs between fork and exec"
+)]
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: the closure only calls prctl(2) through rustix, which is async-signal-safe; it
+    // allocates nothing and takes no locks, so it is sound between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(std::io::Error::from)
+        });
+    }
+}

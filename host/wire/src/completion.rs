@@ -1,0 +1,313 @@
+//! OpenAI completion bodies as the engines of a microserving deployment exchange them: the
+//! request every call carries, and the answer (one JSON, or one SSE chunk of a stream).
+//!
+//! Requests are written whole (every field, `null` where unset: MLC's router sends the whole
+//! pydantic model and its engines were only ever tested against that shape) and read leniently
+//! (every field but `prompt` may be missing; unknown fields are ignored), so one type serves the
+//! router that sends it and the reference engine that receives it.
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+
+/// The finish reason an engine reports when it aborted a request to free KV pages.
+pub const FINISH_PREEMPT: &str = "preempt";
+/// The finish reason of a generation that hit EOS or a stop string.
+pub const FINISH_STOP: &str = "stop";
+/// The finish reason of a generation that hit `max_tokens`.
+pub const FINISH_LENGTH: &str = "length";
+
+/// An OpenAI `CompletionRequest` as microserving calls carry it. On a microserving call the
+/// prompt is token ids and `user` is the upstream request id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionRequest {
+    #[serde(default)]
+    pub model: Option<String>,
+    pub prompt: Prompt,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default = "one")]
+    pub n: u32,
+    #[serde(default)]
+    pub stream: bool,
+    #[serde(default)]
+    pub stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub seed: Option<i64>,
+    #[serde(default)]
+    pub stop: Option<Stop>,
+    #[serde(default)]
+    pub logprobs: bool,
+    #[serde(default)]
+    pub frequency_penalty: f64,
+    #[serde(default)]
+    pub presence_penalty: f64,
+    #[serde(default)]
+    pub logit_bias: Option<serde_json::Value>,
+    #[serde(default)]
+    pub echo: bool,
+    #[serde(default)]
+    pub suffix: Option<String>,
+    #[serde(default)]
+    pub response_format: Option<serde_json::Value>,
+    /// The request id on microserving calls (`<client id>-<attempt>` from switchyard's router),
+    /// the same on every leg of an attempt.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// Always an object when written: MLC engines answer 500 when it is null.
+    #[serde(default)]
+    pub debug_config: serde_json::Map<String, serde_json::Value>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl CompletionRequest {
+    /// A streaming request (with usage) for `prompt`, with defaults for every sampling field.
+    pub fn new(prompt: Vec<u32>, max_tokens: u32, user: String) -> Self {
+        CompletionRequest {
+            model: None,
+            prompt: Prompt::Tokens(prompt),
+            max_tokens: Some(max_tokens),
+            n: 1,
+            stream: true,
+            stream_options: Some(StreamOptions {
+                include_usage: true,
+            }),
+            temperature: None,
+            top_p: None,
+            seed: None,
+            stop: None,
+            logprobs: false,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logit_bias: None,
+            echo: false,
+            suffix: None,
+            response_format: None,
+            user: Some(user),
+            debug_config: serde_json::Map::new(),
+        }
+    }
+
+    /// Whether the usage-only chunk ends the stream.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.is_some_and(|o| o.include_usage)
+    }
+}
+
+/// A prompt: text, or token ids (what a router sends, having tokenized it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    Tokens(Vec<u32>),
+    Text(String),
+}
+
+impl Prompt {
+    /// The token ids, when the prompt is already tokenized.
+    pub fn tokens(&self) -> Option<&[u32]> {
+        match self {
+            Prompt::Tokens(ids) => Some(ids),
+            Prompt::Text(_) => None,
+        }
+    }
+}
+
+/// Read by hand rather than `untagged`, so a bad prompt says what is wrong with it instead of
+/// "data did not match any variant".
+impl<'de> Deserialize<'de> for Prompt {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct PromptVisitor;
+
+        impl<'de> Visitor<'de> for PromptVisitor {
+            type Value = Prompt;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or a list of token ids (integers in 0..2^32)")
+            }
+
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<Prompt, E> {
+                Ok(Prompt::Text(text.to_owned()))
+            }
+
+            fn visit_string<E: de::Error>(self, text: String) -> Result<Prompt, E> {
+                Ok(Prompt::Text(text))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Prompt, A::Error> {
+                let mut ids = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                Ok(Prompt::Tokens(ids))
+            }
+        }
+
+        deserializer.deserialize_any(PromptVisitor)
+    }
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Stop {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            Stop::One(s) => vec![s],
+            Stop::Many(v) => v,
+        }
+    }
+}
+
+/// `stream_options` of a completion request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Token counts of a completion, as OpenAI reports them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    /// `prompt + completion`, saturating.
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Usage {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens.saturating_add(completion_tokens),
+        }
+    }
+}
+
+/// Usage as an MLC engine reports it: OpenAI's counts plus MLC's `extra` (engine debug data,
+/// `null` unless asked for).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineUsage {
+    #[serde(flatten)]
+    pub counts: Usage,
+    #[serde(default)]
+    pub extra: Option<serde_json::Value>,
+}
+
+impl From<Usage> for EngineUsage {
+    fn from(counts: Usage) -> Self {
+        EngineUsage {
+            counts,
+            extra: None,
+        }
+    }
+}
+
+/// One choice of a completion answer or stream chunk.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Choice {
+    #[serde(default)]
+    pub index: u32,
+    #[serde(default)]
+    pub text: String,
+    #[serde(default)]
+    pub finish_reason: Option<String>,
+    #[serde(default)]
+    pub logprobs: Option<serde_json::Value>,
+}
+
+/// A `CompletionResponse`: one JSON answer, or one SSE chunk of a stream.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CompletionResponse {
+    #[serde(default)]
+    pub id: String,
+    #[serde(default)]
+    pub object: String,
+    #[serde(default)]
+    pub created: u64,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub choices: Vec<Choice>,
+    #[serde(default)]
+    pub usage: Option<EngineUsage>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mlc_bodies_parse_and_unknown_fields_are_ignored() {
+        let body = r#"{"model": null, "prompt": [1, 2, 3], "max_tokens": 4, "n": 1, "stream": true,
+            "stream_options": {"include_usage": true}, "temperature": 0.0, "top_p": 1.0,
+            "seed": null, "stop": null, "logprobs": false, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "logit_bias": null, "echo": false, "suffix": null,
+            "response_format": null, "user": "cmpl-0123", "debug_config": {}, "end": -1,
+            "something_new": [1, {"x": 2}]}"#;
+        let req: CompletionRequest = serde_json::from_str(body).expect("parses");
+        assert_eq!(req.prompt, Prompt::Tokens(vec![1, 2, 3]));
+        assert!(req.stream && req.include_usage());
+        let minimal: CompletionRequest =
+            serde_json::from_str(r#"{"prompt": "hi"}"#).expect("parses");
+        assert_eq!(minimal.prompt, Prompt::Text("hi".into()));
+        assert!(!minimal.stream && !minimal.include_usage());
+        assert_eq!(minimal.n, 1);
+        assert!(serde_json::from_str::<CompletionRequest>(r#"{"model": "m"}"#).is_err());
+    }
+
+    #[test]
+    fn a_bad_prompt_says_what_a_prompt_is() {
+        for bad in [
+            r#"{"prompt": [1, -2]}"#,
+            r#"{"prompt": 5}"#,
+            r#"{"prompt": [1.5]}"#,
+        ] {
+            let e = serde_json::from_str::<CompletionRequest>(bad).expect_err(bad);
+            assert!(
+                e.to_string().contains("u32") || e.to_string().contains("token ids"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn engine_chunks_parse_with_missing_optional_fields() {
+        let chunk: CompletionResponse = serde_json::from_str(
+            r#"{"id":"c","object":"text_completion","created":1,"model":"m",
+                "choices":[{"index":0,"text":"","finish_reason":"preempt","logprobs":null}],
+                "usage":null}"#,
+        )
+        .expect("parses");
+        assert_eq!(
+            chunk.choices[0].finish_reason.as_deref(),
+            Some(FINISH_PREEMPT)
+        );
+        let usage_only: CompletionResponse = serde_json::from_str(
+            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"extra":null}}"#,
+        )
+        .expect("parses");
+        assert_eq!(usage_only.usage.map(|u| u.counts.total_tokens), Some(5));
+    }
+
+    #[test]
+    fn engine_usage_is_written_in_mlc_shape() {
+        let usage = EngineUsage::from(Usage::new(3, 2));
+        assert_eq!(
+            serde_json::to_value(usage).expect("serializes"),
+            serde_json::json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                "extra": null})
+        );
+    }
+}

@@ -1,0 +1,180 @@
+//! Server-sent events, both ways: parsing a stream into its events' data (and into completion
+//! chunks), and framing values as events.
+//!
+//! Every stream of this wire is `data: <JSON>\n\n` per event, ending with `data: [DONE]\n\n`.
+//! A stream that ends without `[DONE]` was cut (the engine died or the connection dropped) and
+//! is reported as an error, never as a short success.
+
+use std::pin::Pin;
+
+use bytes::Bytes;
+use eventsource_stream::Eventsource;
+use futures::{Stream, StreamExt};
+
+use serde::Serialize;
+
+use crate::completion::CompletionResponse;
+
+/// The event that ends every stream.
+pub const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
+
+/// Append `data: <value as JSON>\n\n` to `out`, serialised straight into it.
+pub fn write_event(out: &mut Vec<u8>, value: &impl Serialize) {
+    out.extend_from_slice(b"data: ");
+    // Writing plain data structs into a Vec cannot fail.
+    serde_json::to_writer(&mut *out, value).expect("an SSE event serialises");
+    out.extend_from_slice(b"\n\n");
+}
+
+/// `data: <value as JSON>\n\n` as one buffer.
+pub fn event(value: &impl Serialize) -> Bytes {
+    let mut out = Vec::new();
+    write_event(&mut out, value);
+    Bytes::from(out)
+}
+
+/// Why a chunk stream failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SseError {
+    #[error("reading the stream: {0}")]
+    Transport(String),
+    #[error("a chunk is not a completion response: {0}")]
+    BadChunk(String),
+    #[error("the stream ended without [DONE]")]
+    Truncated,
+    /// The sender went quiet for longer than the reader waits between events.
+    #[error("reading the stream: no chunk for {0:?}")]
+    Idle(std::time::Duration),
+}
+
+/// A stream of engine chunks, ending after `[DONE]`. Every one this module returns is fused.
+pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<CompletionResponse, SseError>> + Send>>;
+
+/// The data of each event of an SSE byte stream, ending after `data: [DONE]`. Events with no
+/// data are skipped. A stream that ends without `[DONE]` yields [`SseError::Truncated`], and the
+/// first error ends it (it is fused).
+pub fn data_events<S, E>(bytes: S) -> DataEvents
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let events = bytes.eventsource();
+    let state = (Box::pin(events), false);
+    Box::pin(
+        futures::stream::unfold(state, |(mut events, done)| async move {
+            if done {
+                return None;
+            }
+            loop {
+                match events.next().await {
+                    None => return Some((Err(SseError::Truncated), (events, true))),
+                    Some(Err(e)) => {
+                        return Some((Err(SseError::Transport(e.to_string())), (events, true)));
+                    }
+                    Some(Ok(event)) => {
+                        let data = event.data.trim();
+                        if data.is_empty() {
+                            continue;
+                        }
+                        if data == "[DONE]" {
+                            return None;
+                        }
+                        let data = data.to_owned();
+                        return Some((Ok(data), (events, false)));
+                    }
+                }
+            }
+        })
+        .fuse(),
+    )
+}
+
+/// The data of an SSE stream's events; see [`data_events`].
+pub type DataEvents = Pin<Box<dyn Stream<Item = Result<String, SseError>> + Send>>;
+
+/// Parse an SSE byte stream into completion chunks; see [`data_events`]. A chunk that is not a
+/// completion response ends the stream with [`SseError::BadChunk`].
+pub fn parse_chunks<S, E>(bytes: S) -> ChunkStream
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    Box::pin(
+        data_events(bytes)
+            .map(|item| {
+                item.and_then(|data| {
+                    serde_json::from_str::<CompletionResponse>(&data)
+                        .map_err(|e| SseError::BadChunk(e.to_string()))
+                })
+            })
+            // A bad chunk ends the stream as a transport error does.
+            .scan(false, |ended, item| {
+                if *ended {
+                    return futures::future::ready(None);
+                }
+                *ended = item.is_err();
+                futures::future::ready(Some(item))
+            })
+            .fuse(),
+    )
+}
+
+/// A complete (non-streaming) answer presented as a one-chunk stream.
+pub fn single_chunk(response: CompletionResponse) -> ChunkStream {
+    Box::pin(futures::stream::once(async move { Ok(response) }).fuse())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn stream_of(parts: &[&'static str]) -> ChunkStream {
+        let parts: Vec<Result<Bytes, std::io::Error>> = parts
+            .iter()
+            .map(|p| Ok(Bytes::from_static(p.as_bytes())))
+            .collect();
+        parse_chunks(futures::stream::iter(parts))
+    }
+
+    #[tokio::test]
+    async fn chunks_split_anywhere_parse_and_done_ends_the_stream() {
+        let chunks: Vec<_> = stream_of(&[
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"he\",\"finish_reason\":null}]}\n",
+            "\ndata: {\"id\":\"a\",\"choices\":[{\"index\":0,\"te",
+            "xt\":\"llo\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n",
+        ])
+        .collect()
+        .await;
+        let texts: Vec<_> = chunks
+            .into_iter()
+            .map(|c| c.expect("chunk").choices[0].text.clone())
+            .collect();
+        assert_eq!(texts, ["he", "llo"]);
+    }
+
+    #[tokio::test]
+    async fn a_stream_without_done_is_truncated() {
+        let chunks: Vec<_> = stream_of(&["data: {\"id\":\"a\",\"choices\":[]}\n\n"])
+            .collect()
+            .await;
+        assert_eq!(chunks.len(), 2);
+        assert!(matches!(chunks[1], Err(SseError::Truncated)));
+    }
+
+    #[tokio::test]
+    async fn streams_answer_none_again_after_their_end() {
+        let mut done = stream_of(&["data: [DONE]\n\n"]);
+        assert!(done.next().await.is_none());
+        assert!(done.next().await.is_none(), "polled after the end");
+        let mut one = single_chunk(serde_json::from_str("{}").expect("empty response"));
+        assert!(one.next().await.is_some());
+        assert!(one.next().await.is_none());
+        assert!(one.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn garbage_is_a_bad_chunk() {
+        let chunks: Vec<_> = stream_of(&["data: not json\n\n"]).collect().await;
+        assert!(matches!(chunks[0], Err(SseError::BadChunk(_))));
+    }
+}

@@ -1,0 +1,290 @@
+//! Reference engines and routers as child processes on loopback.
+//!
+//! ```no_run
+//! use switchyard_tests::EngineProcess;
+//! let d = EngineProcess::spawn(&["--device-rank", "1", "--kv-transport", "shm"]);
+//! let p = EngineProcess::spawn(&["--kv-transport", "shm", "--kv-peer", &format!("1={}", d.kv_addr)]);
+//! println!("P at {}, D at {}", p.url, d.url);
+//! ```
+//!
+//! These helpers panic with a message that says what to do: they run only in tests.
+
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use switchyard_engine::ReadyLine;
+
+use crate::plugins_dir;
+
+/// How long an engine may take to print its ready line and answer `GET /v1/models`.
+const STARTUP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The `switchyard` binary next to the running test executable (`target/<profile>/switchyard`,
+/// tests live in `target/<profile>/deps/`), or `$SWITCHYARD_BIN` if set.
+pub fn switchyard_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("SWITCHYARD_BIN") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("the test executable has a path");
+    let profile_dir = exe
+        .parent()
+        .and_then(|deps| {
+            if deps.ends_with("deps") {
+                deps.parent()
+            } else {
+                Some(deps)
+            }
+        })
+        .expect("the test executable lives in target/<profile>/deps");
+    let bin = profile_dir.join(format!("switchyard{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.is_file(),
+        "{} does not exist: build it first: cargo build -p switchyard",
+        bin.display()
+    );
+    bin
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("can bind a loopback port")
+}
+
+/// A `switchyard engine` child process, killed when dropped.
+pub struct EngineProcess {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+    pub http_addr: SocketAddr,
+    /// The engine's KV transfer address as printed (`tcp:…` or `unix:@…`), for `--kv-peer`.
+    pub kv_addr: String,
+    pub device_rank: u32,
+}
+
+impl EngineProcess {
+    /// Starts `switchyard engine --port 0 ARGS…`, learns its port from the ready line, and waits
+    /// until `GET /v1/models` answers 200.
+    pub fn spawn(args: &[&str]) -> EngineProcess {
+        let mut child = Command::new(switchyard_bin())
+            .arg("engine")
+            .args(["--port", "0"])
+            .args(args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("can spawn the switchyard binary");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        // Keep reading stdout for the child's whole life so it never blocks on a full pipe.
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            for line in lines.by_ref().map_while(Result::ok) {
+                if line.parse::<ReadyLine>().is_ok() {
+                    let _ = tx.send(line);
+                    break;
+                }
+            }
+            for _ in lines {}
+        });
+        let line = match rx.recv_timeout(STARTUP_TIMEOUT) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+                panic!(
+                    "switchyard engine {args:?} printed no ready line within {STARTUP_TIMEOUT:?} ({status})"
+                );
+            }
+        };
+        let ready: ReadyLine = line
+            .parse()
+            .unwrap_or_else(|e| panic!("switchyard engine {args:?}: {e}"));
+        let engine = EngineProcess {
+            child,
+            url: ready.url(),
+            http_addr: ready.http_addr,
+            kv_addr: ready.kv_addr,
+            device_rank: ready.device_rank,
+        };
+        engine.wait_until_ready();
+        engine
+    }
+
+    /// Polls `GET /v1/models` until 200, within the startup timeout.
+    fn wait_until_ready(&self) {
+        wait_for_200(self.http_addr, "/v1/models", "engine", &self.url);
+    }
+
+    /// `url` + `path`.
+    pub fn endpoint(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+}
+
+impl Drop for EngineProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `GET path` on a freshly started process until it answers 200, within the startup
+/// timeout (readiness has no event to wait on from outside the process).
+fn wait_for_200(addr: SocketAddr, path: &str, what: &str, url: &str) {
+    let deadline = Instant::now() + STARTUP_TIMEOUT;
+    while Instant::now() < deadline {
+        if http_get_status(addr, path) == Some(200) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what} at {url} did not answer GET {path} 200 within {STARTUP_TIMEOUT:?}");
+}
+
+/// A minimal blocking HTTP/1.0 GET, so readiness checks need no async runtime.
+fn http_get_status(addr: SocketAddr, path: &str) -> Option<u16> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
+    stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    let mut head = [0u8; 12];
+    stream.read_exact(&mut head).ok()?;
+    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+}
+
+// === router processes (the router engineer's part) ===
+
+/// A `switchyard serve` or `switchyard up` child process, killed when dropped.
+pub struct RouterProcess {
+    child: Child,
+    /// `http://127.0.0.1:PORT`
+    pub url: String,
+    pub addr: SocketAddr,
+}
+
+/// `switchyard up …` is a router too; the alias says which command started it.
+pub type UpProcess = RouterProcess;
+
+impl RouterProcess {
+    /// `switchyard serve --port 0 --plugins <checkout>/plugins --endpoint URL… ARGS…`; waits
+    /// until `/health` answers 200.
+    pub fn serve(endpoints: &[&str], args: &[&str]) -> RouterProcess {
+        let mut full: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
+        full.push("--plugins".into());
+        full.push(plugins_dir().display().to_string());
+        for e in endpoints {
+            full.push("--endpoint".into());
+            full.push((*e).to_owned());
+        }
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        Self::spawn(full, &[], "switchyard router listening on ")
+    }
+
+    /// `switchyard up --port 0 --plugins <checkout>/plugins ARGS…`; waits until `/health`
+    /// answers 200.
+    pub fn up(args: &[&str]) -> UpProcess {
+        Self::spawn_up(&plugins_dir(), &[], args)
+    }
+
+    /// `switchyard up --port 0 --plugins PLUGINS ARGS…` with compiled policies cached in
+    /// `cache_dir` (`SWITCHYARD_CACHE_DIR`), so components that take seconds to compile (Python,
+    /// JavaScript) are compiled once per content rather than once per test, and never into the
+    /// user's cache directory.
+    pub fn up_with_plugins(plugins: &Path, cache_dir: &Path, args: &[&str]) -> UpProcess {
+        Self::spawn_up(plugins, &[("SWITCHYARD_CACHE_DIR", cache_dir)], args)
+    }
+
+    fn spawn_up(plugins: &Path, env: &[(&str, &Path)], args: &[&str]) -> UpProcess {
+        let mut full: Vec<String> = vec!["up".into(), "--port".into(), "0".into()];
+        full.push("--plugins".into());
+        full.push(plugins.display().to_string());
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        Self::spawn(full, env, "switchyard router ready on ")
+    }
+
+    fn spawn(
+        args: Vec<String>,
+        env: &[(&str, &Path)],
+        ready_prefix: &'static str,
+    ) -> RouterProcess {
+        let mut child = Command::new(switchyard_bin())
+            .args(&args)
+            .envs(env.iter().copied())
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("can spawn the switchyard binary");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            for line in lines.by_ref().map_while(Result::ok) {
+                if let Some(url) = line.strip_prefix(ready_prefix) {
+                    let _ = tx.send(url.trim().to_owned());
+                    break;
+                }
+            }
+            for _ in lines {}
+        });
+        let Ok(url) = rx.recv_timeout(STARTUP_TIMEOUT * 2) else {
+            let _ = child.kill();
+            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+            panic!(
+                "switchyard {args:?} printed no ready line within {:?} ({status})",
+                STARTUP_TIMEOUT * 2
+            );
+        };
+        let addr: SocketAddr = url
+            .strip_prefix("http://")
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("unexpected router URL {url:?}"));
+        let router = RouterProcess { child, url, addr };
+        router.wait_until_healthy();
+        router
+    }
+
+    fn wait_until_healthy(&self) {
+        wait_for_200(self.addr, "/health", "router", &self.url);
+    }
+
+    /// `url` + `path`.
+    pub fn endpoint(&self, path: &str) -> String {
+        format!("{}{path}", self.url)
+    }
+
+    /// Send SIGTERM and wait (bounded) for a clean exit; returns the exit status.
+    pub fn terminate(mut self) -> Option<std::process::ExitStatus> {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)?;
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).ok()?;
+        let deadline = Instant::now() + STARTUP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+}
+
+impl Drop for RouterProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
