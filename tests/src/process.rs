@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use switchyard_engine::ReadyLine;
+use switchyard_wire::ReadyLine;
 
 use crate::plugins_dir;
 

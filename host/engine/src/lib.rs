@@ -26,11 +26,8 @@ pub mod kv_pool;
 pub mod latency;
 pub mod metrics;
 pub mod model;
-mod ready;
 mod response;
 pub mod scheduler;
-
-pub use ready::{ReadyLine, ReadyLineError};
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -45,6 +42,7 @@ use switchyard_kv::{
     KvDevice, KvError, KvShape, KvStore, KvTransport, PeerAddr, TransportConfig, TransportKind,
     parse_rank_addr,
 };
+use switchyard_wire::ReadyLine;
 
 /// The KV shape the model writes, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

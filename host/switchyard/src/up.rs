@@ -13,9 +13,9 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use switchyard_contract::Role;
-use switchyard_engine::ReadyLine;
 use switchyard_router::config::{Config, ConfigError, RouterArgs, ServeArgs};
 use switchyard_router::serve::{self, ServeError};
+use switchyard_wire::ReadyLine;
 
 /// `switchyard up` flags: the engines to start, and the router's own (as `switchyard serve`).
 #[derive(Debug, Clone, clap::Args)]

@@ -10,6 +10,7 @@
 //! - [`error`]: OpenAI's error body.
 //! - [`metrics`]: the engine gauges a router reads.
 //! - [`tokenizer`]: the reference model's byte-level tokenizer assets.
+//! - [`ReadyLine`]: the line an engine prints once it serves, which its launcher reads.
 //!
 //! This crate must never depend on another switchyard crate, nor on an HTTP stack.
 //!
@@ -31,8 +32,11 @@ pub mod completion;
 pub mod error;
 pub mod metrics;
 pub mod microserving;
+mod ready;
 pub mod sse;
 pub mod tokenizer;
+
+pub use ready::{ReadyLine, ReadyLineError};
 
 /// An error and every `source()` under it, joined with `: ` (an HTTP client's own message
 /// rarely says what actually failed). For log lines and error bodies about calls on this wire.

@@ -3,7 +3,7 @@
 //! written by [`Display`](std::fmt::Display) and read by [`FromStr`](std::str::FromStr).
 //!
 //! ```
-//! use switchyard_engine::ReadyLine;
+//! use switchyard_wire::ReadyLine;
 //!
 //! let line: ReadyLine = "switchyard engine ready on http://127.0.0.1:4321 (device rank 2, kv tcp:127.0.0.1:9)"
 //!     .parse()
