@@ -85,11 +85,15 @@ pub enum TranslateError {
     /// The instance died earlier and could not be rebuilt.
     #[error("policy {policy}: no instance available: {reason}")]
     Instantiate { policy: String, reason: String },
+    /// The policy answered past the sandbox's bounds on an answer (a plan too long, an error
+    /// message too large): the answer is refused.
+    #[error("policy {policy}: answer refused: {reason}")]
+    Oversized { policy: String, reason: String },
 }
 
 impl TranslateError {
-    /// True when the sandbox stopped the policy (trap, deadline, memory), as opposed to the
-    /// policy answering with an error of its own.
+    /// True when the sandbox stopped the policy (trap, deadline, memory, an oversized answer),
+    /// as opposed to the policy answering with an error of its own.
     pub fn is_fault(&self) -> bool {
         matches!(
             self,
@@ -97,6 +101,7 @@ impl TranslateError {
                 | TranslateError::MemoryExceeded { .. }
                 | TranslateError::Trap { .. }
                 | TranslateError::Instantiate { .. }
+                | TranslateError::Oversized { .. }
         )
     }
 }
