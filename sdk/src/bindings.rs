@@ -1,8 +1,8 @@
-//! The bindings `wit-bindgen` generates from `wit/policy.wit`, for the world `stateful-policy`
-//! (the `policy` world plus `export-state`/`import-state`): a component exports one set of
-//! functions, so every SDK policy exports the superset, and a policy that keeps no state answers
-//! `export-state` with nothing (see [`crate::Policy::export_state`]). The router treats a
-//! component of either world as a policy.
+//! The bindings `wit-bindgen` generates from `wit/policy.wit` (`switchyard:policy@0.2.0`), for
+//! the world `stateful-policy` (the `policy` world plus `export-state`/`import-state`): a
+//! component exports one set of functions, so every SDK policy exports the superset, and a
+//! policy that keeps no state answers `export-state` with nothing (see
+//! [`crate::Policy::export_state`]). The router treats a component of either world as a policy.
 //!
 //! Public only so that `export_policy!` can name them from a policy crate; policy authors use
 //! the re-exports in [`crate::types`] instead. `wit-bindgen` allows the lints its output trips
@@ -14,7 +14,9 @@
 )]
 
 wit_bindgen::generate!({
-    path: "../wit",
+    // The newest contract's file alone: `wit/deps/` holds the frozen older versions, which are
+    // not this SDK's business.
+    path: "../wit/policy.wit",
     world: "stateful-policy",
     // Policy crates export through the SDK: the macro is `#[macro_export]`ed from here and
     // finds these bindings (and the `wit_bindgen` runtime) through this crate's paths, so a

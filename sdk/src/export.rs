@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 
 use crate::bindings::Guest;
-use crate::types::{Context, Outcome, Plan, PolicyError, PolicyInfo, Request};
+use crate::types::{Context, Outcome, Plan, PolicyError, PolicyInfo, Request, State};
 
 /// A routing policy. Implement it, then call [`export_policy!`](crate::export_policy).
 pub trait Policy: Sized + 'static {
@@ -19,6 +19,14 @@ pub trait Policy: Sized + 'static {
     /// 0 when the prompt length is enough, `u32::MAX` for all of them. Every token crosses
     /// the component boundary on every call, so ask only for what you use.
     const PROMPT_TOKENS: u32 = 0;
+
+    /// Whether the policy keeps state between calls. [`State::Stateful`] (the default) is
+    /// always correct: the router runs one instance and calls it one call at a time.
+    /// [`State::Stateless`] promises that every answer depends only on the call's arguments and
+    /// the config, so the router may run a pool of instances and call them in parallel (and
+    /// any of them hears `on_complete`). A policy with a counter, a cache or anything learnt in
+    /// `on_complete` is stateful.
+    const STATE: State = State::Stateful;
 
     /// Build the policy from its JSON config (`"{}"` when the operator gave none).
     /// An error stops the policy from loading; say what is wrong with the config.
@@ -33,7 +41,8 @@ pub trait Policy: Sized + 'static {
     /// Opt in to state carry-over on hot swap: the state to hand to the next version of this
     /// policy (its [`Policy::import_state`]), in a format of your choosing. The default, an
     /// empty list, means "nothing to carry over": the router then does not call the new
-    /// version's `import_state` at all.
+    /// version's `import_state` at all. Only stateful policies take part (see
+    /// [`Policy::STATE`]).
     fn export_state(&self) -> Vec<u8> {
         Vec::new()
     }
@@ -103,6 +112,7 @@ pub(crate) fn describe<P: Policy>() -> PolicyInfo {
     PolicyInfo {
         language: P::LANGUAGE.into(),
         prompt_tokens: P::PROMPT_TOKENS,
+        state: P::STATE,
     }
 }
 

@@ -36,6 +36,8 @@ impl Guest {
     pub const STATEFUL: Guest = Guest::new("stateful-policy", "stateful_policy.wasm");
     /// A policy whose `init` refuses its config.
     pub const INIT_FAILS: Guest = Guest::new("init-fails-policy", "init_fails_policy.wasm");
+    /// A policy built against the frozen `switchyard:policy@0.1.0` contract.
+    pub const V0_1_0: Guest = Guest::new("policy-v0-1-0", "policy_v0_1_0.wasm");
     /// The Rust example policy.
     pub const PRIORITY_RUST: Guest =
         Guest::new("priority-rust-policy", "priority_rust_policy.wasm");
@@ -147,4 +149,55 @@ fn build(package: &str, target_dir: &Path) {
         }
         panic!("building guest {package} failed:\n{stderr}");
     }
+}
+
+/// `component` with `copies` instances of the core module `module_wat` appended at its top
+/// level: a well-formed component that exports what `component` exports, and instantiates the
+/// extra modules whenever it is instantiated. For the sandbox's limits on what one instance
+/// may create (memories, tables, core instances, table elements, memory in all): no toolchain
+/// writes such a component, but nothing stops a hand-made one.
+pub fn with_extra_core_instances(component: &[u8], module_wat: &str, copies: u32) -> Vec<u8> {
+    use wasm_encoder::{ComponentSectionId, InstanceSection, ModuleArg, RawSection};
+
+    let module = wat::parse_str(module_wat)
+        .unwrap_or_else(|e| panic!("the extra module is not valid text: {e}"));
+    // The new module's index: after every core module the component defines at its top level.
+    let index = top_level_core_modules(component);
+    let mut extra = wasm_encoder::Component::new();
+    extra.section(&RawSection {
+        id: ComponentSectionId::CoreModule as u8,
+        data: &module,
+    });
+    let mut instances = InstanceSection::new();
+    for _ in 0..copies {
+        instances.instantiate(index, std::iter::empty::<(&str, ModuleArg)>());
+    }
+    extra.section(&instances);
+    let extra = extra.finish();
+    // Sections may come in any order: appending them (without the header) keeps every index
+    // the original sections use.
+    const HEADER: usize = 8;
+    let mut out = component.to_vec();
+    out.extend_from_slice(&extra[HEADER..]);
+    out
+}
+
+/// Core modules defined at the top level of `component` (not inside nested components).
+fn top_level_core_modules(component: &[u8]) -> u32 {
+    use wasmparser::{Parser, Payload};
+
+    let mut depth = 0u32;
+    let mut modules = 0;
+    for payload in Parser::new(0).parse_all(component) {
+        match payload.unwrap_or_else(|e| panic!("not a valid component: {e}")) {
+            Payload::ModuleSection { .. } => {
+                modules += u32::from(depth == 0);
+                depth += 1;
+            }
+            Payload::ComponentSection { .. } => depth += 1,
+            Payload::End(_) => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    modules
 }

@@ -10,7 +10,7 @@ mod process;
 
 use std::path::{Path, PathBuf};
 
-pub use guests::{Guest, guest, guest_bytes, plugins_dir};
+pub use guests::{Guest, guest, guest_bytes, plugins_dir, with_extra_core_instances};
 pub use process::{EngineProcess, RouterProcess, UpProcess, free_port, switchyard_bin};
 
 /// The root of this checkout.

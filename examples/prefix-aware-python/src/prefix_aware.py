@@ -103,7 +103,13 @@ class WitWorld(wit_world.WitWorld):
 
     def describe(self) -> types.PolicyInfo:
         s = WitWorld.settings
-        return types.PolicyInfo(language="python", prompt_tokens=s["page_size"] * s["prefix_pages"])
+        # STATEFUL: it remembers which decode endpoint holds which prefix, across calls (and
+        # learns from `on_complete`), so the router must run one instance, one call at a time.
+        return types.PolicyInfo(
+            language="python",
+            prompt_tokens=s["page_size"] * s["prefix_pages"],
+            state=types.State.STATEFUL,
+        )
 
     def translate_request(self, request: types.Request, context: types.Context) -> types.Plan:
         usable = candidates(context)

@@ -10,7 +10,7 @@
 //! Config (all optional): `{"user_prefix": "priority-", "pd_balance_factor": 0.0}`.
 
 use switchyard_policy::select::{balance_end, candidates, least_loaded};
-use switchyard_policy::types::{Context, Request};
+use switchyard_policy::types::{Context, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError, log_info};
 
 /// The header that marks a request as priority, and the value that does.
@@ -28,6 +28,10 @@ pub struct PriorityRouter {
 }
 
 impl Policy for PriorityRouter {
+    // Each answer comes from the request, the endpoints and the config alone: the router may
+    // run a pool of instances in parallel.
+    const STATE: State = State::Stateless;
+
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
         config.deny_unknown(&["user_prefix", "pd_balance_factor"])?;

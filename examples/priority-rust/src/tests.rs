@@ -2,7 +2,7 @@
 //! router's plan rules.
 
 use switchyard_policy::testing::{Harness, check_plan, endpoints, request};
-use switchyard_policy::types::{FailureKind, Header, Request};
+use switchyard_policy::types::{FailureKind, Header, Request, State};
 use switchyard_policy::{Plan, PolicyError};
 
 use super::PriorityRouter;
@@ -135,7 +135,8 @@ fn one_endpoint_serves_alone_and_none_is_unavailable() {
 }
 
 #[test]
-fn describes_itself_as_rust_needing_no_tokens() {
+fn describes_itself_as_stateless_rust_needing_no_tokens() {
     let info = policy("{}").describe();
     assert_eq!((info.language.as_str(), info.prompt_tokens), ("rust", 0));
+    assert_eq!(info.state, State::Stateless);
 }

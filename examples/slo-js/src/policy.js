@@ -83,7 +83,9 @@ export function init(config) {
 }
 
 export function describe() {
-  return { language: 'javascript', promptTokens: 0 };
+  // Stateless: every answer comes from the request, the endpoints and the config, so the router
+  // may run several instances in parallel.
+  return { language: 'javascript', promptTokens: 0, state: 'stateless' };
 }
 
 export function translateRequest(request, context) {

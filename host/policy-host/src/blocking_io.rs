@@ -1,4 +1,5 @@
-//! `wasi:io/streams` and `wasi:io/poll` for policies called from Tokio worker threads.
+//! `wasi:io/streams` and `wasi:io/poll` for policies called from Tokio worker threads, with
+//! the time a guest spends blocked charged to its call.
 //!
 //! WASI's synchronous bindings run the blocking functions of these interfaces (a guest writing
 //! to stdout or stderr with `blocking-write-and-flush`, dropping a stream, polling) through
@@ -8,20 +9,32 @@
 //! calls that never print. So the linker shadows wasmtime-wasi's versions of both interfaces
 //! with these, which delegate to wasmtime-wasi and wrap exactly its blocking functions in
 //! [`allow_blocking`].
+//!
+//! Waiting in `poll` (a guest's sleep) uses no CPU, so the CPU-time deadline (see `deadline`)
+//! would never see it: the wait is charged to the call, and cut off where the call's budget
+//! ends, so a guest that sleeps is stopped like one that spins.
 
+use std::time::Instant;
+
+use wasmtime::Trap;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
-use wasmtime_wasi::WasiView;
+use wasmtime_wasi::p2::bindings::io::poll as async_poll;
 use wasmtime_wasi::p2::bindings::sync::io::poll::{self, Pollable};
 use wasmtime_wasi::p2::bindings::sync::io::streams::{self, InputStream, OutputStream};
 use wasmtime_wasi::p2::{StreamError, StreamResult};
+use wasmtime_wasi::runtime::in_tokio;
 
-/// Add both interfaces to `linker` in place of wasmtime-wasi's (which must be added first).
-pub(super) fn shadow_in<T: WasiView + 'static>(linker: &mut Linker<T>) -> wasmtime::Result<()> {
+use super::deadline::CallClock;
+
+/// Add both interfaces to `linker` in place of wasmtime-wasi's (which must be added first);
+/// `project` gives them a store's resource table and call clock.
+pub(super) fn shadow_in<T: 'static>(
+    linker: &mut Linker<T>,
+    project: fn(&mut T) -> BlockingIo<'_>,
+) -> wasmtime::Result<()> {
     linker.allow_shadowing(true);
-    let linked = poll::add_to_linker::<T, HasBlockingIo>(linker, |t| BlockingIo(t.ctx().table))
-        .and_then(|()| {
-            streams::add_to_linker::<T, HasBlockingIo>(linker, |t| BlockingIo(t.ctx().table))
-        });
+    let linked = poll::add_to_linker::<T, HasBlockingIo>(linker, project)
+        .and_then(|()| streams::add_to_linker::<T, HasBlockingIo>(linker, project));
     linker.allow_shadowing(false);
     linked
 }
@@ -45,46 +58,79 @@ impl HasData for HasBlockingIo {
     type Data<'a> = BlockingIo<'a>;
 }
 
-/// A store's resource table, serving the two interfaces.
-struct BlockingIo<'a>(&'a mut ResourceTable);
+/// A store's resource table and the clock of the call running in it, serving the two
+/// interfaces.
+pub(super) struct BlockingIo<'a> {
+    table: &'a mut ResourceTable,
+    clock: &'a mut CallClock,
+}
+
+impl<'a> BlockingIo<'a> {
+    pub(super) fn new(table: &'a mut ResourceTable, clock: &'a mut CallClock) -> Self {
+        BlockingIo { table, clock }
+    }
+
+    /// Wait for `wait` to finish, for no longer than what is left of the call's budget, and
+    /// charge the wait to the call; past the budget the guest traps, as at its deadline.
+    fn wait<R>(
+        &mut self,
+        wait: impl AsyncFnOnce(&mut ResourceTable) -> wasmtime::Result<R>,
+    ) -> wasmtime::Result<R> {
+        // A poll that is ready at once returns even with no budget left: `timeout` polls the
+        // wait before its timer.
+        let budget = self.clock.remaining();
+        let started = Instant::now();
+        let table = &mut *self.table;
+        let waited =
+            allow_blocking(|| in_tokio(async { tokio::time::timeout(budget, wait(table)).await }));
+        self.clock.charge_wait(started.elapsed());
+        match waited {
+            Ok(result) => result,
+            Err(_elapsed) => {
+                self.clock.overrun();
+                Err(Trap::Interrupt.into())
+            }
+        }
+    }
+}
 
 impl poll::Host for BlockingIo<'_> {
     fn poll(&mut self, pollables: Vec<Resource<Pollable>>) -> wasmtime::Result<Vec<u32>> {
-        allow_blocking(|| poll::Host::poll(self.0, pollables))
+        self.wait(async |table| async_poll::Host::poll(table, pollables).await)
     }
 }
 
 impl poll::HostPollable for BlockingIo<'_> {
     fn ready(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<bool> {
-        allow_blocking(|| poll::HostPollable::ready(self.0, pollable))
+        allow_blocking(|| poll::HostPollable::ready(self.table, pollable))
     }
 
     fn block(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<()> {
-        allow_blocking(|| poll::HostPollable::block(self.0, pollable))
+        self.wait(async |table| async_poll::HostPollable::block(table, pollable).await)
     }
 
     fn drop(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<()> {
-        poll::HostPollable::drop(self.0, pollable)
+        poll::HostPollable::drop(self.table, pollable)
     }
 }
 
 impl streams::Host for BlockingIo<'_> {
     fn convert_stream_error(&mut self, err: StreamError) -> wasmtime::Result<streams::StreamError> {
-        streams::Host::convert_stream_error(self.0, err)
+        streams::Host::convert_stream_error(self.table, err)
     }
 }
 
 impl streams::HostOutputStream for BlockingIo<'_> {
     fn drop(&mut self, stream: Resource<OutputStream>) -> wasmtime::Result<()> {
-        allow_blocking(|| streams::HostOutputStream::drop(self.0, stream))
+        allow_blocking(|| streams::HostOutputStream::drop(self.table, stream))
     }
 
     fn check_write(&mut self, stream: Resource<OutputStream>) -> StreamResult<u64> {
-        streams::HostOutputStream::check_write(self.0, stream)
+        streams::HostOutputStream::check_write(self.table, stream)
     }
 
     fn write(&mut self, stream: Resource<OutputStream>, bytes: Vec<u8>) -> StreamResult<()> {
-        streams::HostOutputStream::write(self.0, stream, bytes)
+        streams::HostOutputStream::write(self.table, stream, bytes)
     }
 
     fn blocking_write_and_flush(
@@ -93,7 +139,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         bytes: Vec<u8>,
     ) -> StreamResult<()> {
         allow_blocking(|| {
-            streams::HostOutputStream::blocking_write_and_flush(self.0, stream, bytes)
+            streams::HostOutputStream::blocking_write_and_flush(self.table, stream, bytes)
         })
     }
 
@@ -103,7 +149,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         len: u64,
     ) -> StreamResult<()> {
         allow_blocking(|| {
-            streams::HostOutputStream::blocking_write_zeroes_and_flush(self.0, stream, len)
+            streams::HostOutputStream::blocking_write_zeroes_and_flush(self.table, stream, len)
         })
     }
 
@@ -111,19 +157,19 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         &mut self,
         stream: Resource<OutputStream>,
     ) -> wasmtime::Result<Resource<Pollable>> {
-        streams::HostOutputStream::subscribe(self.0, stream)
+        streams::HostOutputStream::subscribe(self.table, stream)
     }
 
     fn write_zeroes(&mut self, stream: Resource<OutputStream>, len: u64) -> StreamResult<()> {
-        streams::HostOutputStream::write_zeroes(self.0, stream, len)
+        streams::HostOutputStream::write_zeroes(self.table, stream, len)
     }
 
     fn flush(&mut self, stream: Resource<OutputStream>) -> StreamResult<()> {
-        streams::HostOutputStream::flush(self.0, stream)
+        streams::HostOutputStream::flush(self.table, stream)
     }
 
     fn blocking_flush(&mut self, stream: Resource<OutputStream>) -> StreamResult<()> {
-        allow_blocking(|| streams::HostOutputStream::blocking_flush(self.0, stream))
+        allow_blocking(|| streams::HostOutputStream::blocking_flush(self.table, stream))
     }
 
     fn splice(
@@ -132,7 +178,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         src: Resource<InputStream>,
         len: u64,
     ) -> StreamResult<u64> {
-        streams::HostOutputStream::splice(self.0, dst, src, len)
+        streams::HostOutputStream::splice(self.table, dst, src, len)
     }
 
     fn blocking_splice(
@@ -141,32 +187,32 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         src: Resource<InputStream>,
         len: u64,
     ) -> StreamResult<u64> {
-        allow_blocking(|| streams::HostOutputStream::blocking_splice(self.0, dst, src, len))
+        allow_blocking(|| streams::HostOutputStream::blocking_splice(self.table, dst, src, len))
     }
 }
 
 impl streams::HostInputStream for BlockingIo<'_> {
     fn drop(&mut self, stream: Resource<InputStream>) -> wasmtime::Result<()> {
-        allow_blocking(|| streams::HostInputStream::drop(self.0, stream))
+        allow_blocking(|| streams::HostInputStream::drop(self.table, stream))
     }
 
     fn read(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<Vec<u8>> {
-        streams::HostInputStream::read(self.0, stream, len)
+        streams::HostInputStream::read(self.table, stream, len)
     }
 
     fn blocking_read(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<Vec<u8>> {
-        allow_blocking(|| streams::HostInputStream::blocking_read(self.0, stream, len))
+        allow_blocking(|| streams::HostInputStream::blocking_read(self.table, stream, len))
     }
 
     fn skip(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<u64> {
-        streams::HostInputStream::skip(self.0, stream, len)
+        streams::HostInputStream::skip(self.table, stream, len)
     }
 
     fn blocking_skip(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<u64> {
-        allow_blocking(|| streams::HostInputStream::blocking_skip(self.0, stream, len))
+        allow_blocking(|| streams::HostInputStream::blocking_skip(self.table, stream, len))
     }
 
     fn subscribe(&mut self, stream: Resource<InputStream>) -> wasmtime::Result<Resource<Pollable>> {
-        streams::HostInputStream::subscribe(self.0, stream)
+        streams::HostInputStream::subscribe(self.table, stream)
     }
 }

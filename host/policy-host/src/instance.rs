@@ -1,35 +1,40 @@
-//! One warm policy instance, reused across calls, and the rules for calling into it: every call
-//! runs under an epoch deadline and a memory cap; a call that traps, overruns or passes the cap
-//! drops the whole store (a trapped instance is never entered again) and a fresh one is built
-//! from the `InstancePre` with `init` run again.
+//! One policy instance (a store and the component instantiated in it) and the [`Factory`] that
+//! builds instances of one policy version and calls into them. Every call runs under the
+//! CPU-time deadline of `deadline` and the store's caps, and its answer is bounded; a call that
+//! traps, overruns, passes a cap or answers past a bound is a [`Fault`], after which the
+//! instance is never entered again (the executor drops it and takes another).
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::time::Duration;
 
-use wasmtime::component::{Instance, TypedFunc};
+use wasmtime::component::{Instance as ComponentInstance, TypedFunc};
 use wasmtime::{AsContextMut, Engine, Store, Trap};
 
-use super::bindings::{self, Guest, GuestPre, PolicyError};
+use super::PolicyLimits;
+use super::bindings::{Described, Guest, GuestPre, Refusal};
 use super::blocking_io::allow_blocking;
-use super::sandbox::StoreState;
-use super::wasm::{EPOCH_TICK, EpochTicker};
+use super::sandbox::{MAX_ERROR_BYTES, MAX_PLAN_STEPS, StoreState};
+use super::wasm::EpochTicker;
 use switchyard_contract::{Outcome, Plan, PolicyContext, PolicyRequest, TranslateError};
 
-use super::PolicyLimits;
-
-/// Why a guest call produced no value. Converted into `TranslateError` or `LoadError` by the
-/// caller, which knows what was being done.
+/// Why a guest call produced no usable value. Converted into `TranslateError` or `LoadError` by
+/// the caller, which knows what was being done.
 #[derive(Debug)]
 pub(super) enum Fault {
-    /// The call ran past its epoch deadline.
+    /// The call used its CPU-time budget.
     Deadline(Duration),
-    /// The guest tried to grow its memory past the cap (bytes).
+    /// The guest tried to grow its memories past the cap (bytes, all memories together).
     MemoryExceeded(usize),
     /// Any other trap (or a host panic while serving the guest), with wasmtime's description.
     Trap(String),
     /// No instance could be built to take the call.
     Instantiate(String),
+    /// The answer passed a bound (plan length, error message size).
+    Oversized(String),
+    /// Every instance faulted and their replacements are still being built: the call is
+    /// refused at once rather than made to wait for a build.
+    NoInstance,
 }
 
 impl Fault {
@@ -43,9 +48,16 @@ impl Fault {
             },
             Fault::Trap(reason) => TranslateError::Trap { policy, reason },
             Fault::Instantiate(reason) => TranslateError::Instantiate { policy, reason },
+            Fault::Oversized(reason) => TranslateError::Oversized { policy, reason },
+            Fault::NoInstance => TranslateError::Instantiate {
+                policy,
+                reason: NO_INSTANCE.to_owned(),
+            },
         }
     }
 }
+
+const NO_INSTANCE: &str = "every instance faulted and a new one is still being built";
 
 impl std::fmt::Display for Fault {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -56,37 +68,32 @@ impl std::fmt::Display for Fault {
             }
             Fault::Trap(reason) => write!(f, "trapped: {reason}"),
             Fault::Instantiate(reason) => write!(f, "cannot be instantiated: {reason}"),
+            Fault::Oversized(reason) => write!(f, "answered past a bound: {reason}"),
+            Fault::NoInstance => f.write_str(NO_INSTANCE),
         }
     }
 }
 
-/// What `describe` answered, read once at load.
-pub(super) struct Described {
-    pub(super) language: String,
-    pub(super) prompt_tokens: u32,
+/// Why an instance could not be built.
+pub(super) enum BuildError {
+    Fault(Fault),
+    /// `init` returned an error (cut to [`MAX_ERROR_BYTES`]).
+    Init(String),
 }
 
-/// A policy's instance slot: the `InstancePre` to rebuild from and the live instance, if any.
-pub(super) struct Instances {
-    name: Arc<str>,
-    engine: Engine,
-    /// Keeps the epoch advancing while this policy's code runs (and alive while it exists).
-    ticker: Arc<EpochTicker>,
-    pre: GuestPre<StoreState>,
-    config: String,
-    limits: PolicyLimits,
-    warm: Option<Warm>,
+impl std::fmt::Display for BuildError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BuildError::Fault(fault) => fault.fmt(f),
+            BuildError::Init(message) => write!(f, "init failed: {message}"),
+        }
+    }
 }
 
-/// A live instance and the store that owns it.
-struct Warm {
+/// A live instance and the store that owns it. Used by one call at a time (the executor lends
+/// it out), and dropped, never re-entered, after a fault.
+pub(super) struct Instance {
     store: Store<StoreState>,
-    exports: Exports,
-}
-
-/// What a live instance exports: the `policy` world, and the state carry-over functions of the
-/// `stateful-policy` world when the component has them.
-struct Exports {
     guest: Guest,
     state: Option<StateExports>,
 }
@@ -101,7 +108,7 @@ struct StateExports {
 impl StateExports {
     /// Both functions with the WIT signatures, or `None` (a component exporting only one of
     /// them, or with other types, keeps no state as far as the host is concerned).
-    fn find(mut store: impl AsContextMut, instance: &Instance) -> Option<Self> {
+    fn find(mut store: impl AsContextMut, instance: &ComponentInstance) -> Option<Self> {
         let export = instance
             .get_typed_func::<(), (Vec<u8>,)>(&mut store, "export-state")
             .ok()?;
@@ -112,157 +119,168 @@ impl StateExports {
     }
 }
 
-/// Why the first instance of a policy could not be started.
-pub(super) enum StartError {
-    Fault(Fault),
-    /// `init` returned an error.
-    Init(String),
+// === impl Factory ===
+
+/// Everything needed to build and call instances of one policy version: the type-checked
+/// component, its config and the limits. Shared by the executor and its builder thread.
+pub(super) struct Factory {
+    name: Arc<str>,
+    engine: Engine,
+    /// Keeps the epoch advancing while this policy's code runs (and alive while it exists).
+    ticker: Arc<EpochTicker>,
+    pre: GuestPre,
+    config: String,
+    limits: PolicyLimits,
 }
 
-impl Instances {
-    /// Instantiate, `init(config)` and `describe`: the last steps of loading a policy.
-    pub(super) fn start(
+impl Factory {
+    pub(super) fn new(
         name: Arc<str>,
         engine: Engine,
         ticker: Arc<EpochTicker>,
-        pre: GuestPre<StoreState>,
+        pre: GuestPre,
         config: String,
         limits: PolicyLimits,
-    ) -> Result<(Self, Described), StartError> {
-        let mut instances = Instances {
+    ) -> Self {
+        Factory {
             name,
             engine,
             ticker,
             pre,
             config,
             limits,
-            warm: None,
-        };
-        let warm = instances.build().map_err(|e| match e {
-            BuildError::Fault(f) => StartError::Fault(f),
-            BuildError::Init(m) => StartError::Init(m),
-        })?;
-        instances.warm = Some(warm);
-        let info = instances
-            .call(|exports, store| exports.guest.call_describe(store))
-            .map_err(StartError::Fault)?;
-        let described = Described {
-            language: info.language,
-            prompt_tokens: info.prompt_tokens,
-        };
-        Ok((instances, described))
-    }
-
-    pub(super) fn translate(
-        &mut self,
-        req: &PolicyRequest<'_>,
-        ctx: &PolicyContext,
-        prompt_tokens: u32,
-    ) -> Result<Plan, TranslateError> {
-        let request = bindings::request(req, prompt_tokens);
-        let context = bindings::context(ctx);
-        let answer = self
-            .call(|exports, store| {
-                exports
-                    .guest
-                    .call_translate_request(store, &request, &context)
-            })
-            .map_err(|fault| fault.into_translate_error(&self.name))?;
-        let policy = self.name.to_string();
-        match answer {
-            Ok(plan) => Ok(bindings::plan(plan)),
-            Err(PolicyError::Unavailable(message)) => {
-                Err(TranslateError::Unavailable { policy, message })
-            }
-            Err(PolicyError::Rejected(message)) => {
-                Err(TranslateError::Rejected { policy, message })
-            }
-            Err(PolicyError::Internal(message)) => {
-                Err(TranslateError::Internal { policy, message })
-            }
         }
     }
 
-    pub(super) fn on_complete(&mut self, outcome: &Outcome) -> Result<(), Fault> {
-        let outcome = bindings::outcome(outcome);
-        self.call(|exports, store| exports.guest.call_on_complete(store, outcome))
+    pub(super) fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A fresh store and instance with `init(config)` done.
+    pub(super) fn build(&self) -> Result<Instance, BuildError> {
+        let mut instance = self.instantiate().map_err(BuildError::Fault)?;
+        let config = self.config.as_str();
+        let deadline = self.limits.setup_deadline;
+        match self.run(&mut instance, deadline, |guest, store| {
+            guest.init(store, config)
+        }) {
+            Ok(Ok(())) => Ok(instance),
+            Ok(Err(message)) => Err(BuildError::Init(cut(message))),
+            Err(fault) => Err(BuildError::Fault(fault)),
+        }
+    }
+
+    /// `describe`, on an instance just built.
+    pub(super) fn describe(&self, instance: &mut Instance) -> Result<Described, Fault> {
+        let mut described = self.call(instance, |guest, store| guest.describe(store))?;
+        described.language = cut(described.language);
+        Ok(described)
+    }
+
+    /// `translate-request`: `Err` is a fault (the instance must be dropped), `Ok(Err(..))` the
+    /// policy's own refusal.
+    pub(super) fn translate(
+        &self,
+        instance: &mut Instance,
+        req: &PolicyRequest<'_>,
+        ctx: &PolicyContext,
+        prompt_tokens: u32,
+    ) -> Result<Result<Plan, TranslateError>, Fault> {
+        let answer = self.call(instance, |guest, store| {
+            guest.translate(store, req, ctx, prompt_tokens)
+        })?;
+        let refusal = match answer {
+            Ok(plan) if plan.steps.len() > MAX_PLAN_STEPS => {
+                return Err(Fault::Oversized(format!(
+                    "a plan of {} steps (at most {MAX_PLAN_STEPS})",
+                    plan.steps.len()
+                )));
+            }
+            Ok(plan) => return Ok(Ok(plan)),
+            Err(refusal) => refusal,
+        };
+        let (Refusal::Unavailable(message)
+        | Refusal::Rejected(message)
+        | Refusal::Internal(message)) = &refusal;
+        if message.len() > MAX_ERROR_BYTES {
+            return Err(Fault::Oversized(format!(
+                "an error message of {} bytes (at most {MAX_ERROR_BYTES})",
+                message.len()
+            )));
+        }
+        let policy = self.name.to_string();
+        Ok(Err(match refusal {
+            Refusal::Unavailable(message) => TranslateError::Unavailable { policy, message },
+            Refusal::Rejected(message) => TranslateError::Rejected { policy, message },
+            Refusal::Internal(message) => TranslateError::Internal { policy, message },
+        }))
+    }
+
+    pub(super) fn on_complete(
+        &self,
+        instance: &mut Instance,
+        outcome: &Outcome,
+    ) -> Result<(), Fault> {
+        self.call(instance, |guest, store| guest.on_complete(store, outcome))
     }
 
     /// The instance's `export-state`, or `None` when the component does not export one.
-    pub(super) fn export_state(&mut self) -> Result<Option<Vec<u8>>, Fault> {
-        self.call(|exports, store| match &exports.state {
-            Some(state) => state.export.call(store, ()).map(|(bytes,)| Some(bytes)),
-            None => Ok(None),
+    pub(super) fn export_state(&self, instance: &mut Instance) -> Result<Option<Vec<u8>>, Fault> {
+        let Some(state) = &instance.state else {
+            return Ok(None);
+        };
+        let export = state.export;
+        self.call(instance, |_, store| {
+            export.call(store, ()).map(|(bytes,)| Some(bytes))
         })
     }
 
     /// Hand `state` to the instance's `import-state`: `Ok(Err(..))` when the policy refused
     /// it, `Ok(Ok(false))` when the component does not export the function.
-    pub(super) fn import_state(&mut self, state: &[u8]) -> Result<Result<bool, String>, Fault> {
-        self.call(|exports, store| match &exports.state {
-            Some(functions) => functions
-                .import
+    pub(super) fn import_state(
+        &self,
+        instance: &mut Instance,
+        state: &[u8],
+    ) -> Result<Result<bool, String>, Fault> {
+        let Some(functions) = &instance.state else {
+            return Ok(Ok(false));
+        };
+        let import = functions.import;
+        self.call(instance, |_, store| {
+            import
                 .call(store, (state.to_vec(),))
-                .map(|(answer,)| answer.map(|()| true)),
-            None => Ok(Ok(false)),
+                .map(|(answer,)| answer.map(|()| true).map_err(cut))
         })
     }
 
-    /// Instantiate from the `InstancePre` without `init`, for the instantiation benchmark.
-    pub(super) fn instantiate_only(&self) -> Result<(), Fault> {
-        self.instantiate().map(drop)
-    }
-
-    /// Run one guest call on the warm instance (building one first if the last call killed it).
-    /// On any fault the instance is dropped, never re-entered, and a fresh one is built right
-    /// away so the next request does not pay for it.
+    /// One call under the call deadline.
     fn call<R>(
-        &mut self,
-        f: impl FnOnce(&Exports, &mut Store<StoreState>) -> wasmtime::Result<R>,
+        &self,
+        instance: &mut Instance,
+        f: impl FnOnce(&Guest, &mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
-        let mut warm = match self.warm.take() {
-            Some(warm) => warm,
-            None => self.build().map_err(BuildError::into_fault)?,
-        };
-        match self.run(&mut warm, self.limits.deadline, f) {
-            Ok(value) => {
-                self.warm = Some(warm);
-                Ok(value)
-            }
-            Err(fault) => {
-                drop(warm);
-                tracing::warn!(policy = %self.name, %fault, "policy call failed; rebuilding its instance");
-                self.rebuild_after_fault();
-                Err(fault)
-            }
+        let result = self.run(instance, self.limits.deadline, f);
+        if let Err(fault) = &result {
+            tracing::warn!(policy = %self.name, %fault, "policy call failed; its instance is replaced");
         }
-    }
-
-    fn rebuild_after_fault(&mut self) {
-        match self.build() {
-            Ok(warm) => self.warm = Some(warm),
-            Err(e) => {
-                tracing::error!(policy = %self.name, error = %e.into_fault(),
-                    "cannot rebuild policy instance; will retry on the next call");
-            }
-        }
+        result
     }
 
     /// One call under `deadline`. A host panic while serving the guest is caught and treated
-    /// like a trap: the instance is dropped.
+    /// like a trap.
     fn run<R>(
         &self,
-        warm: &mut Warm,
+        instance: &mut Instance,
         deadline: Duration,
-        f: impl FnOnce(&Exports, &mut Store<StoreState>) -> wasmtime::Result<R>,
+        f: impl FnOnce(&Guest, &mut Store<StoreState>) -> wasmtime::Result<R>,
     ) -> Result<R, Fault> {
-        let Warm { store, exports } = warm;
+        let Instance { store, guest, .. } = instance;
         let result = self.under_deadline(store, deadline, |store| {
-            catch_unwind(AssertUnwindSafe(|| f(exports, store)))
+            catch_unwind(AssertUnwindSafe(|| f(guest, store)))
         });
         match result {
             Ok(Ok(value)) => Ok(value),
-            Ok(Err(error)) => Err(self.classify(store, &error, deadline)),
+            Ok(Err(error)) => Err(self.classify(store, &error)),
             Err(panic) => Err(Fault::Trap(format!(
                 "the host panicked while serving the policy: {}",
                 panic_message(&*panic)
@@ -270,31 +288,33 @@ impl Instances {
         }
     }
 
-    /// Run guest code in `store` under `deadline`: the deadline is set, and the epoch ticker
-    /// kept ticking until `f` returns (a sleeping ticker would never end a runaway guest).
+    /// Run guest code in `store` under `deadline`: the call's clock starts on this thread, and
+    /// the epoch ticker keeps ticking until `f` returns (a sleeping ticker would never check a
+    /// runaway guest).
     fn under_deadline<R>(
         &self,
         store: &mut Store<StoreState>,
         deadline: Duration,
         f: impl FnOnce(&mut Store<StoreState>) -> R,
     ) -> R {
-        store.set_epoch_deadline(deadline_ticks(deadline));
-        let _running = self.ticker.running();
-        f(store)
+        let ticks = store.data_mut().begin_call(deadline);
+        store.set_epoch_deadline(ticks);
+        let result = {
+            let _running = self.ticker.running();
+            f(store)
+        };
+        store.data_mut().end_call();
+        result
     }
 
-    fn classify(
-        &self,
-        store: &Store<StoreState>,
-        error: &wasmtime::Error,
-        deadline: Duration,
-    ) -> Fault {
-        if store.data().limiter.exceeded() {
-            return Fault::MemoryExceeded(self.limits.memory_bytes);
+    fn classify(&self, store: &Store<StoreState>, error: &wasmtime::Error) -> Fault {
+        let state = store.data();
+        if state.limiter.exceeded() {
+            return Fault::MemoryExceeded(state.limiter.memory_cap());
         }
         let trap = error.downcast_ref::<Trap>();
-        if trap == Some(&Trap::Interrupt) {
-            return Fault::Deadline(deadline);
+        if state.clock.overran() || trap == Some(&Trap::Interrupt) {
+            return Fault::Deadline(state.clock.budget());
         }
         // The full error carries a multi-line wasm backtrace: keep it for debugging, and give
         // callers (and HTTP error bodies) the one-line cause.
@@ -305,21 +325,8 @@ impl Instances {
         }
     }
 
-    /// A fresh store and instance with `init(config)` done.
-    fn build(&self) -> Result<Warm, BuildError> {
-        let mut warm = self.instantiate().map_err(BuildError::Fault)?;
-        let config = self.config.as_str();
-        let deadline = self.limits.setup_deadline;
-        match self.run(&mut warm, deadline, |exports, store| {
-            exports.guest.call_init(store, config)
-        }) {
-            Ok(Ok(())) => Ok(warm),
-            Ok(Err(message)) => Err(BuildError::Init(message)),
-            Err(fault) => Err(BuildError::Fault(fault)),
-        }
-    }
-
-    fn instantiate(&self) -> Result<Warm, Fault> {
+    /// A fresh store with the component instantiated in it (no `init`).
+    pub(super) fn instantiate(&self) -> Result<Instance, Fault> {
         let state = StoreState::new(
             Arc::clone(&self.name),
             self.limits.memory_bytes,
@@ -327,43 +334,43 @@ impl Instances {
         );
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);
-        store.epoch_deadline_trap();
+        store.epoch_deadline_callback(|mut store| Ok(store.data_mut().clock.on_epoch()));
         let deadline = self.limits.setup_deadline;
         // A guest's start-up (Python's) may use any WASI function, blocking ones included.
         let instantiated = self.under_deadline(&mut store, deadline, |store| {
-            allow_blocking(|| self.instantiate_in(store))
+            allow_blocking(|| self.pre.instantiate(store))
         });
         match instantiated {
-            Ok(exports) => Ok(Warm { store, exports }),
-            Err(error) => match self.classify(&store, &error, deadline) {
+            Ok((guest, instance)) => {
+                let state = StateExports::find(&mut store, &instance);
+                Ok(Instance {
+                    store,
+                    guest,
+                    state,
+                })
+            }
+            Err(error) => match self.classify(&store, &error) {
                 Fault::Trap(reason) => Err(Fault::Instantiate(reason)),
                 fault => Err(fault),
             },
         }
     }
-
-    /// Instantiate through the raw `InstancePre` rather than the generated one, so the optional
-    /// state exports can be looked up on the same instance.
-    fn instantiate_in(&self, store: &mut Store<StoreState>) -> wasmtime::Result<Exports> {
-        let instance = self.pre.instance_pre().instantiate(&mut *store)?;
-        let guest = Guest::new(&mut *store, &instance)?;
-        let state = StateExports::find(&mut *store, &instance);
-        Ok(Exports { guest, state })
-    }
 }
 
-enum BuildError {
-    Fault(Fault),
-    Init(String),
-}
-
-impl BuildError {
-    fn into_fault(self) -> Fault {
-        match self {
-            BuildError::Fault(fault) => fault,
-            BuildError::Init(message) => Fault::Instantiate(format!("init failed: {message}")),
-        }
+/// `message`, cut to [`MAX_ERROR_BYTES`] (at a char boundary) with the cut marked: a string the
+/// host keeps (an `init` error, a language name) must not be a policy's way to bloat the router.
+fn cut(mut message: String) -> String {
+    if message.len() <= MAX_ERROR_BYTES {
+        return message;
     }
+    let total = message.len();
+    let mut end = MAX_ERROR_BYTES;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    message.truncate(end);
+    message.push_str(&format!(" [{} bytes cut]", total - end));
+    message
 }
 
 fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
@@ -374,11 +381,4 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     } else {
         "unknown panic".to_owned()
     }
-}
-
-/// Ticks until `deadline`: rounded up, plus one because the current tick may end at once.
-fn deadline_ticks(deadline: Duration) -> u64 {
-    let tick = EPOCH_TICK.as_nanos().max(1);
-    let ticks = deadline.as_nanos().div_ceil(tick);
-    u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
 }

@@ -22,9 +22,13 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Every call runs on a warm instance under an epoch deadline and a memory cap; a call that
-//! traps, overruns or passes the cap fails with a [`TranslateError`] and the instance is rebuilt,
-//! so a misbehaving policy fails its own requests and nothing else.
+//! Components of every contract version load side by side (`switchyard:policy@0.1.0` and
+//! `@0.2.0`, see `bindings`). Every call runs on a warm instance, on the caller's thread, under
+//! a CPU-time deadline and the store's caps; a call that traps, overruns, passes a cap or
+//! answers past a bound fails with a [`TranslateError`] and its instance is replaced by a spare
+//! built ahead, so a misbehaving policy fails its own requests and nothing else. A stateful
+//! policy runs on one instance, one call at a time; a stateless one (0.2.0) on a pool of them
+//! (see `executor`).
 //!
 //! A router serves many policies through a [`PolicyRegistry`] (every `*.wasm` of the plugins
 //! directory, hot-swapped by the [`watch`]er when a file changes, with a fallback policy and
@@ -34,6 +38,8 @@
 mod bindings;
 mod blocking_io;
 mod check;
+mod deadline;
+mod executor;
 mod instance;
 mod load;
 mod registry;
@@ -54,37 +60,45 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use parking_lot::Mutex;
-use wasmtime::component::Linker;
-
+pub use bindings::Contract;
 pub use check::{CheckError, CheckReport, check};
+pub use executor::ExecutorView;
 pub use registry::{
     CallSummary, LastReload, POLICY_HEADER, PolicyRegistry, PolicyState, PolicyView,
     QuarantineRule, RegistryConfig, RegistryError, ReloadError, ReloadOutcome, ReloadResult,
     SelectError, Selection,
 };
+pub use sandbox::{
+    LOG_BYTES_PER_CALL, LOG_LINES_PER_CALL, MAX_ERROR_BYTES, MAX_INSTANCES, MAX_LOG_LINE,
+    MAX_MEMORIES, MAX_PLAN_STEPS, MAX_TABLE_ELEMENTS, MAX_TABLES,
+};
 pub use watch::{DEFAULT_DEBOUNCE, PluginWatcher, WatchError, watch};
 
 use switchyard_contract::{Outcome, Plan, Planner, PolicyContext, PolicyRequest, TranslateError};
 
-use instance::Instances;
-use sandbox::StoreState;
+use executor::Executor;
+use sandbox::Linkers;
 use wasm::WasmEngine;
 
-/// Bounds on what one policy may do.
+/// Bounds on what one policy may do, and how many instances it may have. The bounds that are
+/// not settings (counts of memories and tables, plan length, log budget) are the `MAX_*` and
+/// `LOG_*` constants.
 #[derive(Debug, Clone)]
 pub struct PolicyLimits {
-    /// Wall-clock budget of one guest call on a warm instance (`translate-request`,
-    /// `on-complete`, state carry-over).
+    /// CPU-time budget of one guest call on a warm instance (`translate-request`,
+    /// `on-complete`, state carry-over): only the time the call runs (or sleeps by its own
+    /// choice) counts, never time spent waiting for a CPU.
     pub deadline: Duration,
-    /// Wall-clock budget of building an instance: instantiation plus `init`. Kept apart from
-    /// `deadline` because a Python or JavaScript guest takes milliseconds to start (tens on a
-    /// loaded machine), and a request-sized budget would refuse to load it at all.
+    /// CPU-time budget of building an instance: instantiation plus `init`. Kept apart from
+    /// `deadline` because a Python or JavaScript guest takes milliseconds to start, and a
+    /// request-sized budget would refuse to load it at all.
     pub setup_deadline: Duration,
-    /// Linear memory cap of one instance.
+    /// Cap on the bytes of all linear memories of one instance together.
     pub memory_bytes: usize,
     /// Bytes of stdout+stderr per stream and instance forwarded to the log; the rest is dropped.
     pub output_bytes: usize,
+    /// Most instances of one stateless policy serving at once (a spare comes on top).
+    pub pool_size: usize,
     /// Where compiled components are kept across restarts; `None` keeps them in memory only.
     pub cache_dir: Option<PathBuf>,
 }
@@ -96,9 +110,16 @@ impl Default for PolicyLimits {
             setup_deadline: Duration::from_secs(5),
             memory_bytes: 64 << 20,
             output_bytes: 64 << 10,
+            pool_size: default_pool_size(),
             cache_dir: default_cache_dir(),
         }
     }
+}
+
+/// One instance per CPU (calls run on the router's worker threads, one per CPU), at least 2 and
+/// at most 16.
+pub fn default_pool_size() -> usize {
+    std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 16))
 }
 
 /// `$SWITCHYARD_CACHE_DIR`, else the user's cache directory + `switchyard`.
@@ -121,6 +142,11 @@ pub struct PolicyInfo {
     pub prompt_tokens: u32,
     /// The file it was loaded from, if any.
     pub source: Option<PathBuf>,
+    /// The contract version the component was built against.
+    pub contract: Contract,
+    /// The policy says it keeps no state between calls (0.2.0 `state: stateless`): it is
+    /// served by a pool of instances.
+    pub stateless: bool,
 }
 
 /// Why a policy could not be loaded.
@@ -167,18 +193,18 @@ pub struct PolicyHost {
 
 struct HostInner {
     engine: WasmEngine,
-    linker: Linker<StoreState>,
+    linkers: Linkers,
     limits: PolicyLimits,
 }
 
 impl PolicyHost {
     pub fn new(limits: PolicyLimits) -> Result<Self, LoadError> {
         let engine = WasmEngine::new(limits.cache_dir.clone())?;
-        let linker = sandbox::linker(engine.engine())?;
+        let linkers = Linkers::new(engine.engine())?;
         Ok(PolicyHost {
             inner: Arc::new(HostInner {
                 engine,
-                linker,
+                linkers,
                 limits,
             }),
         })
@@ -238,8 +264,9 @@ impl PolicyHost {
 
 // === impl Policy ===
 
-/// A loaded policy with its warm instance. Cheap to clone; calls are serialized, so the policy
-/// may keep state between them.
+/// A loaded policy with its warm instances. Cheap to clone. A stateful policy's calls run one
+/// at a time on one instance, so it may keep state between them; a stateless one's run in
+/// parallel on a pool.
 #[derive(Clone)]
 pub struct Policy {
     inner: Arc<PolicyInner>,
@@ -247,21 +274,23 @@ pub struct Policy {
 
 struct PolicyInner {
     info: PolicyInfo,
-    instances: Mutex<Instances>,
+    executor: Executor,
 }
 
 impl Policy {
-    fn new(info: PolicyInfo, instances: Instances) -> Self {
+    fn new(info: PolicyInfo, executor: Executor) -> Self {
         Policy {
-            inner: Arc::new(PolicyInner {
-                info,
-                instances: Mutex::new(instances),
-            }),
+            inner: Arc::new(PolicyInner { info, executor }),
         }
     }
 
     pub fn info(&self) -> &PolicyInfo {
         &self.inner.info
+    }
+
+    /// How its calls are spread over its instances, and how many there are now.
+    pub fn executor(&self) -> ExecutorView {
+        self.inner.executor.view()
     }
 
     /// Ask the policy for a plan. The plan is returned as the policy wrote it: validate it with
@@ -271,26 +300,37 @@ impl Policy {
         req: &PolicyRequest<'_>,
         ctx: &PolicyContext,
     ) -> Result<Plan, TranslateError> {
+        let prompt_tokens = self.inner.info.prompt_tokens;
         self.inner
-            .instances
-            .lock()
-            .translate(req, ctx, self.inner.info.prompt_tokens)
+            .executor
+            .call(|factory, instance| factory.translate(instance, req, ctx, prompt_tokens))
+            .unwrap_or_else(|fault| Err(self.fault(fault)))
     }
 
-    /// Tell the policy how a request ended. A failure is logged (and the instance rebuilt), never
-    /// returned: the request is over either way.
-    pub fn on_complete(&self, outcome: &Outcome) {
-        if let Err(fault) = self.inner.instances.lock().on_complete(outcome) {
-            tracing::warn!(policy = %self.inner.info.name, request_id = outcome.request_id,
-                %fault, "on-complete failed");
-        }
+    /// Tell the policy how a request ended. A fault is returned, for the caller to count (the
+    /// request is over either way); the faulted instance is replaced.
+    pub fn on_complete(&self, outcome: &Outcome) -> Result<(), TranslateError> {
+        self.inner
+            .executor
+            .call(|factory, instance| factory.on_complete(instance, outcome))
+            .map_err(|fault| self.fault(fault))
+    }
+
+    fn fault(&self, fault: instance::Fault) -> TranslateError {
+        fault.into_translate_error(&self.inner.info.name)
     }
 
     /// Hand `previous`'s state to this policy (`export-state` there, `import-state` here), when
-    /// both are components of the `stateful-policy` world and `previous` has state to give.
-    /// Returns the bytes carried over (0: nothing to carry).
+    /// both are stateful components of the `stateful-policy` world and `previous` has state to
+    /// give. Returns the bytes carried over (0: nothing to carry).
     pub fn carry_state_from(&self, previous: &Policy) -> Result<usize, StateError> {
-        let exported = previous.inner.instances.lock().export_state();
+        if self.info().stateless || previous.info().stateless {
+            return Ok(0);
+        }
+        let exported = previous
+            .inner
+            .executor
+            .call(|factory, instance| factory.export_state(instance));
         let state = match exported {
             Ok(Some(state)) if !state.is_empty() => state,
             Ok(_) => return Ok(0),
@@ -305,7 +345,11 @@ impl Policy {
             policy: self.inner.info.name.clone(),
             reason,
         };
-        match self.inner.instances.lock().import_state(&state) {
+        let imported = self
+            .inner
+            .executor
+            .call(|factory, instance| factory.import_state(instance, &state));
+        match imported {
             Ok(Ok(true)) => Ok(state.len()),
             Ok(Ok(false)) => Ok(0),
             Ok(Err(refused)) => Err(import_error(refused)),
@@ -313,15 +357,24 @@ impl Policy {
         }
     }
 
+    /// Wait until the instances being built in the background (the spare, a pool's growth)
+    /// are there; true when all of them are. Requests never wait for this: tests and
+    /// benchmarks do, so that they measure a policy at rest rather than race its builder.
+    #[doc(hidden)]
+    pub fn settle(&self) -> bool {
+        self.inner.executor.settle()
+    }
+
     /// Instantiate a fresh store from the policy's `InstancePre` (no `init`), for the
     /// instantiation benchmark. Not part of the API.
     #[doc(hidden)]
     pub fn bench_instantiate(&self) -> Result<(), TranslateError> {
         self.inner
-            .instances
-            .lock()
-            .instantiate_only()
-            .map_err(|fault| fault.into_translate_error(&self.inner.info.name))
+            .executor
+            .factory()
+            .instantiate()
+            .map(drop)
+            .map_err(|fault| self.fault(fault))
     }
 }
 
@@ -343,6 +396,9 @@ impl Planner for Policy {
     }
 
     fn on_complete(&self, outcome: &Outcome) {
-        Policy::on_complete(self, outcome);
+        if let Err(fault) = Policy::on_complete(self, outcome) {
+            tracing::warn!(policy = %self.inner.info.name, request_id = outcome.request_id,
+                %fault, "on-complete failed");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! Loading a policy, one checked step at a time: bytes → is it a component → compile (cached) →
-//! type-check against the `policy` world → instantiate → `init(config)` → `describe`. Each step
-//! has its own `LoadError` variant, so the message says where a bad file failed.
+//! type-check against the `policy` world of each contract version → instantiate → `init(config)`
+//! → `describe` → an executor serving with that instance. Each step has its own `LoadError`
+//! variant, so the message says where a bad file failed.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -8,9 +9,9 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use wasmtime::component::Component;
 
-use super::bindings::GuestPre;
-use super::instance::{Instances, StartError};
-use super::sandbox::StoreState;
+use super::bindings::{Contract, GuestPre};
+use super::executor::Executor;
+use super::instance::{BuildError, Factory};
 use super::{HostInner, LoadError, Policy, PolicyInfo};
 
 /// The first 8 bytes of a component: `\0asm`, version 0x0d, layer 1.
@@ -30,26 +31,43 @@ pub(super) fn load(
     let sha256 = sha256_hex(bytes);
     let component = host.engine.component(name, &sha256, bytes)?;
     let pre = type_check(host, name, &component)?;
-    let name: Arc<str> = Arc::from(name);
-    let (instances, described) = Instances::start(
-        Arc::clone(&name),
+    let contract = pre.contract();
+    let factory = Factory::new(
+        Arc::from(name),
         host.engine.engine().clone(),
         host.engine.ticker(),
         pre,
         config,
         host.limits.clone(),
-    )
-    .map_err(|e| start_error(&name, e))?;
+    );
+    let start_error = |reason: String| LoadError::Instantiate {
+        policy: name.to_owned(),
+        reason,
+    };
+    let mut first = factory.build().map_err(|error| match error {
+        BuildError::Init(message) => LoadError::Init {
+            policy: name.to_owned(),
+            message,
+        },
+        BuildError::Fault(fault) => start_error(fault.to_string()),
+    })?;
+    let described = factory
+        .describe(&mut first)
+        .map_err(|fault| start_error(fault.to_string()))?;
     let info = PolicyInfo {
-        name: name.to_string(),
+        name: name.to_owned(),
         sha256,
         language: described.language,
         prompt_tokens: described.prompt_tokens,
         source,
+        contract,
+        stateless: described.stateless,
     };
     tracing::info!(policy = %info.name, language = %info.language, sha256 = %info.sha256,
-        prompt_tokens = info.prompt_tokens, "policy loaded");
-    Ok(Policy::new(info, instances))
+        prompt_tokens = info.prompt_tokens, %contract, stateless = info.stateless, "policy loaded");
+    let pool_size = host.limits.pool_size;
+    let executor = Executor::start(factory, first, info.stateless, pool_size);
+    Ok(Policy::new(info, executor))
 }
 
 /// The lower-case hex sha256 a policy version is known by.
@@ -101,37 +119,38 @@ fn check_config(name: &str, config_json: Option<&str>) -> Result<String, LoadErr
     Ok(config.to_owned())
 }
 
-/// Check the component against what the host provides (imports) and what the `policy` world
-/// requires (exports), once, so every later instantiation is cheap.
-fn type_check(
-    host: &HostInner,
-    name: &str,
-    component: &Component,
-) -> Result<GuestPre<StoreState>, LoadError> {
+/// Check the component against what the host provides (imports) and what the `policy` world of
+/// each contract version requires (exports), newest version first, once, so every later
+/// instantiation is cheap.
+fn type_check(host: &HostInner, name: &str, component: &Component) -> Result<GuestPre, LoadError> {
     let wrong_world = |reason: String| LoadError::WrongWorld {
         policy: name.to_owned(),
         reason,
     };
-    let pre = host.linker.instantiate_pre(component).map_err(|e| {
-        wrong_world(format!(
-            "it imports something the policy host does not provide (only `log` and WASI p2 are \
-             available): {e:#}"
-        ))
-    })?;
-    GuestPre::new(pre).map_err(|e| {
-        wrong_world(format!(
-            "it does not export the `switchyard:policy/policy` world: {e:#}"
-        ))
-    })
-}
-
-fn start_error(name: &str, error: StartError) -> LoadError {
-    let policy = name.to_owned();
-    match error {
-        StartError::Init(message) => LoadError::Init { policy, message },
-        StartError::Fault(fault) => LoadError::Instantiate {
-            policy,
-            reason: fault.to_string(),
-        },
+    let mut import_errors = Vec::new();
+    let mut export_errors = Vec::new();
+    for contract in Contract::ALL {
+        let pre = match host.linkers.get(contract).instantiate_pre(component) {
+            Ok(pre) => pre,
+            Err(e) => {
+                import_errors.push(format!("{contract}: {e:#}"));
+                continue;
+            }
+        };
+        match GuestPre::new(contract, pre) {
+            Ok(pre) => return Ok(pre),
+            Err(e) => export_errors.push(format!("{contract}: {e:#}")),
+        }
     }
+    if export_errors.is_empty() {
+        return Err(wrong_world(format!(
+            "it imports something the policy host does not provide (only `log` and WASI p2 are \
+             available): {}",
+            import_errors.join("; ")
+        )));
+    }
+    Err(wrong_world(format!(
+        "it does not export the `policy` world of any contract version this host loads: {}",
+        export_errors.join("; ")
+    )))
 }

@@ -40,7 +40,7 @@ use switchyard_contract::{
     Outcome, Plan, Planner, PlanningError, PolicyContext, PolicyRequest, TranslateError,
 };
 
-use super::{CheckError, LoadError, PolicyHost, check};
+use super::{CheckError, Contract, ExecutorView, LoadError, PolicyHost, check};
 use metrics::PolicyMetrics;
 use selection::Served;
 use slot::{Slot, Version};
@@ -160,6 +160,13 @@ pub struct PolicyView {
     pub loaded_at: Option<u64>,
     pub source: Option<PathBuf>,
     pub language: Option<String>,
+    /// The contract version of the serving version's component (`0.1.0`, `0.2.0`).
+    pub contract: Option<Contract>,
+    /// The serving version says it keeps no state between calls: a pool of instances serves it.
+    pub stateless: Option<bool>,
+    /// The serving version's instances now, and the most calls they ran at once.
+    #[serde(flatten)]
+    pub executor: Option<ExecutorView>,
     #[serde(flatten)]
     pub calls: CallSummary,
     pub state: PolicyState,
@@ -368,6 +375,9 @@ impl PolicyRegistry {
             loaded_at: version.as_ref().map(|v| unix_ms(v.loaded_at)),
             source: status.source.clone(),
             language: info.map(|i| i.language.clone()),
+            contract: info.map(|i| i.contract),
+            stateless: info.map(|i| i.stateless),
+            executor: version.as_ref().map(|v| v.policy.executor()),
             calls: slot.stats.summary(),
             state,
             last_error: status.last_error.clone(),

@@ -1,27 +1,53 @@
-//! What a guest can reach: the data of its `Store` (memory cap, a closed WASI context, the log
-//! sink) and the linker that gives it exactly two things, our `log` import and WASI p2 with no
-//! files, environment, arguments, network or stdin.
+//! What a guest can reach, and how much of it: the data of its `Store` (the resource caps, the
+//! call's CPU-time clock, a closed WASI context, the log sink with its per-call budget) and the
+//! linkers that give it exactly two things, its contract version's `log` import and WASI p2
+//! with no files, environment, arguments, network or stdin.
 
 use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use wasmtime::component::{HasSelf, Linker, ResourceTable};
-use wasmtime::{Engine, ResourceLimiter};
+use wasmtime::component::{Linker, ResourceTable};
+use wasmtime::{Engine, ResourceLimiter, StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::cli::{IsTerminal, StdoutStream};
 use wasmtime_wasi::p2::{OutputStream, Pollable, StreamError};
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use super::LoadError;
-use super::bindings::{Guest, GuestImports, Level, TypesHost};
+use super::bindings::{self, Contract};
+use super::blocking_io::{self, BlockingIo};
+use super::deadline::CallClock;
 
-/// Longest single log line a policy may write; longer ones are cut (at a char boundary).
-const MAX_LOG_LINE: usize = 1024;
+/// Longest single log line a policy may write; longer ones are cut (at a char boundary) and
+/// marked as cut.
+pub const MAX_LOG_LINE: usize = 1024;
+/// Lines a policy may write through `log` in one call; the rest are dropped and counted.
+pub const LOG_LINES_PER_CALL: usize = 64;
+/// Bytes a policy may write through `log` in one call; the rest are dropped and counted.
+pub const LOG_BYTES_PER_CALL: usize = 16 << 10;
+/// Steps a plan may have: the longest valid plan today has 3. A longer one is a fault, refused
+/// before it is validated (or written into a log or an error body).
+pub const MAX_PLAN_STEPS: usize = 16;
+/// Bytes of a policy's error message (`policy-error`, `init`'s error): a longer
+/// `policy-error` is a fault, a longer `init` error is cut.
+pub const MAX_ERROR_BYTES: usize = 4096;
+/// Core instances one policy instance may create (a Rust component has 3, componentize-js 4,
+/// componentize-py 14): a component that instantiates thousands is refused at load.
+pub const MAX_INSTANCES: usize = 100;
+/// Linear memories one policy instance may create (Rust, Python and JavaScript components have
+/// one).
+pub const MAX_MEMORIES: usize = 4;
+/// Tables one policy instance may create (Rust, Python and JavaScript components have two).
+pub const MAX_TABLES: usize = 20;
+/// Elements one table may hold; this bounds a guest that grows tables in a loop.
+pub const MAX_TABLE_ELEMENTS: usize = 1 << 20;
 
 /// The data of one policy instance's `Store`.
 pub(super) struct StoreState {
     policy: Arc<str>,
-    pub(super) limiter: MemoryCap,
+    pub(super) limiter: StoreCap,
+    pub(super) clock: CallClock,
+    log: LogBudget,
     wasi: WasiCtx,
     table: ResourceTable,
 }
@@ -42,10 +68,54 @@ impl StoreState {
             .build();
         StoreState {
             policy,
-            limiter: MemoryCap::new(memory_bytes),
+            limiter: StoreCap::new(memory_bytes),
+            clock: CallClock::default(),
+            log: LogBudget::default(),
             wasi,
             table: ResourceTable::new(),
         }
+    }
+
+    /// A guest call begins: the clock starts on this thread with `budget`, the log budget is
+    /// refilled. Returns the epoch deadline to set, in ticks.
+    pub(super) fn begin_call(&mut self, budget: std::time::Duration) -> u64 {
+        self.log = LogBudget::default();
+        self.clock.start(budget)
+    }
+
+    /// The guest call ended: say how much of its log was dropped, if any.
+    pub(super) fn end_call(&mut self) {
+        let LogBudget {
+            dropped_lines,
+            dropped_bytes,
+            ..
+        } = self.log;
+        if dropped_lines > 0 {
+            tracing::warn!(policy = %self.policy, dropped_lines, dropped_bytes,
+                "policy log truncated: {dropped_lines} lines ({dropped_bytes} bytes) over the \
+                 budget of {LOG_LINES_PER_CALL} lines and {LOG_BYTES_PER_CALL} bytes per call \
+                 were dropped");
+        }
+    }
+
+    /// The `log` import of every contract version: within the call's budget, a line to the
+    /// router's log tagged with the policy's name.
+    pub(super) fn log(&mut self, level: Level, message: &str) {
+        if !self.log.take(message.len()) {
+            return;
+        }
+        let line = truncate(message, MAX_LOG_LINE);
+        let cut = message.len() - line.len();
+        if cut == 0 {
+            emit(&self.policy, level, line);
+        } else {
+            emit(&self.policy, level, &format!("{line} [{cut} bytes cut]"));
+        }
+    }
+
+    /// The store's resource table and call clock, for the blocking WASI functions.
+    pub(super) fn blocking_io(&mut self) -> BlockingIo<'_> {
+        BlockingIo::new(&mut self.table, &mut self.clock)
     }
 }
 
@@ -58,12 +128,48 @@ impl WasiView for StoreState {
     }
 }
 
-/// The `types` interface has no functions; the generated bindings still want it implemented.
-impl TypesHost for StoreState {}
+/// Severity of a policy's log line, whatever its contract version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Level {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
 
-impl GuestImports for StoreState {
-    fn log(&mut self, level: Level, message: String) {
-        emit(&self.policy, level, truncate(&message, MAX_LOG_LINE));
+/// What is left of one call's `log` budget, and what was dropped past it.
+#[derive(Debug, Clone, Copy)]
+struct LogBudget {
+    lines: usize,
+    bytes: usize,
+    dropped_lines: usize,
+    dropped_bytes: usize,
+}
+
+impl Default for LogBudget {
+    fn default() -> Self {
+        LogBudget {
+            lines: LOG_LINES_PER_CALL,
+            bytes: LOG_BYTES_PER_CALL,
+            dropped_lines: 0,
+            dropped_bytes: 0,
+        }
+    }
+}
+
+impl LogBudget {
+    /// Whether a line of `len` bytes fits (a line cut at [`MAX_LOG_LINE`] costs what is kept).
+    fn take(&mut self, len: usize) -> bool {
+        let cost = len.min(MAX_LOG_LINE);
+        if self.lines == 0 || self.bytes < cost {
+            self.dropped_lines += 1;
+            self.dropped_bytes += len;
+            return false;
+        }
+        self.lines -= 1;
+        self.bytes -= cost;
+        true
     }
 }
 
@@ -88,34 +194,70 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// The linker every policy is instantiated with: the world's `log` import plus WASI p2 (sync),
-/// which Rust std, componentize-py and componentize-js guests import even when they never use it.
-pub(super) fn linker(engine: &Engine) -> Result<Linker<StoreState>, LoadError> {
+/// One linker per contract version, each with that version's world imports plus WASI p2
+/// (sync), which Rust std, componentize-py and componentize-js guests import even when they
+/// never use it. Separate linkers because every version's world imports a function named `log`.
+pub(super) struct Linkers {
+    v0_1_0: Linker<StoreState>,
+    v0_2_0: Linker<StoreState>,
+}
+
+impl Linkers {
+    pub(super) fn new(engine: &Engine) -> Result<Self, LoadError> {
+        Ok(Linkers {
+            v0_1_0: linker(engine, Contract::V0_1_0)?,
+            v0_2_0: linker(engine, Contract::V0_2_0)?,
+        })
+    }
+
+    pub(super) fn get(&self, contract: Contract) -> &Linker<StoreState> {
+        match contract {
+            Contract::V0_1_0 => &self.v0_1_0,
+            Contract::V0_2_0 => &self.v0_2_0,
+        }
+    }
+}
+
+fn linker(engine: &Engine, contract: Contract) -> Result<Linker<StoreState>, LoadError> {
     let mut linker = Linker::new(engine);
     let link_error = |e: wasmtime::Error| LoadError::Engine {
-        reason: format!("cannot build the policy linker: {e:#}"),
+        reason: format!("cannot build the {contract} policy linker: {e:#}"),
     };
-    Guest::add_to_linker::<StoreState, HasSelf<StoreState>>(&mut linker, |s| s)
-        .map_err(link_error)?;
+    bindings::add_to_linker(contract, &mut linker).map_err(link_error)?;
     wasmtime_wasi::p2::add_to_linker_sync(&mut linker).map_err(link_error)?;
-    super::blocking_io::shadow_in(&mut linker).map_err(link_error)?;
+    blocking_io::shadow_in(&mut linker, StoreState::blocking_io).map_err(link_error)?;
     Ok(linker)
 }
 
-// === impl MemoryCap ===
+// === impl StoreCap ===
 
-/// Caps linear memory and table growth. It traps the guest as soon as a growth would pass the
-/// cap (rather than letting `memory.grow` return -1, which guests handle in unpredictable ways)
-/// and remembers that it did, so the host can tell a memory error from any other trap.
-pub(super) struct MemoryCap {
-    limit: usize,
+/// The store's resource limits: wasmtime's `StoreLimits` for the counts (instances, memories,
+/// tables, table elements), plus a cap on the bytes of all linear memories together, which
+/// `StoreLimits` only applies to each memory alone. Any growth past a limit traps the guest
+/// (rather than letting `memory.grow` return -1, which guests handle in unpredictable ways),
+/// and the cap remembers when it was the memory, so the host can tell a memory error from any
+/// other trap.
+pub(super) struct StoreCap {
+    counts: StoreLimits,
+    memory_cap: usize,
+    /// Bytes of every memory of the store, as granted so far.
+    memory_bytes: usize,
     exceeded: bool,
 }
 
-impl MemoryCap {
-    fn new(limit: usize) -> Self {
-        MemoryCap {
-            limit,
+impl StoreCap {
+    fn new(memory_cap: usize) -> Self {
+        StoreCap {
+            counts: StoreLimitsBuilder::new()
+                .memory_size(memory_cap)
+                .table_elements(MAX_TABLE_ELEMENTS)
+                .instances(MAX_INSTANCES)
+                .memories(MAX_MEMORIES)
+                .tables(MAX_TABLES)
+                .trap_on_grow_failure(true)
+                .build(),
+            memory_cap,
+            memory_bytes: 0,
             exceeded: false,
         }
     }
@@ -123,35 +265,62 @@ impl MemoryCap {
     pub(super) fn exceeded(&self) -> bool {
         self.exceeded
     }
+
+    pub(super) fn memory_cap(&self) -> usize {
+        self.memory_cap
+    }
 }
 
-/// Table elements are small; this bounds a guest that grows tables in a loop.
-const MAX_TABLE_ELEMENTS: usize = 1 << 20;
-
-impl ResourceLimiter for MemoryCap {
+impl ResourceLimiter for StoreCap {
+    /// Also called when a memory is created (`current` = 0), so the sum covers every memory.
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
-        _maximum: Option<usize>,
+        maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > self.limit {
+        let total = self.memory_bytes - current + desired;
+        if total > self.memory_cap {
             self.exceeded = true;
             return Err(wasmtime::format_err!(
-                "policy memory would grow to {desired} bytes, over its cap of {} bytes",
-                self.limit
+                "policy memory would grow to {total} bytes in all, over its cap of {} bytes",
+                self.memory_cap
             ));
         }
-        Ok(true)
+        let granted = self.counts.memory_growing(current, desired, maximum)?;
+        if granted {
+            self.memory_bytes = total;
+        }
+        Ok(granted)
+    }
+
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.counts.memory_grow_failed(error)
     }
 
     fn table_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
-        _maximum: Option<usize>,
+        maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        Ok(desired <= MAX_TABLE_ELEMENTS)
+        self.counts.table_growing(current, desired, maximum)
+    }
+
+    fn table_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.counts.table_grow_failed(error)
+    }
+
+    fn instances(&self) -> usize {
+        self.counts.instances()
+    }
+
+    fn tables(&self) -> usize {
+        self.counts.tables()
+    }
+
+    fn memories(&self) -> usize {
+        self.counts.memories()
     }
 }
 
@@ -273,3 +442,6 @@ impl tokio::io::AsyncWrite for LogPipe {
         std::task::Poll::Ready(Ok(()))
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -9,7 +9,7 @@
 //! Config: `{"pd_balance_factor": f}` with `0 <= f < 1` (default 0).
 
 use switchyard_policy::select::{balance_end, candidates, least_loaded};
-use switchyard_policy::types::{Context, Endpoint, Request, Role};
+use switchyard_policy::types::{Context, Endpoint, Request, Role, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Prefill on one endpoint, decode on the least-loaded other one.
@@ -20,6 +20,10 @@ pub struct Disagg {
 }
 
 impl Policy for Disagg {
+    // Each answer comes from the request, the endpoint snapshot and the config alone, so the
+    // router may call a pool of instances in parallel.
+    const STATE: State = State::Stateless;
+
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
         config.deny_unknown(&["pd_balance_factor"])?;

@@ -2,7 +2,7 @@
 //! MLC does not have (roles, unhealthy endpoints, retries).
 
 use switchyard_policy::testing::{Harness, check_plan, endpoints, load_patterns, request};
-use switchyard_policy::types::{FailureKind, Role};
+use switchyard_policy::types::{FailureKind, Role, State};
 use switchyard_policy::{Plan, PolicyError};
 
 use super::Disagg;
@@ -255,7 +255,8 @@ fn config_is_checked_in_init() {
 }
 
 #[test]
-fn describes_itself_as_rust_needing_no_tokens() {
+fn describes_itself_as_stateless_rust_needing_no_tokens() {
     let info = disagg(0.0).describe();
     assert_eq!((info.language.as_str(), info.prompt_tokens), ("rust", 0));
+    assert_eq!(info.state, State::Stateless);
 }

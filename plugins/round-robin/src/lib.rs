@@ -7,7 +7,7 @@
 //! Config: none (`{}`).
 
 use switchyard_policy::select::{candidates, least_loaded};
-use switchyard_policy::types::{Context, Request};
+use switchyard_policy::types::{Context, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Forward each request to the least-loaded healthy endpoint.
@@ -15,6 +15,10 @@ use switchyard_policy::{Config, Plan, Policy, PolicyError};
 pub struct RoundRobin;
 
 impl Policy for RoundRobin {
+    // It keeps no turn: each answer comes from the endpoint snapshot alone, so the router may
+    // call a pool of instances in parallel.
+    const STATE: State = State::Stateless;
+
     fn init(config: &str) -> Result<Self, String> {
         Config::parse(config)?.deny_unknown(&[])?;
         Ok(RoundRobin)

@@ -89,3 +89,11 @@ fn takes_no_options() {
     let err = Harness::<RoundRobin>::init(r#"{"pd_balance_factor": 0.1}"#).unwrap_err();
     assert!(err.contains("takes no options"), "{err}");
 }
+
+#[test]
+fn describes_itself_as_stateless() {
+    let info = Harness::<RoundRobin>::init("{}")
+        .expect("empty config")
+        .describe();
+    assert_eq!(info.state, switchyard_policy::types::State::Stateless);
+}

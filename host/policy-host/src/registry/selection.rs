@@ -24,6 +24,24 @@ impl Served {
     fn name(&self) -> &str {
         &self.slot.name
     }
+
+    /// Count a fault of this version (from `translate-request`, its plan or `on-complete`),
+    /// quarantining the version at the threshold.
+    fn fault(&self, error: &dyn std::fmt::Display) {
+        let shared = &self.shared;
+        if !self.version.record_fault(shared.quarantine, Instant::now()) {
+            return;
+        }
+        shared.metrics.quarantine(self.name());
+        let message = format!(
+            "quarantined after {} faults within {:?}; the fallback policy serves its requests \
+             until a new version is loaded. Last fault: {error}",
+            shared.quarantine.faults, shared.quarantine.window
+        );
+        tracing::warn!(policy = %self.name(), sha256 = %self.version.policy.info().sha256,
+            "{message}");
+        self.slot.status.lock().last_error = Some(message);
+    }
 }
 
 impl Planner for Served {
@@ -43,8 +61,16 @@ impl Planner for Served {
         plan
     }
 
+    /// A fault in `on-complete` counts toward quarantine like one in `translate-request`: a
+    /// policy that spins there on every request would otherwise cost every request its
+    /// deadline forever.
     fn on_complete(&self, outcome: &Outcome) {
-        self.version.policy.on_complete(outcome);
+        if let Err(fault) = self.version.policy.on_complete(outcome) {
+            tracing::warn!(policy = %self.name(), request_id = outcome.request_id, %fault,
+                "on-complete failed");
+            self.slot.stats.error();
+            self.fault(&fault);
+        }
     }
 }
 
@@ -130,23 +156,9 @@ impl Planner for Selection {
         if matches!(error, PlanningError::InvalidPlan(_)) {
             selected.slot.stats.error();
         }
-        let shared = &selected.shared;
-        if selected
-            .version
-            .record_fault(shared.quarantine, Instant::now())
-        {
-            shared.metrics.quarantine(selected.name());
-            let message = format!(
-                "quarantined after {} faults within {:?}; the fallback policy serves its requests \
-                 until a new version is loaded. Last fault: {error}",
-                shared.quarantine.faults, shared.quarantine.window
-            );
-            tracing::warn!(policy = %selected.name(), sha256 = %selected.version.policy.info().sha256,
-                "{message}");
-            selected.slot.status.lock().last_error = Some(message);
-        }
+        selected.fault(error);
         let fallback = self.fallback.as_ref()?;
-        shared.metrics.fallback(selected.name());
+        selected.shared.metrics.fallback(selected.name());
         tracing::info!(policy = %selected.name(), fallback = %fallback.name(), %error,
             "policy fault; the fallback policy plans this attempt");
         self.used_fallback.store(true, Ordering::Relaxed);

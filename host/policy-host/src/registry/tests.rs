@@ -243,6 +243,46 @@ async fn faults_fall_back_and_quarantine_until_a_new_version_loads() {
 }
 
 #[tokio::test]
+async fn faults_in_on_complete_count_toward_quarantine() {
+    // A policy that plans well but spins in `on-complete` would cost every request its
+    // deadline forever if only `translate-request` faults counted.
+    let dir = tempfile::tempdir().expect("tempdir");
+    install(dir.path(), "m.wasm", &test_guest("misbehave"));
+    std::fs::write(dir.path().join("m.json"), r#"{"mode": "spin-on-complete"}"#)
+        .expect("write the config");
+    install(dir.path(), "round-robin.wasm", &round_robin());
+    let registry = open(dir.path(), "m", Some("round-robin")).await;
+    let outcome = Outcome {
+        request_id: 1,
+        status: switchyard_contract::OutcomeStatus::Ok,
+        attempts: 1,
+        generator: Some(0),
+        prefix_matched: 0,
+        completion_tokens: 1,
+        ttft_us: 1,
+        e2e_us: 1,
+    };
+    for request in 1..=2 {
+        let selection = registry.select(None, "m").expect("selected");
+        assert!(
+            !is_forward(&plan(&selection, 4)),
+            "request {request}: misbehave plans"
+        );
+        selection.on_complete(&outcome);
+    }
+    let v = view(&registry, "m");
+    assert_eq!(v.state, PolicyState::Quarantined, "{v:?}");
+    assert!(
+        v.last_error
+            .as_deref()
+            .is_some_and(|e| e.contains("deadline")),
+        "{v:?}"
+    );
+    let quarantined = registry.select(None, "m").expect("selected");
+    assert!(is_forward(&plan(&quarantined, 4)), "the fallback plans now");
+}
+
+#[tokio::test]
 async fn the_header_the_model_and_the_default_select_in_that_order() {
     let dir = tempfile::tempdir().expect("tempdir");
     install(dir.path(), "disagg.wasm", &disagg());

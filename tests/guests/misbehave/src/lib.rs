@@ -5,25 +5,32 @@
 //! | mode | behaviour |
 //! |---|---|
 //! | `ok` (default) | a valid plan: disaggregated over the two least-loaded healthy endpoints, or a forward |
-//! | `loop` | spins forever (the epoch deadline must stop it) |
+//! | `loop` | spins forever (the deadline must stop it) |
+//! | `sleep` | sleeps (WASI `poll`) for a minute, twice over: the deadline must stop it too |
 //! | `alloc` | allocates and touches 1 MiB blocks without bound (the memory cap must stop it) |
 //! | `trap` | panics, which aborts: a wasm trap |
 //! | `invalid-plan` | a plan whose last step is `prep-recv` |
 //! | `bad-endpoint` | a forward to an endpoint id no cluster has |
+//! | `huge-plan` | a plan of 100,000 `forward` steps (past the bound on plan length) |
+//! | `huge-error` | `unavailable` with a 1 MiB message (past the bound on error messages) |
 //! | `print` | writes to stdout and stderr through WASI, then plans as `ok` does |
+//! | `log-flood` | writes 100,000 lines through the `log` import, then plans as `ok` does |
+//! | `spin-on-complete` | plans as `ok` does, and `on-complete` spins forever |
 //! | `init-fails` | `init` itself returns an error |
 //!
-//! A request header `x-misbehave: M` overrides the configured mode for that request only, so
-//! one instance can trap on one request and must serve the next one (`ok`) after the host
-//! rebuilt it: an instance rebuilt from the same config would otherwise trap again.
+//! A request header `x-misbehave: M` overrides the configured mode of `translate-request` for
+//! that request only, so one instance can trap on one request and must serve the next one
+//! (`ok`) after the host replaced it: an instance rebuilt from the same config would otherwise
+//! trap again.
 //!
-//! Every call logs one line through the host import (with the number of outcomes
-//! `on-complete` has seen), so the `log` import and instance state are exercised too.
+//! Every call logs one line through the host import. The policy keeps no state, and says so:
+//! the router serves it with a pool of instances, so these faults are the pool's to survive.
 
 use std::hint::black_box;
+use std::time::Duration;
 
 use switchyard_policy::select::{candidates, least_loaded};
-use switchyard_policy::types::{Context, Outcome, PrepRecv, Request, Step};
+use switchyard_policy::types::{Context, Outcome, PrepRecv, Request, State, Step};
 use switchyard_policy::{Config, Plan, Policy, PolicyError, log_info};
 
 /// What `translate-request` does.
@@ -31,21 +38,27 @@ use switchyard_policy::{Config, Plan, Policy, PolicyError, log_info};
 enum Mode {
     Ok,
     Loop,
+    Sleep,
     Alloc,
     Trap,
     InvalidPlan,
     BadEndpoint,
+    HugePlan,
+    HugeError,
     Print,
+    LogFlood,
+    SpinOnComplete,
 }
 
 /// The misbehaving policy.
 #[derive(Debug)]
 pub struct Misbehave {
     mode: Mode,
-    completed: u64,
 }
 
 impl Policy for Misbehave {
+    const STATE: State = State::Stateless;
+
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
         config.deny_unknown(&["mode"])?;
@@ -53,7 +66,7 @@ impl Policy for Misbehave {
             "init-fails" => return Err("init-fails mode: refusing to start, as configured".into()),
             other => Mode::parse(other).ok_or_else(|| format!("unknown mode {other:?}"))?,
         };
-        Ok(Misbehave { mode, completed: 0 })
+        Ok(Misbehave { mode })
     }
 
     fn translate(&mut self, request: &Request, context: &Context) -> Result<Plan, PolicyError> {
@@ -64,41 +77,74 @@ impl Policy for Misbehave {
             None => self.mode,
         };
         log_info(&format!(
-            "misbehave {mode:?}: request {} attempt {} ({} completed so far)",
-            request.id, context.attempt, self.completed
+            "misbehave {mode:?}: request {} attempt {}",
+            request.id, context.attempt
         ));
         match mode {
-            Mode::Ok => valid_plan(context),
+            Mode::Ok | Mode::SpinOnComplete => valid_plan(context),
             Mode::Loop => spin_forever(),
+            Mode::Sleep => {
+                for _ in 0..2 {
+                    std::thread::sleep(Duration::from_secs(60));
+                }
+                valid_plan(context)
+            }
             Mode::Alloc => allocate_forever(),
             Mode::Trap => panic!("misbehave: trap mode"),
             Mode::InvalidPlan => Ok(Plan {
                 steps: vec![Step::PrepRecv(PrepRecv { decode: 0, end: -1 })],
             }),
             Mode::BadEndpoint => Ok(Plan::forward(u32::MAX)),
+            Mode::HugePlan => Ok(Plan {
+                steps: vec![Step::Forward(0); HUGE_PLAN_STEPS],
+            }),
+            Mode::HugeError => Err(PolicyError::Unavailable("x".repeat(HUGE_ERROR_BYTES))),
             Mode::Print => {
                 println!("misbehave: a line on stdout for request {}", request.id);
                 eprintln!("misbehave: a line on stderr for request {}", request.id);
+                valid_plan(context)
+            }
+            Mode::LogFlood => {
+                for line in 0..FLOOD_LINES {
+                    log_info(&format!(
+                        "misbehave: flood line {line} of request {}",
+                        request.id
+                    ));
+                }
                 valid_plan(context)
             }
         }
     }
 
     fn on_complete(&mut self, _outcome: &Outcome) {
-        self.completed += 1;
+        if self.mode == Mode::SpinOnComplete {
+            spin_forever();
+        }
     }
 }
+
+/// Steps of `huge-plan`: far past the router's bound, well within a small memory cap.
+const HUGE_PLAN_STEPS: usize = 100_000;
+/// Bytes of `huge-error`'s message.
+const HUGE_ERROR_BYTES: usize = 1 << 20;
+/// Lines `log-flood` writes per call.
+const FLOOD_LINES: u32 = 100_000;
 
 impl Mode {
     fn parse(name: &str) -> Option<Mode> {
         Some(match name {
             "ok" => Mode::Ok,
             "loop" => Mode::Loop,
+            "sleep" => Mode::Sleep,
             "alloc" => Mode::Alloc,
             "trap" => Mode::Trap,
             "invalid-plan" => Mode::InvalidPlan,
             "bad-endpoint" => Mode::BadEndpoint,
+            "huge-plan" => Mode::HugePlan,
+            "huge-error" => Mode::HugeError,
             "print" => Mode::Print,
+            "log-flood" => Mode::LogFlood,
+            "spin-on-complete" => Mode::SpinOnComplete,
             _ => return None,
         })
     }

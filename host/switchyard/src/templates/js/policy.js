@@ -33,7 +33,10 @@ export function init(config) {
 
 export function describe() {
   // promptTokens: how many leading prompt token ids `request.promptPrefix` carries.
-  return { language: 'javascript', promptTokens: 0 };
+  // state: 'stateless' while every answer comes from the request, the endpoints and the config
+  // alone (the router then runs several instances in parallel); 'stateful' as soon as the
+  // policy remembers anything between calls (module variables changed after `init`).
+  return { language: 'javascript', promptTokens: 0, state: 'stateless' };
 }
 
 export function translateRequest(request, context) {

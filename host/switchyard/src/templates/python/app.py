@@ -32,7 +32,10 @@ class WitWorld(wit_world.WitWorld):
 
     def describe(self) -> types.PolicyInfo:
         # prompt_tokens: how many leading prompt token ids `request.prompt_prefix` carries.
-        return types.PolicyInfo(language="python", prompt_tokens=0)
+        # state: STATELESS while every answer comes from the request, the endpoints and the
+        # config alone (the router then runs several instances in parallel); STATEFUL as soon as
+        # the policy remembers anything between calls (on the class, e.g. in `on_complete`).
+        return types.PolicyInfo(language="python", prompt_tokens=0, state=types.State.STATELESS)
 
     def translate_request(self, request: types.Request, context: types.Context) -> types.Plan:
         usable = [e for e in context.endpoints if e.healthy]

@@ -6,12 +6,17 @@
 //! Config: a JSON object given to `init` (`{}` when none); this policy takes no keys yet.
 
 use switchyard_policy::select::{candidates, least_loaded};
-use switchyard_policy::types::{Context, Request};
+use switchyard_policy::types::{Context, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 pub struct {{type_name}};
 
 impl Policy for {{type_name}} {
+    // Every answer comes from the request, the endpoints and the config alone, so the router may
+    // run several instances in parallel. Say `State::Stateful` (the default) as soon as the
+    // policy keeps anything between calls, e.g. what `fn on_complete` taught it.
+    const STATE: State = State::Stateless;
+
     // Optional: `const PROMPT_TOKENS: u32 = 64;` to see the first prompt token ids in
     // `request.prompt_prefix`, and `fn on_complete` to learn how each request ended.
 

@@ -1,0 +1,98 @@
+//! The bindings of each contract version: what crosses into a guest, and components of both
+//! versions loading and behaving as their version says.
+
+use switchyard_contract::{Outcome, OutcomeStatus, Plan, PolicyRequest, Step};
+use switchyard_tests::{Guest, guest_bytes};
+
+use super::v0_2_0;
+use crate::tests::{host, translate, translate_with_headers};
+use crate::{Contract, Policy, check};
+
+#[test]
+fn only_the_requested_prompt_prefix_crosses_into_the_guest() {
+    let prompt: Vec<u32> = (0..100).collect();
+    let request = PolicyRequest {
+        id: 1,
+        prompt: &prompt,
+        max_tokens: 1,
+        stream: false,
+        model: "m",
+        user: None,
+        headers: &[],
+    };
+    let wit = v0_2_0::request(&request, 8);
+    assert_eq!(wit.prompt_len, 100);
+    assert_eq!(wit.prompt_prefix, (0..8).collect::<Vec<u32>>());
+    assert_eq!(v0_2_0::request(&request, u32::MAX).prompt_prefix.len(), 100);
+    assert!(v0_2_0::request(&request, 0).prompt_prefix.is_empty());
+}
+
+// === components of both contract versions ===
+
+fn load(guest: Guest, name: &str, config: Option<&str>) -> Policy {
+    let policy = host()
+        .load(name, &guest_bytes(guest), config)
+        .unwrap_or_else(|e| panic!("{name} loads: {e}"));
+    assert!(policy.settle(), "{name}: its spare is built");
+    policy
+}
+
+fn forwards_to(policy: &Policy) -> u32 {
+    match translate(policy, 17, 3).expect("a plan").steps[..] {
+        [Step::Forward { endpoint }] => endpoint,
+        ref steps => panic!("a forward: {steps:?}"),
+    }
+}
+
+#[test]
+fn a_0_1_0_component_loads_and_behaves_as_it_did() {
+    let policy = load(Guest::V0_1_0, "v0.1.0", None);
+    let info = policy.info();
+    assert_eq!(info.contract, Contract::V0_1_0);
+    assert!(!info.stateless, "0.1.0 promised one instance: {info:?}");
+    assert_eq!((info.language.as_str(), info.prompt_tokens), ("rust", 0));
+    // Its turn is state kept between calls: 0, 1, 2, then round again.
+    let turns: Vec<u32> = (0..4).map(|_| forwards_to(&policy)).collect();
+    assert_eq!(turns, [0, 1, 2, 0]);
+    policy
+        .on_complete(&Outcome {
+            request_id: 1,
+            status: OutcomeStatus::Ok,
+            attempts: 1,
+            generator: Some(0),
+            prefix_matched: 0,
+            completion_tokens: 1,
+            ttft_us: 1,
+            e2e_us: 1,
+        })
+        .expect("on-complete is heard");
+    // A fault replaces the instance with a fresh one, `init`ed: the turn starts again.
+    let trap = [("x-trap".to_owned(), "1".to_owned())];
+    let e = translate_with_headers(&policy, 17, 3, &trap).expect_err("traps");
+    assert!(e.is_fault(), "{e}");
+    assert_eq!(forwards_to(&policy), 0);
+    check(&policy).expect("passes the checks every policy passes");
+}
+
+#[test]
+fn state_carries_over_from_a_0_1_0_version_to_a_0_2_0_one() {
+    // Both keep their turn as 8 little-endian bytes: the format is the policies' own, the
+    // carrying is the host's, across contract versions.
+    let old = load(Guest::V0_1_0, "p", None);
+    assert_eq!([forwards_to(&old), forwards_to(&old)], [0, 1]);
+    let new = load(Guest::STATEFUL, "p", Some(r#"{"generation": 2}"#));
+    assert_eq!(new.info().contract, Contract::V0_2_0);
+    assert!(!new.info().stateless);
+    assert_eq!(new.carry_state_from(&old), Ok(8));
+    assert_eq!(forwards_to(&new), 2);
+}
+
+#[test]
+fn stateless_policies_take_no_part_in_state_carry_over() {
+    let stateful = load(Guest::V0_1_0, "p", None);
+    let stateless = load(Guest::DISAGG, "disagg", None);
+    assert!(stateless.info().stateless);
+    assert_eq!(stateless.carry_state_from(&stateful), Ok(0));
+    assert_eq!(stateful.carry_state_from(&stateless), Ok(0));
+    let _: Plan = translate(&stateless, 17, 4).expect("plans");
+}
