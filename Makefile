@@ -9,7 +9,7 @@ VENV   := .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: all run test setup build release lint fmt clippy test-rust test-python bench clean
+.PHONY: all run test setup build release lint fmt clippy test-rust test-starvation test-python bench clean
 
 all: build plugins
 
@@ -31,7 +31,7 @@ build:
 	$(CARGO) build -p switchyard --bin switchyard
 
 ## test: everything CI checks
-test: setup plugins guests examples build lint test-rust test-python
+test: setup plugins guests examples build lint test-rust test-starvation test-python
 
 lint: fmt clippy
 
@@ -43,6 +43,7 @@ clippy:
 	$(CARGO) clippy -p switchyard-kv -p switchyard-engine -p switchyard --features cuda --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
 		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p priority-rust-policy \
+		-p policy-v0-1-0 \
 		-- -D warnings
 
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
@@ -51,6 +52,12 @@ test-rust:
 # The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
 	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-kv -p switchyard-engine --features cuda --lib
 	scripts/check-crate-graph.py --self-test
+
+# A Python policy on a machine this test saturates itself (every core, for about 30 s): it must
+# run alone, after every other test binary, one test at a time. Needs `make examples`.
+test-starvation: examples
+	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-policy-host --test starvation -- \
+		--ignored --test-threads=1
 
 # The official OpenAI Python client against `switchyard up` (the venv is created on first use).
 $(VENV)/.installed: tests/python/requirements.txt
