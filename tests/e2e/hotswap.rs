@@ -1,7 +1,7 @@
 //! Hot-swapping policies through `switchyard up` (router + reference engines, separate
 //! processes on loopback): a hundred replacements of one policy file under steady load with no
-//! failed request, faulting policies served by the fallback, per-request selection, and the
-//! admin routes' token and port.
+//! failed request, faulting policies served by the fallback, adversarial components refused or
+//! quarantined, per-request selection, and the admin routes' token and port.
 //!
 //! Guests: `make plugins guests`. Every wait polls `/admin/policies` for the awaited state,
 //! within a deadline.
@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use switchyard_tests::{Guest, RouterProcess, free_port, guest_bytes, plugins_dir};
+use switchyard_tests::{
+    Guest, RouterProcess, free_port, guest_bytes, plugins_dir, with_extra_core_instances,
+};
 
 /// How long one swap (or refusal) may take to show in `/admin/policies`.
 const SWAP_DEADLINE: Duration = Duration::from_secs(15);
@@ -390,4 +392,83 @@ async fn admin_routes_need_the_token_and_move_to_the_admin_port() {
     );
     let served = complete(&router.endpoint("/v1/completions"), 1, &[]).await;
     assert_eq!(served, Ok(()), "the OpenAI routes need no token");
+}
+
+/// Components written to attack the sandbox, served beside well-behaved ones: those that
+/// allocate too many memories or tables are refused at load (and their requests go to the
+/// fallback), one that spins in `on-complete` is quarantined, one that floods its log plans
+/// as usual; every request succeeds and the router keeps serving the default policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adversarial_policies_are_refused_or_quarantined_and_the_router_is_unharmed() {
+    let misbehave = test_guest("misbehave");
+    let memories = "(memory 1) ".repeat(8);
+    let tables = "(table 1 funcref) ".repeat(40);
+    let plugins = [
+        ("disagg.wasm", builtin("disagg")),
+        ("round-robin.wasm", builtin("round-robin")),
+        ("flood.wasm", misbehave.clone()),
+        ("spin.wasm", misbehave.clone()),
+        (
+            "memories.wasm",
+            with_extra_core_instances(&misbehave, &format!("(module {memories})"), 1),
+        ),
+        (
+            "tables.wasm",
+            with_extra_core_instances(&misbehave, &format!("(module {tables})"), 1),
+        ),
+    ];
+    let dir = tempfile::tempdir().expect("tempdir");
+    for (file, bytes) in &plugins {
+        install(dir.path(), file, bytes);
+    }
+    for (name, mode) in [("flood", "log-flood"), ("spin", "spin-on-complete")] {
+        std::fs::write(
+            dir.path().join(format!("{name}.json")),
+            format!(r#"{{"mode": "{mode}"}}"#),
+        )
+        .expect("write a config");
+    }
+    let router = up(dir.path(), &["--policy", "disagg"]).await;
+    let base = router.url.clone();
+    let url = format!("{base}/v1/completions");
+
+    for (name, count) in [("memories", "memory count"), ("tables", "table count")] {
+        let entry = policy(&base, name).await;
+        assert_eq!(entry["state"], "failed", "{name}: {entry:#}");
+        assert!(
+            entry["last_error"]
+                .as_str()
+                .is_some_and(|e| e.contains(count)),
+            "{name}: {entry:#}"
+        );
+    }
+    // The default rule: 5 faults within 30 s quarantine a version.
+    for n in 0..8 {
+        for name in ["spin", "flood", "memories", "tables"] {
+            let result = complete(&url, n, &[("x-switchyard-policy", name)]).await;
+            assert_eq!(result, Ok(()), "request {n} to {name}");
+        }
+    }
+    let spin = wait_for(&base, "spin", "quarantined", |p| {
+        p["state"] == "quarantined"
+    })
+    .await;
+    assert!(
+        spin["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("deadline")),
+        "{spin:#}"
+    );
+    let flood = policy(&base, "flood").await;
+    assert_eq!(
+        flood["state"], "active",
+        "a chatty policy is not a faulty one: {flood:#}"
+    );
+    assert_eq!(flood["errors"], 0, "{flood:#}");
+    for n in 0..4 {
+        complete(&url, n, &[])
+            .await
+            .expect("the default policy serves");
+    }
+    assert_eq!(policy(&base, "disagg").await["state"], "active");
 }
