@@ -9,7 +9,7 @@ use switchyard_contract::{
     TranslateError, ValidPlan, validate,
 };
 
-use super::Policy;
+use super::{Contract, Policy};
 
 /// One synthetic situation a policy is asked to plan for.
 #[derive(Debug, Clone)]
@@ -56,6 +56,10 @@ pub struct CheckReport {
     pub policy: String,
     pub language: String,
     pub sha256: String,
+    /// The contract version the component was built against.
+    pub contract: Contract,
+    /// It says it keeps no state: the router will serve it with a pool of instances.
+    pub stateless: bool,
     /// `(case, result)` in the order run, e.g. `("8 endpoints …", "disagg on 5 …")`.
     pub cases: Vec<(String, String)>,
     pub plans: usize,
@@ -66,9 +70,15 @@ impl fmt::Display for CheckReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "policy {} ({}, sha256 {}): {} cases, {} valid plans, {} declined",
+            "policy {} ({}, {}, {}, sha256 {}): {} cases, {} valid plans, {} declined",
             self.policy,
             self.language,
+            self.contract,
+            if self.stateless {
+                "stateless: a pool of instances"
+            } else {
+                "stateful: one instance"
+            },
             &self.sha256[..self.sha256.len().min(12)],
             self.cases.len(),
             self.plans,
@@ -104,6 +114,8 @@ pub fn check(policy: &Policy) -> Result<CheckReport, CheckError> {
         policy: info.name.clone(),
         language: info.language.clone(),
         sha256: info.sha256.clone(),
+        contract: info.contract,
+        stateless: info.stateless,
         cases: Vec::new(),
         plans: 0,
         declined: 0,

@@ -61,6 +61,20 @@ pub(super) fn load_misbehave(host: &PolicyHost, mode: &str) -> Policy {
     policy
 }
 
+/// Request `request_id` ended well on endpoint 1 after one attempt.
+pub(super) fn outcome(request_id: u64) -> Outcome {
+    Outcome {
+        request_id,
+        status: OutcomeStatus::Ok,
+        attempts: 1,
+        generator: Some(1),
+        prefix_matched: 0,
+        completion_tokens: 3,
+        ttft_us: 10,
+        e2e_us: 20,
+    }
+}
+
 pub(super) fn snapshot(n: u32) -> Vec<EndpointSnapshot> {
     check::split_roles(n, &[], &[])
 }
@@ -199,16 +213,7 @@ fn a_good_policy_plans_and_keeps_its_instance() {
         validate(&plan, 17, &snapshot(4)).expect("the plan is valid");
     }
     policy
-        .on_complete(&Outcome {
-            request_id: 7,
-            status: OutcomeStatus::Ok,
-            attempts: 1,
-            generator: Some(1),
-            prefix_matched: 0,
-            completion_tokens: 3,
-            ttft_us: 10,
-            e2e_us: 20,
-        })
+        .on_complete(&outcome(7))
         .expect("on-complete is heard");
     translate(&policy, 1, 1).expect("still planning after on-complete");
 }

@@ -1,11 +1,11 @@
 //! The bindings of each contract version: what crosses into a guest, and components of both
 //! versions loading and behaving as their version says.
 
-use switchyard_contract::{Outcome, OutcomeStatus, Plan, PolicyRequest, Step};
+use switchyard_contract::{Plan, PolicyRequest, Step};
 use switchyard_tests::{Guest, guest_bytes};
 
 use super::v0_2_0;
-use crate::tests::{host, translate, translate_with_headers};
+use crate::tests::{host, outcome, translate, translate_with_headers};
 use crate::{Contract, Policy, check};
 
 #[test]
@@ -55,16 +55,7 @@ fn a_0_1_0_component_loads_and_behaves_as_it_did() {
     let turns: Vec<u32> = (0..4).map(|_| forwards_to(&policy)).collect();
     assert_eq!(turns, [0, 1, 2, 0]);
     policy
-        .on_complete(&Outcome {
-            request_id: 1,
-            status: OutcomeStatus::Ok,
-            attempts: 1,
-            generator: Some(0),
-            prefix_matched: 0,
-            completion_tokens: 1,
-            ttft_us: 1,
-            e2e_us: 1,
-        })
+        .on_complete(&outcome(1))
         .expect("on-complete is heard");
     // A fault replaces the instance with a fresh one, `init`ed: the turn starts again.
     let trap = [("x-trap".to_owned(), "1".to_owned())];

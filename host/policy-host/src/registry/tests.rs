@@ -11,7 +11,7 @@ use switchyard_contract::{PlanError, PlanningError, Step};
 use switchyard_tests::{Guest, guest_bytes};
 
 use super::*;
-use crate::tests::{host, snapshot};
+use crate::tests::{host, outcome, snapshot};
 use crate::{DEFAULT_DEBOUNCE, watch};
 
 fn disagg() -> Vec<u8> {
@@ -252,23 +252,13 @@ async fn faults_in_on_complete_count_toward_quarantine() {
         .expect("write the config");
     install(dir.path(), "round-robin.wasm", &round_robin());
     let registry = open(dir.path(), "m", Some("round-robin")).await;
-    let outcome = Outcome {
-        request_id: 1,
-        status: switchyard_contract::OutcomeStatus::Ok,
-        attempts: 1,
-        generator: Some(0),
-        prefix_matched: 0,
-        completion_tokens: 1,
-        ttft_us: 1,
-        e2e_us: 1,
-    };
     for request in 1..=2 {
         let selection = registry.select(None, "m").expect("selected");
         assert!(
             !is_forward(&plan(&selection, 4)),
             "request {request}: misbehave plans"
         );
-        selection.on_complete(&outcome);
+        selection.on_complete(&outcome(request));
     }
     let v = view(&registry, "m");
     assert_eq!(v.state, PolicyState::Quarantined, "{v:?}");

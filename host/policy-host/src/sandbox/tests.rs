@@ -6,12 +6,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use switchyard_contract::{Outcome, OutcomeStatus, TranslateError};
+use switchyard_contract::TranslateError;
 use switchyard_tests::with_extra_core_instances;
 
 use super::*;
 use crate::tests::{
-    host, load_misbehave, misbehave, short_deadline_host, translate, translate_with_headers,
+    host, load_misbehave, misbehave, outcome, short_deadline_host, translate,
+    translate_with_headers,
 };
 use crate::{LoadError, Policy};
 
@@ -219,17 +220,7 @@ fn a_policy_that_sleeps_is_stopped_at_its_deadline() {
 fn spinning_in_on_complete_is_a_deadline_fault() {
     let policy = load_misbehave(&short_deadline_host(), "spin-on-complete");
     translate(&policy, 17, 4).expect("plans");
-    let outcome = Outcome {
-        request_id: 7,
-        status: OutcomeStatus::Ok,
-        attempts: 1,
-        generator: Some(0),
-        prefix_matched: 0,
-        completion_tokens: 1,
-        ttft_us: 1,
-        e2e_us: 2,
-    };
-    let e = policy.on_complete(&outcome).expect_err("spins");
+    let e = policy.on_complete(&outcome(7)).expect_err("spins");
     assert!(matches!(e, TranslateError::Deadline { .. }), "{e:?}");
     translate(&policy, 17, 4).expect("the spare plans");
 }
