@@ -17,8 +17,12 @@ fn disagg() -> Policy {
         ..PolicyLimits::default()
     })
     .expect("policy engine");
-    host.load_file(&path, None)
-        .unwrap_or_else(|e| panic!("{e} ({}; run `make plugins`)", path.display()))
+    let policy = host
+        .load_file(&path, None)
+        .unwrap_or_else(|e| panic!("{e} ({}; run `make plugins`)", path.display()));
+    // Its spare is built in the background: let that finish before timing calls.
+    assert!(policy.settle(), "the spare is built");
+    policy
 }
 
 /// 4 prefill + 4 decode endpoints with some load, as a busy cluster looks to a policy.

@@ -35,6 +35,8 @@ pub struct ExecutorView {
     pub instances: usize,
     /// The most calls seen in the policy's instances at the same time.
     pub peak_concurrent_calls: usize,
+    /// A spare instance is built and ready to replace one that faults.
+    pub spare_ready: bool,
 }
 
 struct Shared {
@@ -124,6 +126,7 @@ impl Executor {
         ExecutorView {
             instances: inner.serving(),
             peak_concurrent_calls: inner.peak_busy,
+            spare_ready: inner.spare.is_some(),
         }
     }
 
@@ -159,24 +162,27 @@ impl Executor {
             inner.target += 1;
             kick_builder(shared, &mut inner);
         }
-        loop {
-            if inner.queue.front() == Some(&ticket) {
-                if let Some(instance) = inner.idle.pop() {
-                    inner.queue.pop_front();
-                    shared.changed.notify_all();
-                    return Ok(Lease::new(shared, inner.lend(instance)));
+        // One hand-off of the worker's other tasks for the whole wait, not one per wake-up.
+        allow_blocking(|| {
+            loop {
+                if inner.queue.front() == Some(&ticket) {
+                    if let Some(instance) = inner.idle.pop() {
+                        inner.queue.pop_front();
+                        shared.changed.notify_all();
+                        return Ok(Lease::new(shared, inner.lend(instance)));
+                    }
+                    if inner.busy == 0 {
+                        // No call is running, so none will bring an instance back: only a
+                        // build could, and calls do not wait for builds.
+                        inner.queue.pop_front();
+                        shared.changed.notify_all();
+                        kick_builder(shared, &mut inner);
+                        return Err(Fault::NoInstance);
+                    }
                 }
-                if inner.busy == 0 {
-                    // No call is running, so none will bring an instance back: only a build
-                    // could, and calls do not wait for builds.
-                    inner.queue.pop_front();
-                    shared.changed.notify_all();
-                    kick_builder(shared, &mut inner);
-                    return Err(Fault::NoInstance);
-                }
+                shared.changed.wait(&mut inner);
             }
-            allow_blocking(|| shared.changed.wait(&mut inner));
-        }
+        })
     }
 
     /// Wait until the builder thread is idle; true when every instance it was building is
@@ -184,9 +190,11 @@ impl Executor {
     /// builder: the request path never waits for it.
     pub(super) fn settle(&self) -> bool {
         let mut inner = self.shared.inner.lock();
-        while inner.building {
-            self.shared.changed.wait(&mut inner);
-        }
+        allow_blocking(|| {
+            while inner.building {
+                self.shared.changed.wait(&mut inner);
+            }
+        });
         !inner.short()
     }
 }
