@@ -177,12 +177,13 @@ impl Guest {
 
 /// The parts of a version module that are the same in every version so far: the conversions
 /// between the host's types and the version's generated ones (0.2.0's request, context, plan
-/// and outcome have 0.1.0's shape), `translate-request` and `on-complete` calls, and the `log`
-/// import. Expanded inside a version module whose generated `types` interface is `wit`, whose
-/// world is `Guest` and whose world imports trait is `GuestImports`. A version whose types
-/// diverge (0.2.0's steps, once it gains endpoint protocols) writes those parts itself.
+/// and outcome have 0.1.0's shape), the calls, and the `log` import; `stateless` reads a
+/// `policy-info`'s declaration. Expanded inside a version module whose generated `types`
+/// interface is `wit`, whose world is `Guest` and whose world imports trait is `GuestImports`.
+/// A version whose types diverge (0.2.0's steps, once it gains endpoint protocols) writes those
+/// parts itself.
 macro_rules! shared_with_v0_1_0 {
-    () => {
+    (stateless: $stateless:expr) => {
         use switchyard_contract::{
             EndpointSnapshot, FailureKind, Outcome, OutcomeStatus, Plan, PolicyContext,
             PolicyRequest, Role, SendBegin, Step,
@@ -190,8 +191,21 @@ macro_rules! shared_with_v0_1_0 {
         use wasmtime::Store;
         use wasmtime::component::{HasSelf, Linker};
 
-        use crate::bindings::Refusal;
+        use crate::bindings::{Described, Refusal};
         use crate::sandbox::{Level, StoreState};
+
+        pub(super) fn describe(
+            guest: &Guest,
+            store: &mut Store<StoreState>,
+        ) -> wasmtime::Result<Described> {
+            let info = guest.call_describe(store)?;
+            let stateless: fn(&wit::PolicyInfo) -> bool = $stateless;
+            Ok(Described {
+                stateless: stateless(&info),
+                language: info.language,
+                prompt_tokens: info.prompt_tokens,
+            })
+        }
 
         pub(super) fn add_to_linker(linker: &mut Linker<StoreState>) -> wasmtime::Result<()> {
             Guest::add_to_linker::<StoreState, HasSelf<StoreState>>(linker, |s| s)

@@ -92,6 +92,19 @@ pub(super) fn translate(
     )
 }
 
+/// Request 7 for `prompt`, with `headers`.
+pub(super) fn request<'a>(prompt: &'a [u32], headers: &'a [(String, String)]) -> PolicyRequest<'a> {
+    PolicyRequest {
+        id: 7,
+        prompt,
+        max_tokens: 16,
+        stream: false,
+        model: "test",
+        user: Some("u"),
+        headers,
+    }
+}
+
 pub(super) fn translate_with_headers(
     policy: &Policy,
     prompt_len: u32,
@@ -99,15 +112,7 @@ pub(super) fn translate_with_headers(
     headers: &[(String, String)],
 ) -> Result<Plan, TranslateError> {
     let prompt = check::synthetic_prompt(prompt_len);
-    let request = PolicyRequest {
-        id: 7,
-        prompt: &prompt,
-        max_tokens: 16,
-        stream: false,
-        model: "test",
-        user: Some("u"),
-        headers,
-    };
+    let request = request(&prompt, headers);
     let context = PolicyContext {
         attempt: 1,
         last_failure: None,
@@ -468,15 +473,7 @@ fn the_disagg_plugin_splits_prefill_and_decode() {
         .expect("the built-in policy loads");
     let endpoints = check::snapshot(&[Role::Prefill, Role::Decode], &[], &[]);
     let prompt = check::synthetic_prompt(1000);
-    let request = PolicyRequest {
-        id: 1,
-        prompt: &prompt,
-        max_tokens: 1,
-        stream: false,
-        model: "m",
-        user: None,
-        headers: &[],
-    };
+    let request = request(&prompt, &[]);
     let context = PolicyContext {
         attempt: 1,
         last_failure: None,

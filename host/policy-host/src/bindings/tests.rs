@@ -1,25 +1,17 @@
 //! The bindings of each contract version: what crosses into a guest, and components of both
 //! versions loading and behaving as their version says.
 
-use switchyard_contract::{Plan, PolicyRequest, Step};
+use switchyard_contract::{Plan, Step};
 use switchyard_tests::{Guest, guest_bytes};
 
 use super::v0_2_0;
-use crate::tests::{host, outcome, translate, translate_with_headers};
+use crate::tests::{host, outcome, request, translate, translate_with_headers};
 use crate::{Contract, Policy, check};
 
 #[test]
 fn only_the_requested_prompt_prefix_crosses_into_the_guest() {
     let prompt: Vec<u32> = (0..100).collect();
-    let request = PolicyRequest {
-        id: 1,
-        prompt: &prompt,
-        max_tokens: 1,
-        stream: false,
-        model: "m",
-        user: None,
-        headers: &[],
-    };
+    let request = request(&prompt, &[]);
     let wit = v0_2_0::request(&request, 8);
     assert_eq!(wit.prompt_len, 100);
     assert_eq!(wit.prompt_prefix, (0..8).collect::<Vec<u32>>());

@@ -13,18 +13,4 @@ pub(super) use generated::{Policy as Guest, PolicyImports as GuestImports, Polic
 
 use generated::switchyard::policy::types as wit;
 
-use super::Described;
-
-super::shared_with_v0_1_0!();
-
-pub(super) fn describe(
-    guest: &Guest,
-    store: &mut Store<StoreState>,
-) -> wasmtime::Result<Described> {
-    let info = guest.call_describe(store)?;
-    Ok(Described {
-        language: info.language,
-        prompt_tokens: info.prompt_tokens,
-        stateless: false,
-    })
-}
+super::shared_with_v0_1_0!(stateless: |_| false);
