@@ -35,8 +35,8 @@ use switchyard_wire::sse;
 
 use super::latency::Latency;
 use super::metrics::Metrics;
-use super::model::{Sampling, VOCAB_SIZE};
-use super::response::{ResponseMeta, choice};
+use super::model::Sampling;
+use super::response::ResponseMeta;
 use super::scheduler::{Command, CoreError, Event, FinishReason, GenRequest, SendLease};
 
 /// Bodies above this are refused: a 2000-token prompt with every field is a few KiB, and a
@@ -60,11 +60,15 @@ pub(super) struct EngineState {
     /// False once the step loop's thread has ended (it panicked): nothing will be served again.
     pub alive: Arc<AtomicBool>,
     pub tokenizer: tokenizers::Tokenizer,
+    /// Token ids a prompt may hold: `0..vocab_size`.
+    pub vocab_size: u32,
     /// Shared with remote_send's transfer tasks, which may outlive their request.
     pub transport: Arc<KvTransport>,
     pub metrics: Metrics,
     pub latency: Latency,
     pub model_name: String,
+    /// The real model's context length (none for the synthetic model, which has no limit).
+    pub max_model_len: Option<usize>,
     pub num_pages: u32,
     pub page_size: usize,
 }
@@ -235,11 +239,16 @@ fn transfer_fault(e: &KvError) -> (StatusCode, &'static str, Option<&'static str
 // === plain endpoints ===
 
 fn models(state: &EngineState) -> Response<Body> {
+    let mut model = serde_json::json!({
+        "id": state.model_name, "object": "model", "created": 0, "owned_by": "switchyard"
+    });
+    if let Some(len) = state.max_model_len {
+        // vLLM's name for the context length.
+        model["max_model_len"] = len.into();
+    }
     json(
         StatusCode::OK,
-        &serde_json::json!({"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": 0, "owned_by": "switchyard"
-        }]}),
+        &serde_json::json!({"object": "list", "data": [model]}),
     )
 }
 
@@ -450,11 +459,11 @@ fn prompt_tokens(state: &EngineState, prompt: &Prompt) -> Result<Vec<u32>, HttpE
             .map_err(|e| invalid("prompt", format!("cannot tokenize the prompt: {e}")))?
             .get_ids()
             .to_vec(),
-        Prompt::Tokens(ids) if ids.iter().all(|&t| t < VOCAB_SIZE) => ids.clone(),
+        Prompt::Tokens(ids) if ids.iter().all(|&t| t < state.vocab_size) => ids.clone(),
         Prompt::Tokens(_) => {
             return Err(invalid(
                 "prompt",
-                format!("token ids must be in 0..{VOCAB_SIZE}"),
+                format!("token ids must be in 0..{}", state.vocab_size),
             ));
         }
     };
@@ -553,7 +562,12 @@ fn response_meta(state: &EngineState, body: &CompletionRequest, id: String) -> R
         .model
         .clone()
         .unwrap_or_else(|| state.model_name.clone());
-    ResponseMeta { id, created, model }
+    ResponseMeta {
+        id,
+        created,
+        model,
+        token_ids: body.return_token_ids,
+    }
 }
 
 // === responses ===
@@ -579,15 +593,18 @@ async fn collect(
     mut rx: mpsc::UnboundedReceiver<Event>,
 ) -> Result<Response<Body>, HttpError> {
     let mut text = String::new();
+    let mut ids = Vec::new();
     while let Some(event) = rx.recv().await {
         text.push_str(&event.text);
+        ids.extend(event.token_ids);
         if let Some((reason, usage)) = event.finish {
             if reason == FinishReason::Preempt {
                 text.clear();
+                ids.clear();
             }
             return Ok(json(
                 StatusCode::OK,
-                &meta.body(vec![choice(text, Some(reason))], Some(usage)),
+                &meta.body(vec![meta.choice(text, ids, Some(reason))], Some(usage)),
             ));
         }
     }
@@ -616,7 +633,11 @@ fn sse(
         let (frame, next) = match phase {
             SsePhase::Tokens => match rx.recv().await {
                 Some(event) => {
-                    let frame = sse::event(&meta.chunk(event.text, event.finish.map(|f| f.0)));
+                    let frame = sse::event(&meta.chunk(
+                        event.text,
+                        event.token_ids,
+                        event.finish.map(|f| f.0),
+                    ));
                     let next = match event.finish {
                         Some((_, usage)) if include_usage => SsePhase::Usage(usage),
                         Some(_) => SsePhase::Done,

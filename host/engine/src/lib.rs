@@ -24,6 +24,7 @@
 mod http;
 pub mod kv_pool;
 pub mod latency;
+pub mod llama;
 pub mod metrics;
 pub mod model;
 mod response;
@@ -31,18 +32,21 @@ pub mod scheduler;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use latency::{Latency, Profile};
+use llama::Llama;
 use metrics::Metrics;
-use scheduler::{Core, CoreConfig};
+use scheduler::{Core, CoreConfig, LlamaModel, ModelSpec};
 use switchyard_kv::{
     KvDevice, KvError, KvShape, KvStore, KvTransport, PeerAddr, TransportConfig, TransportKind,
     parse_rank_addr,
 };
 use switchyard_wire::ReadyLine;
+use switchyard_wire::gguf::GgufMetadata;
 
 /// The KV shape the model writes, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -114,9 +118,20 @@ pub struct EngineArgs {
     /// Fault injection: preempt every K-th decoding request half-way through its max_tokens.
     #[arg(long)]
     pub preempt_every: Option<u64>,
-    /// The model name `/v1/models` reports and responses carry by default.
-    #[arg(long, default_value = "switchyard-reference")]
+    /// What computes the tokens: `synthetic` (the deterministic stand-in, fast), `smollm2`
+    /// (SmolLM2-135M-Instruct from the cache `make model` fills) or the path of a llama-family
+    /// GGUF file (run on CPU; see `llama`).
+    #[arg(long, default_value = "synthetic")]
     pub model: String,
+    /// The model name `/v1/models` reports and responses carry by default (default:
+    /// `switchyard-reference` for the synthetic model, else the GGUF's file stem).
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Threads for the real model's matmuls (candle reads it from `CANDLE_NUM_THREADS`, which
+    /// `switchyard engine` sets from this flag before anything starts; default: every core).
+    /// Engines sharing a machine should split its cores, or their spinning workers fight.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// A prep_recv reservation not followed by start_generate is freed after this long. Must
     /// exceed --kv-transfer-timeout-ms, and should exceed how long the router waits on
     /// remote_send (120 s by default), or a slow prefill outlives the reservation it pushes to.
@@ -167,6 +182,8 @@ pub enum EngineError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("cannot load the model {model}: {reason}")]
+    Model { model: String, reason: String },
     #[error("cannot start the engine's {what}: {source}")]
     Start {
         what: &'static str,
@@ -224,7 +241,8 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let latency = latency_from(args)?;
     let num_slots = pool_slots(args)?;
     check_reservation_ttl(args)?;
-    let store = KvStore::new_on(args.kv_device, args.model_shape.kv_shape(), num_slots)?;
+    let model = load_model(&args.model).await?;
+    let store = KvStore::new_on(args.kv_device, model.kv_shape(args.model_shape), num_slots)?;
     let store = Arc::new(store.with_guarded_slots());
     let transport = start_transport(args, store.clone()).await?;
     let kv_addr = transport.listen_addr();
@@ -240,6 +258,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
         expiry_quarantine: expiry_quarantine(args.kv_transport),
         preempt_every: args.preempt_every.filter(|&k| k > 0),
         latency,
+        model: model.spec.clone(),
     };
     let core = Core::new(config, store, metrics.clone());
     let (commands, queue) = std::sync::mpsc::channel();
@@ -266,11 +285,16 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let state = Arc::new(http::EngineState {
         commands,
         alive,
-        tokenizer: switchyard_wire::tokenizer::byte_level_tokenizer(),
+        vocab_size: model.tokenizer.get_vocab_size(true) as u32,
+        max_model_len: match &model.spec {
+            ModelSpec::Synthetic => None,
+            ModelSpec::Llama(m) => Some(m.llama.config().context),
+        },
+        tokenizer: model.tokenizer,
         transport: Arc::new(transport),
         metrics,
         latency,
-        model_name: args.model.clone(),
+        model_name: args.served_model_name.clone().unwrap_or(model.default_name),
         num_pages: args.kv_pages,
         page_size: args.page_size as usize,
     });
@@ -281,6 +305,142 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
         device_rank: args.device_rank,
         server,
     })
+}
+
+/// The model an engine runs, with its tokenizer and the name it reports by default.
+struct LoadedModel {
+    spec: ModelSpec,
+    tokenizer: tokenizers::Tokenizer,
+    default_name: String,
+}
+
+impl LoadedModel {
+    /// The pool slot shape: the real model's, or the synthetic one's as `--model-shape` says.
+    fn kv_shape(&self, synthetic: ModelShape) -> KvShape {
+        match &self.spec {
+            ModelSpec::Synthetic => synthetic.kv_shape(),
+            ModelSpec::Llama(m) => m.llama.config().kv_shape(),
+        }
+    }
+}
+
+/// The GGUF `--model` names: `smollm2` is the cached SmolLM2, anything else but `synthetic`
+/// a path.
+pub fn model_path(model: &str) -> Option<PathBuf> {
+    match model {
+        "synthetic" => None,
+        "smollm2" => Some(
+            switchyard_wire::gguf::smollm2_path()
+                .unwrap_or_else(|| PathBuf::from(switchyard_wire::gguf::SMOLLM2_FILE)),
+        ),
+        path => Some(PathBuf::from(path)),
+    }
+}
+
+async fn load_model(model: &str) -> Result<LoadedModel, EngineError> {
+    let Some(path) = model_path(model) else {
+        return Ok(LoadedModel {
+            spec: ModelSpec::Synthetic,
+            tokenizer: switchyard_wire::tokenizer::byte_level_tokenizer(),
+            default_name: "switchyard-reference".into(),
+        });
+    };
+    let fail = |reason: String| EngineError::Model {
+        model: path.display().to_string(),
+        reason: if model == "smollm2" {
+            format!("{reason} (run `make model` to fetch it)")
+        } else {
+            reason
+        },
+    };
+    let load_path = path.clone();
+    // Loading requantizes every weight: seconds of CPU, off the async threads.
+    let loaded = tokio::task::spawn_blocking(move || {
+        let meta = GgufMetadata::read(&load_path)?;
+        let files = meta.model_files()?;
+        let tokenizer = files.tokenizer()?;
+        let llama = Llama::load(&load_path, &meta)?;
+        let model = llama_model(llama, &meta, files.eos_id)?;
+        Ok::<_, llama::LlamaError>((model, tokenizer))
+    })
+    .await
+    .map_err(|e| fail(e.to_string()))?;
+    let (model, tokenizer) = loaded.map_err(|e| fail(e.to_string()))?;
+    Ok(LoadedModel {
+        spec: ModelSpec::Llama(Arc::new(model)),
+        tokenizer,
+        default_name: served_name(&path),
+    })
+}
+
+/// The name a GGUF model is served under by default: its file name up to the first dot
+/// (`SmolLM2-135M-Instruct.Q4_1.gguf` is `SmolLM2-135M-Instruct`).
+pub fn served_name(path: &std::path::Path) -> String {
+    let file = path
+        .file_name()
+        .map(|f| f.to_string_lossy())
+        .unwrap_or_default();
+    file.split('.').next().unwrap_or_default().to_owned()
+}
+
+/// What the step loop needs beside the weights: each token's bytes and the ids that end a
+/// generation (the GGUF's EOS, and `<|endoftext|>` where it is a control token).
+fn llama_model(
+    llama: Llama,
+    meta: &GgufMetadata,
+    eos: Option<u32>,
+) -> Result<LlamaModel, llama::LlamaError> {
+    let tokens = meta.strings("tokenizer.ggml.tokens")?;
+    let types = meta.ints("tokenizer.ggml.token_type")?;
+    let byte_of = gpt2_byte_decoder();
+    let mut ends: Vec<u32> = eos.into_iter().collect();
+    let token_bytes = tokens
+        .iter()
+        .zip(types.iter().chain(std::iter::repeat(&1)))
+        .enumerate()
+        .map(|(id, (text, &ty))| {
+            if ty == TOKEN_TYPE_CONTROL {
+                if *text == "<|endoftext|>" && !ends.contains(&(id as u32)) {
+                    ends.push(id as u32);
+                }
+                return Vec::new();
+            }
+            let mut bytes = Vec::with_capacity(text.len());
+            for ch in text.chars() {
+                match byte_of.get(&ch) {
+                    Some(&b) => bytes.push(b),
+                    // Not a byte-level symbol (a user-defined token): its text as is.
+                    None => bytes.extend_from_slice(ch.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+            bytes
+        })
+        .collect();
+    Ok(LlamaModel {
+        llama,
+        token_bytes,
+        eos: ends,
+    })
+}
+
+const TOKEN_TYPE_CONTROL: i64 = 3;
+
+/// GPT-2's byte-level alphabet, reversed: the char each byte is written as in a token, to the
+/// byte. Printable bytes stand for themselves; the rest map to U+0100 onwards in order.
+fn gpt2_byte_decoder() -> HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                let ch = char::from_u32(next).unwrap_or(char::REPLACEMENT_CHARACTER);
+                next += 1;
+                (ch, b)
+            }
+        })
+        .collect()
 }
 
 /// Marks the step loop dead when its thread ends, however it ends, so the HTTP side stops

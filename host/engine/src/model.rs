@@ -167,13 +167,7 @@ impl Model {
         let state = digests
             .enumerate()
             .fold(self.chain_seed, |acc, (i, d)| mix(acc ^ d, i as u64));
-        let logits = logits(state);
-        let index = if sampling.is_greedy() {
-            argmax(&logits)
-        } else {
-            let draw = unit(mix(sampling.seed ^ 0xA076_1D64_78BD_642F, position as u64));
-            sample(&logits, sampling, draw)
-        };
+        let index = pick(&logits(state), sampling, position);
         if index == PRINTABLE {
             Self::EOS
         } else {
@@ -196,6 +190,18 @@ fn logits(state: u64) -> [f64; PRINTABLE + 1] {
         -4.0
     };
     out
+}
+
+/// The index `sampling` chooses among `logits` for the token after `position`: the first
+/// maximum when greedy, else a draw seeded by the request's seed and the position only (so a
+/// seeded run gives the same tokens on any engine, however it was batched or split).
+pub(crate) fn pick(logits: &[f64], sampling: &Sampling, position: usize) -> usize {
+    if sampling.is_greedy() {
+        argmax(logits)
+    } else {
+        let draw = unit(mix(sampling.seed ^ 0xA076_1D64_78BD_642F, position as u64));
+        sample(logits, sampling, draw)
+    }
 }
 
 fn argmax(logits: &[f64]) -> usize {

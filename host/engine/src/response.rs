@@ -11,6 +11,8 @@ pub struct ResponseMeta {
     pub id: String,
     pub created: u64,
     pub model: String,
+    /// Whether each choice carries its generated ids (the request's `return_token_ids`).
+    pub token_ids: bool,
 }
 
 impl ResponseMeta {
@@ -29,19 +31,25 @@ impl ResponseMeta {
         }
     }
 
-    /// One choice with `text`, ended by `finish` if it is the last.
-    pub fn chunk(&self, text: String, finish: Option<FinishReason>) -> CompletionResponse {
-        self.body(vec![choice(text, finish)], None)
+    /// One choice with `text` (completing `ids`), ended by `finish` if it is the last.
+    pub fn chunk(
+        &self,
+        text: String,
+        ids: Vec<u32>,
+        finish: Option<FinishReason>,
+    ) -> CompletionResponse {
+        self.body(vec![self.choice(text, ids, finish)], None)
     }
-}
 
-/// One choice with `text`, ended by `finish` if it is the last.
-pub fn choice(text: String, finish: Option<FinishReason>) -> Choice {
-    Choice {
-        index: 0,
-        text,
-        finish_reason: finish.map(|f| f.as_str().to_owned()),
-        logprobs: None,
+    /// One choice with `text` (completing `ids`), ended by `finish` if it is the last.
+    pub fn choice(&self, text: String, ids: Vec<u32>, finish: Option<FinishReason>) -> Choice {
+        Choice {
+            index: 0,
+            text,
+            finish_reason: finish.map(|f| f.as_str().to_owned()),
+            logprobs: None,
+            token_ids: self.token_ids.then_some(ids),
+        }
     }
 }
 
@@ -63,6 +71,7 @@ mod tests {
             id: "cmpl-1".into(),
             created: 7,
             model: "m".into(),
+            token_ids: false,
         };
         let usage = scheduler::Usage {
             prompt_tokens: 3,
@@ -75,8 +84,9 @@ mod tests {
                 "model": "m", "choices": [], "usage": {"prompt_tokens": 3,
                 "completion_tokens": 2, "total_tokens": 5, "extra": null}})
         );
-        let chunk = serde_json::to_value(meta.chunk("a".into(), Some(FinishReason::Preempt)))
-            .expect("serializes");
+        let chunk =
+            serde_json::to_value(meta.chunk("a".into(), vec![97], Some(FinishReason::Preempt)))
+                .expect("serializes");
         assert_eq!(
             chunk["choices"],
             serde_json::json!([{"index": 0, "text": "a", "finish_reason": "preempt", "logprobs": null}])

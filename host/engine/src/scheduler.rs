@@ -33,8 +33,13 @@ use tokio::sync::{mpsc, oneshot};
 use super::kv_pool::{PagePool, extend_page_keys};
 use super::latency::{Latency, StepWork};
 use super::metrics::Metrics;
-use super::model::{Model, Sampling};
+use super::model::Sampling;
+use backend::{Backend, Planned};
 use switchyard_kv::{KvAddrInfo, KvStore};
+
+mod backend;
+
+pub use backend::{LlamaModel, ModelSpec};
 
 /// Settings the core needs; derived from the command line by `engine::run`.
 #[derive(Debug, Clone)]
@@ -53,6 +58,8 @@ pub struct CoreConfig {
     /// Preempt every K-th decoding request half-way through its `max_tokens` (fault injection).
     pub preempt_every: Option<u64>,
     pub latency: Latency,
+    /// What computes the tokens.
+    pub model: ModelSpec,
 }
 
 /// What a request asks the model for.
@@ -88,10 +95,14 @@ pub struct Usage {
     pub completion_tokens: usize,
 }
 
-/// One step's output for one request: new text, and how it ended if it did.
+/// One step's output for one request: new text, the ids whose text it completes, and how it
+/// ended if it did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
     pub text: String,
+    /// The generated ids whose text is now fully streamed (this event's text included); at the
+    /// end, every id not sent yet. What a router continues from, token-exactly.
+    pub token_ids: Vec<u32>,
     pub finish: Option<(FinishReason, Usage)>,
 }
 
@@ -206,8 +217,13 @@ struct GenState {
     stop: Vec<String>,
     events: Events,
     generated: usize,
+    /// Bytes of generated tokens not yet valid UTF-8 (a character split across tokens).
+    pending: Vec<u8>,
     text: String,
     emitted: usize,
+    /// Generated ids not yet sent, each with the text length that covers it (`usize::MAX`
+    /// while its bytes are still pending).
+    unsent_ids: VecDeque<(u32, usize)>,
     preempt_at: Option<usize>,
     counted: bool,
 }
@@ -215,6 +231,10 @@ struct GenState {
 impl Seq {
     fn target(&self) -> usize {
         self.tokens.len()
+    }
+
+    fn generates(&self) -> bool {
+        matches!(self.work, Work::Generate(_))
     }
 
     fn events(&self) -> Option<&Events> {
@@ -262,11 +282,9 @@ struct Quarantined {
 /// The engine core. Build it with [`Core::new`], then run [`Core::run`] on a dedicated thread.
 pub struct Core {
     cfg: CoreConfig,
-    model: Model,
+    backend: Backend,
     store: Arc<KvStore>,
     pool: PagePool,
-    /// Digest of every slot's bytes, kept in step with the pool: what decode steps read.
-    slot_digest: Vec<u64>,
     metrics: Metrics,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
@@ -281,18 +299,15 @@ pub struct Core {
     decode_counter: u64,
     /// Pages were freed since the loop last tried to admit: do not block on commands.
     freed: bool,
-    scratch: Vec<u8>,
 }
 
 impl Core {
     pub fn new(cfg: CoreConfig, store: Arc<KvStore>, metrics: Metrics) -> Self {
-        let model = Model::new(store.shape());
+        let backend = Backend::new(&cfg.model, &store);
         let pool = PagePool::new(cfg.num_pages, cfg.page_size, cfg.prefix_cache);
-        let slots = store.num_slots() as usize;
         Core {
-            model,
+            backend,
             pool,
-            slot_digest: vec![0; slots],
             metrics,
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -305,7 +320,6 @@ impl Core {
             next_id: 0,
             decode_counter: 0,
             freed: false,
-            scratch: vec![0; store.shape().bytes_per_token()],
             store,
             cfg,
         }
@@ -446,7 +460,7 @@ impl Core {
                     page_keys: Vec::new(),
                     registered_pages: 0,
                     computed: 0,
-                    chain: self.model.chain_start(),
+                    chain: self.backend.chain_at(&[], 0),
                     work: Work::Prefill {
                         begin,
                         reply: Some(reply),
@@ -472,15 +486,17 @@ impl Core {
             page_keys: Vec::new(),
             registered_pages: 0,
             computed: 0,
-            chain: self.model.chain_start(),
+            chain: self.backend.chain_at(&[], 0),
             work: Work::Generate(GenState {
                 sampling: request.sampling,
                 max_tokens: request.max_tokens,
                 stop: request.stop,
                 events,
                 generated: 0,
+                pending: Vec::new(),
                 text: String::new(),
                 emitted: 0,
+                unsent_ids: VecDeque::new(),
                 preempt_at: None,
                 counted: false,
             }),
@@ -630,8 +646,7 @@ impl Core {
         // was not needed), which is what makes them trustworthy.
         for pos in r.matched..r.end {
             let slot = self.pool.slot(&r.pages, pos);
-            self.store.read_slot(slot, &mut self.scratch);
-            self.slot_digest[slot as usize] = Model::slot_digest(&self.scratch);
+            self.backend.received(&self.store, slot);
         }
         self.metrics
             .prompt_tokens
@@ -641,7 +656,7 @@ impl Core {
         seq.page_keys = r.page_keys;
         seq.registered_pages = r.matched / self.pool.page_size();
         seq.computed = begin;
-        seq.chain = self.model.chain_at(&seq.tokens, begin);
+        seq.chain = self.backend.chain_at(&seq.tokens, begin);
         register_full_pages(&mut self.pool, &mut seq);
         self.waiting.push_back(seq);
         Ok(())
@@ -704,7 +719,7 @@ impl Core {
             self.metrics.prefix_matched_tokens.inc_by(matched as u64);
             seq.registered_pages = matched_pages.len();
             seq.computed = matched;
-            seq.chain = self.model.chain_at(&seq.tokens, matched);
+            seq.chain = self.backend.chain_at(&seq.tokens, matched);
             seq.pages = matched_pages;
         }
         seq.pages.extend(fresh);
@@ -725,7 +740,36 @@ impl Core {
     // === the step ===
 
     fn step(&mut self) -> StepWork {
+        let plan = self.plan_step();
         let mut work = StepWork::default();
+        for &(_, n, decoding, context) in &plan {
+            if decoding {
+                work.decode_seqs += 1;
+                work.decode_ctx_tokens += context + 1;
+            } else {
+                work.prefill_tokens += n;
+                work.prefill_token_ctx += n * context;
+            }
+        }
+        self.compute(&plan);
+        // Sequences that processed every known token choose their next one (or lease their
+        // slots), in plan order.
+        for &(id, ..) in &plan {
+            let Some(i) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            if self.running[i].computed >= self.running[i].target() {
+                self.finish_pass(i);
+            }
+        }
+        work
+    }
+
+    /// Who runs how many positions this step: `(id, n, decoding, context)` per sequence, each
+    /// holding the pages it needs (preempting the last running generations while none are
+    /// free). The positions run afterwards in one batch.
+    fn plan_step(&mut self) -> Vec<(u64, usize, bool, usize)> {
+        let mut plan = Vec::new();
         let mut budget = self.cfg.prefill_chunk;
         let mut i = 0;
         while i < self.running.len() {
@@ -736,7 +780,7 @@ impl Core {
             }
             let seq = &self.running[i];
             let remaining = seq.target() - seq.computed;
-            let decoding = remaining == 1 && matches!(seq.work, Work::Generate(_));
+            let decoding = remaining == 1 && seq.generates();
             let n = if decoding { 1 } else { remaining.min(budget) };
             if n == 0 && remaining > 0 {
                 i += 1;
@@ -751,25 +795,16 @@ impl Core {
                     continue;
                 }
             }
-            let context = self.running[i].computed;
-            self.compute(i, n);
-            if decoding {
-                work.decode_seqs += 1;
-                work.decode_ctx_tokens += context + 1;
-            } else {
-                work.prefill_tokens += n;
-                work.prefill_token_ctx += n * context;
+            if !decoding {
                 budget -= n;
             }
-            if self.running[i].computed < self.running[i].target() {
-                i += 1;
-                continue;
-            }
-            if self.finish_pass(i) {
-                i += 1;
-            }
+            let seq = &self.running[i];
+            plan.push((seq.id, n, decoding, seq.computed));
+            i += 1;
         }
-        work
+        // A sequence preempted to make room for a later one leaves the plan.
+        plan.retain(|p| self.running.iter().any(|s| s.id == p.0));
+        plan
     }
 
     /// Makes `running[i]` own `extra` more pages, preempting the last running generation while
@@ -798,18 +833,18 @@ impl Core {
         }
     }
 
-    /// Runs the model over the next `n` positions of `running[i]`, writing their KV.
-    fn compute(&mut self, i: usize, n: usize) {
-        let seq = &mut self.running[i];
-        for pos in seq.computed..seq.computed + n {
-            seq.chain = Model::chain_step(seq.chain, seq.tokens[pos], pos);
-            self.model.fill_kv(seq.chain, &mut self.scratch);
-            let slot = self.pool.slot(&seq.pages, pos);
-            self.store.write_slot(slot, &self.scratch);
-            self.slot_digest[slot as usize] = Model::slot_digest(&self.scratch);
+    /// Runs the model over the planned positions, writing their KV.
+    fn compute(&mut self, plan: &[(u64, usize, bool, usize)]) {
+        let n_of: HashMap<u64, usize> = plan.iter().map(|p| (p.0, p.1)).collect();
+        let mut planned: Vec<Planned<'_>> = self
+            .running
+            .iter_mut()
+            .filter_map(|seq| n_of.get(&seq.id).map(|&n| Planned { seq, n }))
+            .collect();
+        self.backend.compute(&self.store, &self.pool, &mut planned);
+        for p in planned {
+            register_full_pages(&mut self.pool, p.seq);
         }
-        seq.computed += n;
-        register_full_pages(&mut self.pool, seq);
     }
 
     /// `running[i]` has processed every known token. Returns whether it is still running.
@@ -820,14 +855,10 @@ impl Core {
             return false;
         }
         let seq = &self.running[i];
-        let digests =
-            (0..seq.computed).map(|pos| self.slot_digest[self.pool.slot(&seq.pages, pos) as usize]);
         let Work::Generate(g) = &seq.work else {
             return true;
         };
-        let token = self
-            .model
-            .next_token(digests, seq.computed - 1, &g.sampling);
+        let token = self.backend.next_token(&self.pool, seq, &g.sampling);
         let outcome = self.accept_token(i, token);
         match outcome {
             StepResult::Continue => true,
@@ -866,15 +897,26 @@ impl Core {
             }
         }
         let mut finish = None;
-        if token == Model::EOS {
+        if self.backend.is_eos(token) {
             finish = Some(FinishReason::Stop);
         } else {
             seq.tokens.push(token);
             g.generated += 1;
             self.metrics.generated_tokens.inc();
-            let ch = char::from_u32(token).unwrap_or('?');
-            g.text.push(ch);
-            if let Some(at) = first_stop_match(&g.text, &g.stop, ch.len_utf8()) {
+            let before = g.text.len();
+            g.pending.extend_from_slice(self.backend.token_bytes(token));
+            decode_pending(&mut g.pending, &mut g.text, false);
+            g.unsent_ids.push_back((token, usize::MAX));
+            if g.pending.is_empty() {
+                let covered = g.text.len();
+                for id in g.unsent_ids.iter_mut().rev() {
+                    if id.1 != usize::MAX {
+                        break;
+                    }
+                    id.1 = covered;
+                }
+            }
+            if let Some(at) = first_stop_match(&g.text, &g.stop, g.text.len() - before) {
                 g.text.truncate(at);
                 finish = Some(FinishReason::Stop);
             } else if g.generated >= g.max_tokens {
@@ -884,11 +926,12 @@ impl Core {
         if finish.is_none() && g.preempt_at == Some(g.generated) {
             // Text held back as a possible stop-string start stays unsent: the preemption chunk
             // carries no text (MLC's), and the rerun produces it again anyway.
-            let delta = take_safe_text(g, false);
+            let (delta, token_ids) = take_safe_text(g, false);
             if !delta.is_empty()
                 && g.events
                     .send(Event {
                         text: delta,
+                        token_ids,
                         finish: None,
                     })
                     .is_err()
@@ -897,13 +940,17 @@ impl Core {
             }
             return StepResult::Preempt;
         }
-        let delta = take_safe_text(g, finish.is_some());
+        if finish.is_some() {
+            decode_pending(&mut g.pending, &mut g.text, true);
+        }
+        let (delta, token_ids) = take_safe_text(g, finish.is_some());
         let usage = Usage {
             prompt_tokens: prompt_len,
             completion_tokens: g.generated,
         };
         let event = Event {
             text: delta,
+            token_ids,
             finish: finish.map(|f| (f, usage)),
         };
         let silent = event.text.is_empty() && event.finish.is_none();
@@ -939,6 +986,7 @@ impl Core {
     // === endings ===
 
     fn end(&mut self, seq: Seq) {
+        self.backend.forget(seq.id);
         self.pool.release(&seq.pages);
         self.freed = true;
         if let Some(user) = &seq.user {
@@ -961,6 +1009,7 @@ impl Core {
         if let Some(events) = seq.events() {
             let _ = events.send(Event {
                 text: String::new(),
+                token_ids: Vec::new(),
                 finish: Some((FinishReason::Preempt, Usage::default())),
             });
         }
@@ -1038,8 +1087,9 @@ fn window_slots(pool: &PagePool, pages: &[u32], from: usize, to: usize) -> Vec<u
 }
 
 /// The text not yet streamed that can no longer turn out to be the start of a stop string (all
-/// of it when the generation is over).
-fn take_safe_text(g: &mut GenState, flush: bool) -> String {
+/// of it when the generation is over), and the ids whose text that completes (all of them at
+/// the end).
+fn take_safe_text(g: &mut GenState, flush: bool) -> (String, Vec<u32>) {
     let bytes = g.text.as_bytes();
     let mut safe = bytes.len();
     if !flush {
@@ -1057,7 +1107,50 @@ fn take_safe_text(g: &mut GenState, flush: bool) -> String {
     let safe = safe.max(g.emitted);
     let out = g.text.get(g.emitted..safe).unwrap_or_default().to_owned();
     g.emitted = safe;
-    out
+    let sent = if flush {
+        g.unsent_ids.len()
+    } else {
+        g.unsent_ids.iter().take_while(|id| id.1 <= safe).count()
+    };
+    let ids = g.unsent_ids.drain(..sent).map(|id| id.0).collect();
+    (out, ids)
+}
+
+/// Moves the complete UTF-8 characters at the front of `pending` into `text`, so a streamed
+/// chunk never carries half a character; bytes that can never become valid are replaced by
+/// U+FFFD, and so is an unfinished character when `flush` (the generation ended).
+fn decode_pending(pending: &mut Vec<u8>, text: &mut String, flush: bool) {
+    let mut rest = pending.as_slice();
+    loop {
+        match std::str::from_utf8(rest) {
+            Ok(valid) => {
+                text.push_str(valid);
+                rest = &[];
+                break;
+            }
+            Err(e) => {
+                let (valid, after) = rest.split_at(e.valid_up_to());
+                text.push_str(std::str::from_utf8(valid).unwrap_or_default());
+                match e.error_len() {
+                    Some(bad) => {
+                        text.push(char::REPLACEMENT_CHARACTER);
+                        rest = &after[bad..];
+                    }
+                    None if flush => {
+                        text.push(char::REPLACEMENT_CHARACTER);
+                        rest = &[];
+                        break;
+                    }
+                    None => {
+                        rest = after;
+                        break;
+                    }
+                }
+            }
+        }
+    }
+    let keep = rest.len();
+    pending.drain(..pending.len() - keep);
 }
 
 #[cfg(test)]

@@ -60,6 +60,10 @@ pub struct CompletionRequest {
     /// Always an object when written: MLC engines answer 500 when it is null.
     #[serde(default)]
     pub debug_config: serde_json::Map<String, serde_json::Value>,
+    /// Ask for the generated ids on every choice (vLLM's `return_token_ids`); written only
+    /// when set, since other engines may refuse fields they do not know.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub return_token_ids: bool,
 }
 
 fn one() -> u32 {
@@ -91,6 +95,7 @@ impl CompletionRequest {
             response_format: None,
             user: Some(user),
             debug_config: serde_json::Map::new(),
+            return_token_ids: false,
         }
     }
 
@@ -225,6 +230,10 @@ pub struct Choice {
     pub finish_reason: Option<String>,
     #[serde(default)]
     pub logprobs: Option<serde_json::Value>,
+    /// The generated token ids this choice's text completes, when the request asked for them
+    /// (`return_token_ids`, vLLM's spelling): what a router continues a broken stream from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
 }
 
 /// A `CompletionResponse`: one JSON answer, or one SSE chunk of a stream.

@@ -10,6 +10,7 @@
 //! - [`error`]: OpenAI's error body.
 //! - [`metrics`]: the engine gauges a router reads.
 //! - [`tokenizer`]: the reference model's byte-level tokenizer assets.
+//! - [`gguf`]: a GGUF model's metadata and the tokenizer built from it (router and engine share it).
 //! - [`ReadyLine`]: the line an engine prints once it serves, which its launcher reads.
 //!
 //! This crate must never depend on another switchyard crate, nor on an HTTP stack.
@@ -30,6 +31,7 @@
 
 pub mod completion;
 pub mod error;
+pub mod gguf;
 pub mod metrics;
 pub mod microserving;
 mod ready;

@@ -7,12 +7,14 @@ fn meta() -> ResponseMeta {
         id: "cmpl-t".into(),
         created: 0,
         model: "m".into(),
+        token_ids: false,
     }
 }
 
 fn token(text: &str) -> Event {
     Event {
         text: text.into(),
+        token_ids: Vec::new(),
         finish: None,
     }
 }
@@ -40,6 +42,7 @@ async fn a_finished_stream_ends_with_done() {
     tx.send(token("hi")).unwrap();
     tx.send(Event {
         text: String::new(),
+        token_ids: Vec::new(),
         finish: Some((FinishReason::Length, Default::default())),
     })
     .unwrap();

@@ -9,6 +9,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::*;
 use crate::latency::Profile;
+use crate::model::Model;
 use switchyard_kv::KvShape;
 
 /// Bound on every wait for the core thread, so a bug fails the test instead of hanging it.
@@ -34,6 +35,7 @@ fn config(num_pages: u32) -> CoreConfig {
             profile: Profile::NULL,
             time_scale: 0.0,
         },
+        model: ModelSpec::Synthetic,
     }
 }
 

@@ -175,6 +175,7 @@ fn chunk(text: &str, finish_reason: Option<&str>) -> Result<CompletionResponse, 
             text: text.into(),
             finish_reason: finish_reason.map(str::to_owned),
             logprobs: None,
+            token_ids: None,
         }],
         usage: None,
     })

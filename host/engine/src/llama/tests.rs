@@ -1,0 +1,128 @@
+use std::sync::OnceLock;
+
+use super::*;
+
+/// The model `make model` fetched, loaded once for every test here.
+fn model() -> &'static (Llama, tokenizers::Tokenizer) {
+    static MODEL: OnceLock<(Llama, tokenizers::Tokenizer)> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = switchyard_wire::gguf::smollm2_path().expect("HOME or SWITCHYARD_CACHE");
+        let meta = GgufMetadata::read(&path)
+            .unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
+        let tokenizer = meta.model_files().unwrap().tokenizer().unwrap();
+        (Llama::load(&path, &meta).unwrap(), tokenizer)
+    })
+}
+
+fn encode(text: &str) -> Vec<u32> {
+    model().1.encode(text, false).unwrap().get_ids().to_vec()
+}
+
+/// Runs `tokens` from an empty KV in chunks of the given sizes (the last chunk takes the
+/// rest); returns the last position's logits and the KV.
+fn run_chunked(tokens: &[u32], sizes: &[usize]) -> (Vec<f32>, Vec<f32>) {
+    let llama = &model().0;
+    let mut kv = Vec::new();
+    let mut start = 0;
+    let mut logits = None;
+    let mut sizes = sizes.iter().copied();
+    while start < tokens.len() {
+        let n = sizes
+            .next()
+            .unwrap_or(tokens.len())
+            .min(tokens.len() - start);
+        let mut chunk = [SeqChunk {
+            tokens: &tokens[start..start + n],
+            start,
+            kv: &mut kv,
+            logits: start + n == tokens.len(),
+        }];
+        logits = llama.forward(&mut chunk).unwrap().pop().unwrap();
+        start += n;
+    }
+    (logits.unwrap(), kv)
+}
+
+fn argmax(logits: &[f32]) -> u32 {
+    logits
+        .iter()
+        .enumerate()
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &l)| if l > b.1 { (i, l) } else { b },
+        )
+        .0 as u32
+}
+
+#[test]
+fn knows_the_capital_of_france() {
+    let (logits, _) = run_chunked(&encode("The capital of France is"), &[]);
+    assert_eq!(
+        model().1.decode(&[argmax(&logits)], false).unwrap(),
+        " Paris"
+    );
+}
+
+/// The property a disaggregated run rests on: a position's logits (and every K/V) are the same
+/// bits however the prompt was split into forward passes, whatever else shared the batch, and
+/// when the earlier K/V went through a pool's bytes (what a transfer moves) in between.
+#[test]
+fn logits_are_bit_identical_across_batching_chunking_and_kv_export() {
+    let tokens = encode(
+        "In 1889 the Eiffel Tower was finished; 330 metres tall, it was the tallest structure \
+         in the world until 1930, when the Chrysler Building passed it.",
+    );
+    assert!(
+        tokens.len() > 33,
+        "the prompt spans more than two 16-row tiles"
+    );
+    let (whole, whole_kv) = run_chunked(&tokens, &[]);
+    let one_by_one = run_chunked(&tokens, &vec![1; tokens.len()]);
+    let uneven = run_chunked(&tokens, &[5, 17, 1, 9]);
+    for (name, (logits, kv)) in [("one by one", one_by_one), ("5,17,1,9", uneven)] {
+        assert!(logits == whole, "{name}: logits differ");
+        assert!(kv == whole_kv, "{name}: KV differs");
+    }
+
+    // Beside another sequence in the same pass, and after the first part's KV went through a
+    // KV pool (bytes in, bytes out), as a transfer between engines does.
+    let llama = &model().0;
+    let cfg = *llama.config();
+    let split = 13;
+    let (_, head_kv) = run_chunked(&tokens[..split], &[]);
+    let store = switchyard_kv::KvStore::new(cfg.kv_shape(), split as u32).unwrap();
+    for (pos, slot) in head_kv.chunks_exact(cfg.slot_floats()).enumerate() {
+        store.write_slot(pos as u32, bytemuck::cast_slice(slot));
+    }
+    let mut imported = vec![0.0f32; split * cfg.slot_floats()];
+    for (pos, slot) in imported.chunks_exact_mut(cfg.slot_floats()).enumerate() {
+        store.read_slot(pos as u32, bytemuck::cast_slice_mut(slot));
+    }
+    let other = encode("Hello there, how are you?");
+    let mut other_kv = Vec::new();
+    let mut batch = [
+        SeqChunk {
+            tokens: &other,
+            start: 0,
+            kv: &mut other_kv,
+            logits: true,
+        },
+        SeqChunk {
+            tokens: &tokens[split..],
+            start: split,
+            kv: &mut imported,
+            logits: true,
+        },
+    ];
+    let out = llama.forward(&mut batch).unwrap();
+    assert!(
+        out[1].as_deref() == Some(whole.as_slice()),
+        "batched after import: logits differ"
+    );
+    assert!(imported == whole_kv, "batched after import: KV differs");
+    let (alone, _) = run_chunked(&other, &[]);
+    assert!(
+        out[0].as_deref() == Some(alone.as_slice()),
+        "the batch neighbour's logits differ"
+    );
+}
