@@ -24,9 +24,19 @@ setup:
 model:
 	$(PYTHON) scripts/fetch-model.py
 
+# What `make run` serves: the real SmolLM2-135M on 1 prefill + 1 decode engine (one core each
+# on a 2-core machine), `MODEL=synthetic` for the fast synthetic model on 1 + 2 engines, or a
+# llama-family GGUF path. More engines: `switchyard up --help` (--prefill, --decode, --threads).
+MODEL ?= smollm2
+ifeq ($(MODEL),synthetic)
+RUN_FLAGS :=
+else
+RUN_FLAGS := --model $(MODEL) --prefill 1 --decode 1
+endif
+
 ## run: build the router and the built-in policies, then start reference engines + router
-run: setup plugins release
-	./target/release/switchyard up --host $(HOST) --port $(PORT) --plugins plugins
+run: setup plugins release $(if $(filter smollm2,$(MODEL)),model)
+	./target/release/switchyard up --host $(HOST) --port $(PORT) --plugins plugins $(RUN_FLAGS)
 
 release:
 	$(CARGO) build --release -p switchyard --bin switchyard

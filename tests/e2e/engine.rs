@@ -102,9 +102,52 @@ struct Case {
     body: Value,
 }
 
-/// Random prompts (1–2000 token ids), balance windows, sampling settings, and repeated or
-/// shared-prefix prompts so prefix-cache hits occur.
-fn cases(seed: u64, n: usize) -> Vec<Case> {
+/// The model a token-identity run drives, and the cases it gets.
+struct Shape {
+    /// Engine flags naming the model.
+    model: &'static [&'static str],
+    cases: usize,
+    /// Longest random prompt, and the token ids prompts are drawn from.
+    max_prompt: usize,
+    ids: std::ops::Range<u32>,
+    /// Most ids a shared-prefix prompt adds to the one before it.
+    max_extra: usize,
+    max_tokens: u32,
+    /// At least this many cases must move more than `big_move` positions.
+    big_moves: usize,
+    big_move: i64,
+}
+
+/// The synthetic model: long prompts (many pages and slot runs per transfer).
+const SYNTHETIC: Shape = Shape {
+    model: &[],
+    cases: 30,
+    max_prompt: 2000,
+    ids: 0..256,
+    max_extra: 299,
+    max_tokens: 40,
+    big_moves: 5,
+    big_move: 256,
+};
+
+/// SmolLM2 on CPU: short prompts of ordinary ids (past its control tokens) and short outputs,
+/// so both engines (one core each) finish in seconds.
+const SMOLLM2: Shape = Shape {
+    model: &["--model", "smollm2", "--threads", "1"],
+    cases: 8,
+    max_prompt: 64,
+    ids: 17..49152,
+    max_extra: 24,
+    max_tokens: 8,
+    big_moves: 2,
+    big_move: 16,
+};
+
+/// Random prompts, balance windows, sampling settings, and repeated or shared-prefix prompts
+/// so prefix-cache hits occur.
+fn cases(seed: u64, shape: &Shape) -> Vec<Case> {
+    let n = shape.cases;
+    let ids = || shape.ids.clone();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut previous: Vec<Vec<u32>> = Vec::new();
     (0..n)
@@ -113,18 +156,18 @@ fn cases(seed: u64, n: usize) -> Vec<Case> {
                 (0, Some(p)) => p.clone(),
                 (1, Some(p)) => {
                     let keep = rng.random_range(1..=p.len());
-                    let extra = rng.random_range(1..300);
-                    p[..keep].iter().copied().chain((0..extra).map(|_| rng.random_range(0..256))).collect()
+                    let extra = rng.random_range(1..=shape.max_extra);
+                    p[..keep].iter().copied().chain((0..extra).map(|_| rng.random_range(ids()))).collect()
                 }
                 _ => {
-                    let len = if rng.random_bool(0.2) { rng.random_range(1..8) } else { rng.random_range(1..=2000) };
-                    (0..len).map(|_| rng.random_range(0..256)).collect()
+                    let len = if rng.random_bool(0.2) { rng.random_range(1..8) } else { rng.random_range(1..=shape.max_prompt) };
+                    (0..len).map(|_| rng.random_range(ids())).collect()
                 }
             };
             previous.push(prompt.clone());
             let len = prompt.len() as f64;
             let end = if rng.random_bool(0.4) { -1 } else { ((1.0 - rng.random_range(0.01..1.0)) * len) as i64 };
-            let mut body = json!({"model": null, "prompt": prompt, "max_tokens": rng.random_range(1..40),
+            let mut body = json!({"model": null, "prompt": prompt, "max_tokens": rng.random_range(1..shape.max_tokens),
                 "n": 1, "stream": false, "debug_config": {}});
             if rng.random_bool(0.5) {
                 body["temperature"] = json!(rng.random_range(0.3..1.5));
@@ -174,12 +217,13 @@ async fn disaggregated(pair: &Pair, case: &Case, id: &str) -> ((String, String),
     (streamed_text(&text), end - matched)
 }
 
-async fn token_identity(transport: &str, extra: &[&str], seed: u64) {
+async fn token_identity(transport: &str, extra: &[&str], seed: u64, shape: &Shape) {
     let mut args = vec!["--prefix-cache"];
     args.extend(extra);
+    args.extend(shape.model);
     let pair = Pair::spawn(transport, &args);
     let mut moved = Vec::new();
-    for (i, case) in cases(seed, 30).iter().enumerate() {
+    for (i, case) in cases(seed, shape).iter().enumerate() {
         // The single-engine baseline runs on P: on D it would fill D's prefix cache with the
         // very prompt, and the disaggregated run would then move almost nothing.
         let alone = post_json(&pair.p.endpoint("/v1/completions"), &case.body).await;
@@ -206,7 +250,7 @@ async fn token_identity(transport: &str, extra: &[&str], seed: u64) {
     }
     // Multi-page, multi-run transfers were exercised, not only prefix-cache hits.
     assert!(
-        moved.iter().filter(|&&n| n > 256).count() >= 5,
+        moved.iter().filter(|&&n| n > shape.big_move).count() >= shape.big_moves,
         "positions moved per case: {moved:?}"
     );
     let d = metrics(&pair.d).await;
@@ -223,12 +267,24 @@ async fn token_identity(transport: &str, extra: &[&str], seed: u64) {
 
 #[tokio::test]
 async fn disaggregated_tokens_match_a_single_engine_over_tcp() {
-    token_identity("tcp", &[], 0x7cb).await;
+    token_identity("tcp", &[], 0x7cb, &SYNTHETIC).await;
 }
 
 #[tokio::test]
 async fn disaggregated_tokens_match_a_single_engine_over_shm() {
-    token_identity("shm", &[], 0x5e3).await;
+    token_identity("shm", &[], 0x5e3, &SYNTHETIC).await;
+}
+
+/// The real model (SmolLM2-135M, `make model`): the logits D computes from the K/V P pushed are
+/// the bits P would have computed itself, so greedy and seeded runs give the same tokens.
+#[tokio::test]
+async fn real_model_disaggregated_tokens_match_a_single_engine_over_tcp() {
+    token_identity("tcp", &[], 0x51a, &SMOLLM2).await;
+}
+
+#[tokio::test]
+async fn real_model_disaggregated_tokens_match_a_single_engine_over_shm() {
+    token_identity("shm", &[], 0x5a0, &SMOLLM2).await;
 }
 
 /// Both engines keep their KV pool on GPU 0 and P pushes into D's over CUDA IPC. Needs a build
@@ -244,7 +300,7 @@ async fn disaggregated_tokens_match_a_single_engine_over_cuda() {
         );
         return;
     }
-    token_identity("cuda", &["--kv-device", "cuda:0"], 0xc0d).await;
+    token_identity("cuda", &["--kv-device", "cuda:0"], 0xc0d, &SYNTHETIC).await;
 }
 
 #[tokio::test]

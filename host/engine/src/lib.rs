@@ -355,16 +355,9 @@ async fn load_model(model: &str) -> Result<LoadedModel, EngineError> {
     };
     let load_path = path.clone();
     // Loading requantizes every weight: seconds of CPU, off the async threads.
-    let loaded = tokio::task::spawn_blocking(move || {
-        let meta = GgufMetadata::read(&load_path)?;
-        let files = meta.model_files()?;
-        let tokenizer = files.tokenizer()?;
-        let llama = Llama::load(&load_path, &meta)?;
-        let model = llama_model(llama, &meta, files.eos_id)?;
-        Ok::<_, llama::LlamaError>((model, tokenizer))
-    })
-    .await
-    .map_err(|e| fail(e.to_string()))?;
+    let loaded = tokio::task::spawn_blocking(move || load_gguf(&load_path))
+        .await
+        .map_err(|e| fail(e.to_string()))?;
     let (model, tokenizer) = loaded.map_err(|e| fail(e.to_string()))?;
     Ok(LoadedModel {
         spec: ModelSpec::Llama(Arc::new(model)),
@@ -381,6 +374,30 @@ pub fn served_name(path: &std::path::Path) -> String {
         .map(|f| f.to_string_lossy())
         .unwrap_or_default();
     file.split('.').next().unwrap_or_default().to_owned()
+}
+
+/// The GGUF at `path` with its tokenizer.
+fn load_gguf(
+    path: &std::path::Path,
+) -> Result<(LlamaModel, tokenizers::Tokenizer), llama::LlamaError> {
+    let meta = GgufMetadata::read(path)?;
+    let files = meta.model_files()?;
+    let tokenizer = files.tokenizer()?;
+    let llama = Llama::load(path, &meta)?;
+    Ok((llama_model(llama, &meta, files.eos_id)?, tokenizer))
+}
+
+/// SmolLM2 from the cache `make model` fills, loaded once per test binary.
+#[cfg(test)]
+fn test_smollm2() -> &'static (Arc<LlamaModel>, tokenizers::Tokenizer) {
+    static MODEL: std::sync::OnceLock<(Arc<LlamaModel>, tokenizers::Tokenizer)> =
+        std::sync::OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = switchyard_wire::gguf::smollm2_path().expect("HOME or SWITCHYARD_CACHE");
+        let (model, tokenizer) =
+            load_gguf(&path).unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
+        (Arc::new(model), tokenizer)
+    })
 }
 
 /// What the step loop needs beside the weights: each token's bytes and the ids that end a

@@ -81,6 +81,9 @@ fn serve(args: &switchyard_router::config::ServeArgs) -> anyhow::Result<()> {
 }
 
 fn engine(args: switchyard_engine::EngineArgs) -> anyhow::Result<()> {
+    if let Some(threads) = args.threads {
+        set_model_threads(threads);
+    }
     match switchyard_engine::run(args, shutdown_signal()) {
         Err(e) if e.is_usage() => {
             eprintln!("switchyard engine: {e}");
@@ -88,6 +91,18 @@ fn engine(args: switchyard_engine::EngineArgs) -> anyhow::Result<()> {
         }
         other => Ok(other?),
     }
+}
+
+/// candle sizes its matmul thread pool from `CANDLE_NUM_THREADS` when it first runs, and has
+/// no other knob: set it while this process has one thread, before any runtime starts.
+#[expect(
+    unsafe_code,
+    reason = "set_var is unsafe while other threads may read the environment; none exist yet"
+)]
+fn set_model_threads(threads: u16) {
+    // SAFETY: called from main before the tokio runtime, the step loop or any other thread
+    // starts (tracing's subscriber spawns none), so nothing reads the environment concurrently.
+    unsafe { std::env::set_var("CANDLE_NUM_THREADS", threads.to_string()) };
 }
 
 fn up(args: up::UpArgs) -> anyhow::Result<()> {

@@ -3,6 +3,10 @@
 //! the shm transport), runs the router in-process in front of them, prints the URL and a
 //! ready-to-paste request once ready, and stops everything on SIGINT/SIGTERM.
 //!
+//! `--model` names what the engines run (`synthetic`, `smollm2` or a GGUF path; see
+//! `switchyard engine --model`): with a real model the router gets the GGUF's tokenizer, chat
+//! template and name, and the machine's cores are split between the engines (`--threads`).
+//!
 //! Engines never outlive the router: each child is killed when its handle drops, and the
 //! kernel kills it (`PR_SET_PDEATHSIG`) if the router dies without running destructors.
 
@@ -29,6 +33,13 @@ pub struct UpArgs {
     /// Start the engines with their prefix cache on.
     #[arg(long)]
     pub prefix_cache: bool,
+    /// The name `/v1/models` reports (default: the router's default for the synthetic model,
+    /// else the GGUF's file stem). `--model` names what the engines run.
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Threads per engine for a real model (default: the machine's cores split evenly).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
     /// An extra flag for every engine, e.g. `--engine-arg=--preempt-every=2` (repeatable).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -41,6 +52,8 @@ pub struct UpArgs {
 pub enum UpError {
     #[error("--prefill + --decode must be at least 1")]
     NoEngines,
+    #[error("--model {model}: {reason}")]
+    Model { model: String, reason: String },
     #[error("cannot find this executable to start engines: {0}")]
     CurrentExe(std::io::Error),
     #[error("cannot start engine {rank}: {source}")]
@@ -68,13 +81,27 @@ pub struct EngineChild {
 
 /// Start engines and the router; run until `shutdown` resolves.
 pub async fn run(
-    args: UpArgs,
+    mut args: UpArgs,
     shutdown: impl std::future::Future<Output = ()>,
 ) -> Result<(), UpError> {
+    let model = args
+        .router
+        .model
+        .take()
+        .unwrap_or_else(|| "synthetic".into());
+    let real = switchyard_engine::model_path(&model).is_some();
+    if real {
+        let dir = std::env::temp_dir().join(format!("switchyard-up-{}-model", std::process::id()));
+        let name = model_dir(&model, &dir)?;
+        args.router.model_dir = Some(dir);
+        args.router.model = Some(args.served_model_name.clone().unwrap_or(name));
+    } else {
+        args.router.model = args.served_model_name.clone();
+    }
     // Validate the router's side before starting any process.
     let probe = serve_args(&args, vec!["http://127.0.0.1:1".into()]);
     Config::from_args(&probe)?;
-    let engines = spawn_engines(&args).await?;
+    let engines = spawn_engines(&args, &model).await?;
     let urls = engines.iter().map(|e| e.url.clone()).collect();
     let mut config = Config::from_args(&serve_args(&args, urls))?;
     for (i, endpoint) in config.endpoints.iter_mut().enumerate() {
@@ -89,7 +116,7 @@ pub async fn run(
     if !router.wait_ready(ready_within).await {
         return Err(UpError::RouterNotReady(ready_within));
     }
-    print_banner(&router.addr().to_string(), &engines);
+    print_banner(&router.addr().to_string(), &engines, real);
     shutdown.await;
     router.shutdown().await?;
     drop(engines);
@@ -105,18 +132,47 @@ fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
     }
 }
 
-fn print_banner(addr: &str, engines: &[EngineChild]) {
+/// Writes the router's model directory for the GGUF `model` names (tokenizer and chat
+/// template from its metadata) into `dir`; returns the name the engines report.
+fn model_dir(model: &str, dir: &std::path::Path) -> Result<String, UpError> {
+    let fail = |reason: String| UpError::Model {
+        model: model.into(),
+        reason,
+    };
+    let path = switchyard_engine::model_path(model).ok_or_else(|| fail("not a GGUF".into()))?;
+    let meta = switchyard_wire::gguf::GgufMetadata::read(&path).map_err(|e| {
+        let hint = if model == "smollm2" {
+            " (run `make model` to fetch it)"
+        } else {
+            ""
+        };
+        fail(format!("{e}{hint}"))
+    })?;
+    let files = meta.model_files().map_err(|e| fail(e.to_string()))?;
+    files
+        .write_model_dir(dir)
+        .map_err(|e| fail(format!("cannot write {}: {e}", dir.display())))?;
+    Ok(switchyard_engine::served_name(&path))
+}
+
+fn print_banner(addr: &str, engines: &[EngineChild], real: bool) {
     for e in engines {
         println!("engine {} (device rank {}) on {}", e.rank, e.rank, e.url);
     }
     println!("switchyard router ready on http://{addr}");
+    if real {
+        println!(
+            "try:\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
+        );
+        return;
+    }
     println!(
         "try:\n  curl -s http://{addr}/v1/completions -H 'content-type: application/json' \\\n    -d '{{\"prompt\": \"Disaggregated serving splits prefill from decode\", \"max_tokens\": 32}}'"
     );
 }
 
 /// Start every engine, each knowing every other engine's KV address up front.
-pub async fn spawn_engines(args: &UpArgs) -> Result<Vec<EngineChild>, UpError> {
+pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild>, UpError> {
     let n = args.prefill + args.decode;
     if n == 0 {
         return Err(UpError::NoEngines);
@@ -141,6 +197,17 @@ pub async fn spawn_engines(args: &UpArgs) -> Result<Vec<EngineChild>, UpError> {
         }
         if args.prefix_cache {
             cmd.arg("--prefix-cache");
+        }
+        if model != "synthetic" {
+            cmd.args(["--model", model]);
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            let threads = args
+                .threads
+                .map_or_else(|| (cores / n as usize).max(1), usize::from);
+            cmd.args(["--threads", &threads.to_string()]);
+        }
+        if let Some(name) = &args.served_model_name {
+            cmd.args(["--served-model-name", name]);
         }
         cmd.args(&args.engine_args)
             .stdin(Stdio::null())

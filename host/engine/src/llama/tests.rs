@@ -1,27 +1,21 @@
-use std::sync::OnceLock;
-
 use super::*;
 
-/// The model `make model` fetched, loaded once for every test here.
-fn model() -> &'static (Llama, tokenizers::Tokenizer) {
-    static MODEL: OnceLock<(Llama, tokenizers::Tokenizer)> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let path = switchyard_wire::gguf::smollm2_path().expect("HOME or SWITCHYARD_CACHE");
-        let meta = GgufMetadata::read(&path)
-            .unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
-        let tokenizer = meta.model_files().unwrap().tokenizer().unwrap();
-        (Llama::load(&path, &meta).unwrap(), tokenizer)
-    })
+fn llama() -> &'static Llama {
+    &crate::test_smollm2().0.llama
+}
+
+fn tokenizer() -> &'static tokenizers::Tokenizer {
+    &crate::test_smollm2().1
 }
 
 fn encode(text: &str) -> Vec<u32> {
-    model().1.encode(text, false).unwrap().get_ids().to_vec()
+    tokenizer().encode(text, false).unwrap().get_ids().to_vec()
 }
 
 /// Runs `tokens` from an empty KV in chunks of the given sizes (the last chunk takes the
 /// rest); returns the last position's logits and the KV.
 fn run_chunked(tokens: &[u32], sizes: &[usize]) -> (Vec<f32>, Vec<f32>) {
-    let llama = &model().0;
+    let llama = llama();
     let mut kv = Vec::new();
     let mut start = 0;
     let mut logits = None;
@@ -58,7 +52,7 @@ fn argmax(logits: &[f32]) -> u32 {
 fn knows_the_capital_of_france() {
     let (logits, _) = run_chunked(&encode("The capital of France is"), &[]);
     assert_eq!(
-        model().1.decode(&[argmax(&logits)], false).unwrap(),
+        tokenizer().decode(&[argmax(&logits)], false).unwrap(),
         " Paris"
     );
 }
@@ -86,7 +80,7 @@ fn logits_are_bit_identical_across_batching_chunking_and_kv_export() {
 
     // Beside another sequence in the same pass, and after the first part's KV went through a
     // KV pool (bytes in, bytes out), as a transfer between engines does.
-    let llama = &model().0;
+    let llama = llama();
     let cfg = *llama.config();
     let split = 13;
     let (_, head_kv) = run_chunked(&tokens[..split], &[]);

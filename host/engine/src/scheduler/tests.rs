@@ -634,3 +634,109 @@ fn a_gone_client_frees_its_pages() {
     wait_for("abort", || h.metrics.requests_aborted.get() == 1);
     wait_for("pages freed", || h.metrics.kv_pages_used.get() == 0);
 }
+
+// === streaming text ===
+
+#[test]
+fn a_character_split_across_tokens_is_streamed_whole() {
+    let mut pending = Vec::new();
+    let mut text = String::new();
+    let mut seen = Vec::new();
+    for &b in "é🦀x".as_bytes() {
+        pending.push(b);
+        decode_pending(&mut pending, &mut text, false);
+        seen.push(text.clone());
+    }
+    assert_eq!(seen, ["", "é", "é", "é", "é", "é🦀", "é🦀x"]);
+    // Bytes that can never be valid are replaced at once; an unfinished character only when
+    // the generation ends.
+    pending.extend_from_slice(&[0xFF, b'a', 0xF0, 0x9F]);
+    decode_pending(&mut pending, &mut text, false);
+    assert_eq!(text, "é🦀x\u{FFFD}a");
+    assert_eq!(pending, [0xF0, 0x9F]);
+    decode_pending(&mut pending, &mut text, true);
+    assert_eq!(text, "é🦀x\u{FFFD}a\u{FFFD}");
+    assert!(pending.is_empty());
+}
+
+// === the real model ===
+
+/// A core running SmolLM2 (`make model`), its pool shaped for the model.
+fn start_smollm2(cfg: CoreConfig) -> Harness {
+    let model = crate::test_smollm2().0.clone();
+    let slots = cfg.num_pages * cfg.page_size as u32;
+    let store = KvStore::new(model.llama.config().kv_shape(), slots).unwrap();
+    let store = Arc::new(store.with_guarded_slots());
+    let metrics = Metrics::default();
+    let cfg = CoreConfig {
+        model: ModelSpec::Llama(model),
+        ..cfg
+    };
+    let core = Core::new(cfg, store.clone(), metrics.clone());
+    let (commands, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || core.run(rx));
+    Harness {
+        commands,
+        store,
+        metrics,
+    }
+}
+
+fn smollm2_request(text: &str, max_tokens: usize, sampling: Sampling) -> GenRequest {
+    let ids = crate::test_smollm2().1.encode(text, false).unwrap();
+    GenRequest {
+        tokens: ids.get_ids().to_vec(),
+        sampling,
+        max_tokens,
+        stop: Vec::new(),
+    }
+}
+
+/// Continuous batching, chunked prefill and the prefix cache change nothing about what the
+/// real model writes: requests run together give the text each gives alone.
+#[test]
+fn real_model_requests_batched_together_match_each_alone() {
+    let seeded = Sampling {
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 7,
+    };
+    let requests = [
+        smollm2_request("The capital of France is", 6, Sampling::GREEDY),
+        smollm2_request("Once upon a time, there was a", 8, seeded),
+        GenRequest {
+            stop: vec![".".into()],
+            ..smollm2_request("The capital of France is", 12, Sampling::GREEDY)
+        },
+    ];
+    let alone = start_smollm2(config(64));
+    let expected: Vec<_> = requests
+        .iter()
+        .map(|r| generate(&alone, r.clone()))
+        .collect();
+    assert!(expected[0].0.starts_with(" Paris"), "{:?}", expected[0]);
+    assert_eq!(expected[2].1, FinishReason::Stop, "{:?}", expected[2]);
+    assert!(!expected[2].0.contains('.'), "{:?}", expected[2]);
+
+    let together = start_smollm2(CoreConfig {
+        prefix_cache: true,
+        prefill_chunk: 3,
+        ..config(64)
+    });
+    let mut streams: Vec<_> = requests
+        .iter()
+        .map(|r| {
+            let (events, rx) = mpsc::unbounded_channel();
+            together
+                .commands
+                .send(Command::Generate {
+                    request: r.clone(),
+                    events,
+                })
+                .unwrap();
+            rx
+        })
+        .collect();
+    let got: Vec<_> = streams.iter_mut().map(finish).collect();
+    assert_eq!(got, expected);
+}
