@@ -8,7 +8,9 @@ normal and build dependencies (dev-dependencies are test scaffolding, not archit
   wire and kv, the contract nothing, policy-host only the contract, router wire + contract +
   policy-host, bench only wire, the SDK nothing of the host);
 - that the policy host and the contract reach no HTTP client or server, and the contract no
-  wasmtime.
+  wasmtime;
+- that the router and the wire types reach no ML framework (candle is the engine's alone: the
+  router builds its tokenizer from GGUF metadata through switchyard-wire).
 
 `--self-test` first proves the check fails on graphs that break each rule.
 Usage: scripts/check-crate-graph.py [--self-test] [--print]
@@ -30,9 +32,12 @@ OURS_ALLOWED = {
 }
 HTTP = {"reqwest", "hyper", "hyper-util", "h2", "ureq", "isahc", "curl", "surf", "awc",
         "attohttpc", "axum", "actix-web", "warp", "wasmtime-wasi-http"}
+ML = {"candle-core", "candle-nn", "candle-transformers"}
 FORBIDDEN_EXTERNAL = {
     "switchyard-policy-host": HTTP,
     "switchyard-contract": HTTP | {"wasmtime", "wasmtime-wasi"},
+    "switchyard-router": ML,
+    "switchyard-wire": ML,
 }
 
 
@@ -93,7 +98,8 @@ def self_test(metadata):
     cases = [("switchyard-policy-host", "reqwest"), ("switchyard-engine", "switchyard-router"),
              ("switchyard-engine", "switchyard-policy-host"), ("switchyard-kv", "switchyard-wire"),
              ("switchyard-wire", "switchyard-router"), ("switchyard-policy", "switchyard-contract"),
-             ("switchyard-contract", "wasmtime")]
+             ("switchyard-contract", "wasmtime"), ("switchyard-router", "candle-core"),
+             ("switchyard-wire", "candle-core")]
     for src, dst in cases:
         if not any(f"{src} -> {dst}" in v for v in violations(with_edge(metadata, src, dst))):
             sys.exit(f"self-test: an edge {src} -> {dst} went unnoticed")

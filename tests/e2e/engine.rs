@@ -131,16 +131,17 @@ const SYNTHETIC: Shape = Shape {
 };
 
 /// SmolLM2 on CPU: short prompts of ordinary ids (past its control tokens) and short outputs,
-/// so both engines (one core each) finish in seconds.
+/// so both engines (one core each) finish in seconds; small pages, so short prompts still
+/// share cached prefixes and span several pages.
 const SMOLLM2: Shape = Shape {
-    model: &["--model", "smollm2", "--threads", "1"],
+    model: &["--model", "smollm2", "--threads", "1", "--page-size", "4"],
     cases: 8,
     max_prompt: 64,
     ids: 17..49152,
     max_extra: 24,
     max_tokens: 8,
     big_moves: 2,
-    big_move: 16,
+    big_move: 8,
 };
 
 /// Random prompts, balance windows, sampling settings, and repeated or shared-prefix prompts

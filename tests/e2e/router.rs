@@ -220,6 +220,45 @@ async fn up_disaggregated_output_equals_a_single_engine() {
     );
 }
 
+/// `make run`'s default: SmolLM2 (`make model`) on 1 prefill + 1 decode engine, with the
+/// GGUF's tokenizer and chat template in the router. The chat line `up` prints answers in
+/// English, and streaming it gives the same text in chunks that never split a character. (The
+/// line sets a system message: under the template's default one, SmolLM2-135M rambles.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_the_real_model_answers_its_banner_question() {
+    let up = RouterProcess::up(&["--model", "smollm2", "--prefill", "1", "--decode", "1"]);
+    let models = post_or_get(&up.endpoint("/v1/models")).await;
+    assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct", "{models}");
+    let mut body = json!({
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ],
+        "max_tokens": 32,
+    });
+    let answer = post_json(&up.endpoint("/v1/chat/completions"), &body).await;
+    let text = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{answer}"))
+        .to_owned();
+    assert!(text.contains("Paris"), "{text:?}");
+    body["stream"] = json!(true);
+    let (status, streamed) = post(&up.endpoint("/v1/chat/completions"), &body).await;
+    assert_eq!(status, 200, "{streamed}");
+    let mut joined = String::new();
+    for payload in sse_payloads(&streamed) {
+        if payload == "[DONE]" {
+            break;
+        }
+        let chunk: Value = serde_json::from_str(&payload).expect("chunk JSON");
+        if let Some(delta) = chunk["choices"][0]["delta"]["content"].as_str() {
+            assert!(!delta.contains('\u{FFFD}'), "{delta:?}");
+            joined.push_str(delta);
+        }
+    }
+    assert_eq!(joined, text);
+}
+
 pub(crate) async fn post_or_get(url: &str) -> Value {
     let response = client().get(url).send().await.expect("reachable");
     assert_eq!(response.status(), 200);

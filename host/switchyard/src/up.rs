@@ -27,7 +27,9 @@ pub struct UpArgs {
     /// Engines with the prefill role (endpoint ids 0..P).
     #[arg(long, default_value_t = 1)]
     pub prefill: u32,
-    /// Engines with the decode role (endpoint ids P..P+D).
+    /// Engines with the decode role (endpoint ids P..P+D). With a real model each engine gets
+    /// its share of the cores (`--threads`): `make run` starts 1 + 1 for 2 cores; on a bigger
+    /// machine raise `--prefill`/`--decode`, e.g. `--prefill 2 --decode 4` on 12 cores.
     #[arg(long, default_value_t = 2)]
     pub decode: u32,
     /// Start the engines with their prefix cache on.
@@ -162,7 +164,7 @@ fn print_banner(addr: &str, engines: &[EngineChild], real: bool) {
     println!("switchyard router ready on http://{addr}");
     if real {
         println!(
-            "try:\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
+            "try:\n  curl -s http://{addr}/v1/chat/completions -H 'content-type: application/json' \\\n    -d '{{\"messages\": [{{\"role\": \"system\", \"content\": \"You are a helpful assistant.\"}}, {{\"role\": \"user\", \"content\": \"What is the capital of France?\"}}], \"max_tokens\": 32}}'"
         );
         return;
     }
