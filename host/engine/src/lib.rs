@@ -241,7 +241,11 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let latency = latency_from(args)?;
     let num_slots = pool_slots(args)?;
     check_reservation_ttl(args)?;
-    let model = load_model(&args.model).await?;
+    let threads = args.threads.map_or_else(
+        || std::thread::available_parallelism().map_or(1, |n| n.get()),
+        usize::from,
+    );
+    let model = load_model(&args.model, threads).await?;
     let store = KvStore::new_on(args.kv_device, model.kv_shape(args.model_shape), num_slots)?;
     let store = Arc::new(store.with_guarded_slots());
     let transport = start_transport(args, store.clone()).await?;
@@ -337,7 +341,7 @@ pub fn model_path(model: &str) -> Option<PathBuf> {
     }
 }
 
-async fn load_model(model: &str) -> Result<LoadedModel, EngineError> {
+async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineError> {
     let Some(path) = model_path(model) else {
         return Ok(LoadedModel {
             spec: ModelSpec::Synthetic,
@@ -355,7 +359,7 @@ async fn load_model(model: &str) -> Result<LoadedModel, EngineError> {
     };
     let load_path = path.clone();
     // Loading requantizes every weight: seconds of CPU, off the async threads.
-    let loaded = tokio::task::spawn_blocking(move || load_gguf(&load_path))
+    let loaded = tokio::task::spawn_blocking(move || load_gguf(&load_path, threads))
         .await
         .map_err(|e| fail(e.to_string()))?;
     let (model, tokenizer) = loaded.map_err(|e| fail(e.to_string()))?;
@@ -379,11 +383,12 @@ pub fn served_name(path: &std::path::Path) -> String {
 /// The GGUF at `path` with its tokenizer.
 fn load_gguf(
     path: &std::path::Path,
+    threads: usize,
 ) -> Result<(LlamaModel, tokenizers::Tokenizer), llama::LlamaError> {
     let meta = GgufMetadata::read(path)?;
     let files = meta.model_files()?;
     let tokenizer = files.tokenizer()?;
-    let llama = Llama::load(path, &meta)?;
+    let llama = Llama::load(path, &meta, threads)?;
     Ok((llama_model(llama, &meta, files.eos_id)?, tokenizer))
 }
 
@@ -394,8 +399,8 @@ fn test_smollm2() -> &'static (Arc<LlamaModel>, tokenizers::Tokenizer) {
         std::sync::OnceLock::new();
     MODEL.get_or_init(|| {
         let path = switchyard_wire::gguf::smollm2_path().expect("HOME or SWITCHYARD_CACHE");
-        let (model, tokenizer) =
-            load_gguf(&path).unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
+        let (model, tokenizer) = load_gguf(&path, 2)
+            .unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
         (Arc::new(model), tokenizer)
     })
 }

@@ -138,6 +138,9 @@ pub struct Llama {
     output: QMatMul,
     /// `1 / theta^(2i / head_dim)` for each rotated pair.
     inv_freq: Vec<f32>,
+    /// Threads the attention of a many-row pass is split over (by rows: each row's sums stay
+    /// on one thread, in order, so the split changes no bit).
+    threads: usize,
 }
 
 impl std::fmt::Debug for Llama {
@@ -160,8 +163,9 @@ pub struct SeqChunk<'a> {
 }
 
 impl Llama {
-    /// Loads `path`, requantizing every quantized weight to Q8_0 (see the module docs).
-    pub fn load(path: &Path, meta: &GgufMetadata) -> Result<Self, LlamaError> {
+    /// Loads `path`, requantizing every quantized weight to Q8_0 (see the module docs);
+    /// attention over many rows runs on `threads` threads.
+    pub fn load(path: &Path, meta: &GgufMetadata, threads: usize) -> Result<Self, LlamaError> {
         let cfg = LlamaConfig::from_metadata(meta)?;
         let open_err = |source| LlamaError::Open {
             path: path.display().to_string(),
@@ -219,6 +223,7 @@ impl Llama {
             norm,
             output,
             inv_freq,
+            threads: threads.max(1),
         })
     }
 
@@ -269,7 +274,6 @@ impl Llama {
             }
         }
         let mut attn = vec![0.0f32; n * cfg.heads * hd];
-        let mut scores = Vec::new();
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
             let mut q = apply(&layer.wq, h.clone(), n, hidden)?;
@@ -284,24 +288,37 @@ impl Llama {
                 kv[base + kv_dim..base + 2 * kv_dim]
                     .copy_from_slice(&v[r * kv_dim..(r + 1) * kv_dim]);
             }
-            for (r, &(c, pos)) in rows.iter().enumerate() {
-                let kv = &chunks[c].kv;
-                for head in 0..cfg.heads {
-                    let kvh = head / (cfg.heads / cfg.kv_heads);
-                    let qh = &q[(r * cfg.heads + head) * hd..(r * cfg.heads + head + 1) * hd];
-                    let out =
-                        &mut attn[(r * cfg.heads + head) * hd..(r * cfg.heads + head + 1) * hd];
-                    attend(
-                        qh,
-                        kv,
-                        pos,
-                        l * 2 * kv_dim + kvh * hd,
-                        kv_dim,
-                        slot,
-                        &mut scores,
-                        out,
-                    );
+            let kvs: Vec<&[f32]> = chunks.iter().map(|ch| ch.kv.as_slice()).collect();
+            let layer_attention = |first: usize, out: &mut [f32]| {
+                let mut scores = Vec::new();
+                let width = cfg.heads * hd;
+                for (i, row_out) in out.chunks_exact_mut(width).enumerate() {
+                    let r = first + i;
+                    let (c, pos) = rows[r];
+                    for (head, head_out) in row_out.chunks_exact_mut(hd).enumerate() {
+                        let kvh = head / (cfg.heads / cfg.kv_heads);
+                        let qh = &q[(r * cfg.heads + head) * hd..(r * cfg.heads + head + 1) * hd];
+                        let at = Window {
+                            pos,
+                            offset: l * 2 * kv_dim + kvh * hd,
+                            kv_dim,
+                            slot,
+                        };
+                        attend(qh, kvs[c], at, &mut scores, head_out);
+                    }
                 }
+            };
+            // Rows split over threads only when there are enough of them to pay for it.
+            let per_thread = n.div_ceil(self.threads).max(PARALLEL_ROWS);
+            if per_thread >= n {
+                layer_attention(0, &mut attn);
+            } else {
+                std::thread::scope(|s| {
+                    for (i, part) in attn.chunks_mut(per_thread * cfg.heads * hd).enumerate() {
+                        let layer_attention = &layer_attention;
+                        s.spawn(move || layer_attention(i * per_thread, part));
+                    }
+                });
             }
             let o = apply(&layer.wo, attn.clone(), n, cfg.heads * hd)?;
             add(&mut x, &o);
@@ -413,23 +430,28 @@ fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
-/// One head's attention for the row at `pos`: softmax(q·K[0..=pos] / √d) · V[0..=pos], over
-/// positions in order. `offset` is where this layer's K for this KV head starts in a slot; its
-/// V is `kv_dim` further.
-#[expect(
-    clippy::too_many_arguments,
-    reason = "one call site, all plain slices and offsets"
-)]
-fn attend(
-    q: &[f32],
-    kv: &[f32],
+/// Fewest rows worth a thread of their own in attention.
+const PARALLEL_ROWS: usize = 16;
+
+/// Where one head's K and V sit in a sequence's slots: `offset` is where this layer's K for
+/// this KV head starts in a slot (its V is `kv_dim` further), for positions `0..=pos`.
+#[derive(Clone, Copy)]
+struct Window {
     pos: usize,
     offset: usize,
     kv_dim: usize,
     slot: usize,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+}
+
+/// One head's attention for the row at `at.pos`: softmax(q·K[0..=pos] / √d) · V[0..=pos], over
+/// positions in order.
+fn attend(q: &[f32], kv: &[f32], at: Window, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let Window {
+        pos,
+        offset,
+        kv_dim,
+        slot,
+    } = at;
     let hd = q.len();
     let scale = 1.0 / (hd as f32).sqrt();
     scores.clear();

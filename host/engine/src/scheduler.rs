@@ -977,6 +977,7 @@ impl Core {
             returns: self.lease_returns.0.clone(),
         };
         let reply = reply.take();
+        self.backend.forget(seq.id);
         self.leases.insert(seq.id, seq);
         if let Some(reply) = reply {
             let _ = reply.send(lease);

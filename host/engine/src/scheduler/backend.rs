@@ -46,6 +46,11 @@ pub(super) enum Backend {
         model: Arc<LlamaModel>,
         /// The last position's logits of each sequence whose pass ended its known tokens.
         logits: HashMap<u64, Vec<f32>>,
+        /// Each running sequence's K/V of positions `0..computed`, as last read or written, so
+        /// a decode step does not copy the whole context out of the pool again. Sound because
+        /// a sequence's computed positions never change while it runs: they are its own pages
+        /// or shared prefix-cache pages, and transfers land before its start_generate.
+        kv: HashMap<u64, Vec<f32>>,
     },
 }
 
@@ -60,6 +65,7 @@ impl Backend {
             ModelSpec::Llama(model) => Backend::Llama {
                 model: model.clone(),
                 logits: HashMap::new(),
+                kv: HashMap::new(),
             },
         }
     }
@@ -105,7 +111,7 @@ impl Backend {
                     seq.computed += *n;
                 }
             }
-            Backend::Llama { model, logits } => {
+            Backend::Llama { model, logits, kv } => {
                 let floats = model.llama.config().slot_floats();
                 // What each sequence runs: positions `[from, to)`. A generation whose every
                 // position is in the pool already (start_generate at the window's end) reruns
@@ -120,18 +126,24 @@ impl Backend {
                         n => (p.seq.computed, p.seq.computed + n),
                     })
                     .collect();
-                // Each sequence's earlier K/V, read from the pool (where a transfer may have
-                // put it).
+                // Each sequence's earlier K/V: kept from its last step, else read from the
+                // pool (where a transfer or the prefix cache may have put it).
                 let mut kvs: Vec<Vec<f32>> = plan
                     .iter()
                     .zip(&runs)
-                    .map(|(p, &(from, _))| {
-                        let mut kv = vec![0.0f32; from * floats];
-                        for (pos, slot) in kv.chunks_exact_mut(floats).enumerate() {
-                            let s = pool.slot(&p.seq.pages, pos);
-                            store.read_slot(s, bytemuck::cast_slice_mut(slot));
+                    .map(|(p, &(from, _))| match kv.remove(&p.seq.id) {
+                        Some(mut kept) if kept.len() >= from * floats => {
+                            kept.truncate(from * floats);
+                            kept
                         }
-                        kv
+                        _ => {
+                            let mut read = vec![0.0f32; from * floats];
+                            for (pos, slot) in read.chunks_exact_mut(floats).enumerate() {
+                                let s = pool.slot(&p.seq.pages, pos);
+                                store.read_slot(s, bytemuck::cast_slice_mut(slot));
+                            }
+                            read
+                        }
                     })
                     .collect();
                 let mut chunks: Vec<SeqChunk<'_>> = plan
@@ -152,17 +164,19 @@ impl Backend {
                     .forward(&mut chunks)
                     .unwrap_or_else(|e| panic!("the model's forward pass failed: {e}"));
                 drop(chunks);
-                for (((p, kv), l), &(from, to)) in plan.iter_mut().zip(&kvs).zip(out).zip(&runs) {
+                for (((p, seq_kv), l), &(from, to)) in plan.iter_mut().zip(kvs).zip(out).zip(&runs)
+                {
                     let seq = &mut *p.seq;
                     for pos in from.max(seq.computed)..to {
                         let slot = pool.slot(&seq.pages, pos);
-                        let bytes = &kv[pos * floats..(pos + 1) * floats];
+                        let bytes = &seq_kv[pos * floats..(pos + 1) * floats];
                         store.write_slot(slot, bytemuck::cast_slice(bytes));
                     }
                     seq.computed += p.n;
                     if let Some(l) = l {
                         logits.insert(seq.id, l);
                     }
+                    kv.insert(seq.id, seq_kv);
                 }
             }
         }
@@ -211,8 +225,9 @@ impl Backend {
 
     /// A sequence left the loop: forget what was kept for it.
     pub fn forget(&mut self, id: u64) {
-        if let Backend::Llama { logits, .. } = self {
+        if let Backend::Llama { logits, kv, .. } = self {
             logits.remove(&id);
+            kv.remove(&id);
         }
     }
 }
