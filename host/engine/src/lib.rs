@@ -4,7 +4,9 @@
 //! paged KV pool with finite pages ([`kv_pool`]), a continuous-batching step loop with prefix
 //! cache, prep_recv reservations that expire, and MLC's preemption under KV pressure
 //! ([`scheduler`]), a latency model ([`latency`]) and a deterministic model that writes real KV
-//! bytes and reads them back to choose each token ([`model`]). KV moves between engines through
+//! bytes and reads them back to choose each token ([`model`]), or, with `--model`, a real LLM
+//! (a llama-family GGUF such as SmolLM2-135M) on CPU whose batch-invariant forward pass reads
+//! and writes its K/V in the same pool ([`llama`]). KV moves between engines through
 //! [`switchyard_kv`], so a disaggregated run yields exactly the tokens of a single-engine run
 //! only if every transferred slot is right.
 //!

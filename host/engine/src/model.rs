@@ -55,9 +55,6 @@ pub struct Model {
     chain_seed: u64,
 }
 
-/// Token ids are bytes 0..=255 (see the byte-level tokenizer) plus EOS.
-pub const VOCAB_SIZE: u32 = 257;
-
 /// Printable ASCII, the only bytes the model emits, so text re-tokenizes to the same ids.
 const FIRST_PRINTABLE: u32 = 32;
 const PRINTABLE: usize = 95;

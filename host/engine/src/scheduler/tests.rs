@@ -39,14 +39,15 @@ fn config(num_pages: u32) -> CoreConfig {
     }
 }
 
-/// A guarded pool sized for `cfg`, as the engine builds it.
+/// A guarded pool sized for `cfg`, as the engine builds it: the synthetic model writes the
+/// small shape, a real model its own.
 fn pool_for(cfg: &CoreConfig) -> Arc<KvStore> {
     let slots = cfg.num_pages * cfg.page_size as u32;
-    Arc::new(
-        KvStore::new(KvShape::SMALL, slots)
-            .unwrap()
-            .with_guarded_slots(),
-    )
+    let shape = match &cfg.model {
+        ModelSpec::Synthetic => KvShape::SMALL,
+        ModelSpec::Llama(m) => m.llama.config().kv_shape(),
+    };
+    Arc::new(KvStore::new(shape, slots).unwrap().with_guarded_slots())
 }
 
 fn start(cfg: CoreConfig) -> Harness {
@@ -661,25 +662,12 @@ fn a_character_split_across_tokens_is_streamed_whole() {
 
 // === the real model ===
 
-/// A core running SmolLM2 (`make model`), its pool shaped for the model.
+/// A core running SmolLM2 (`make model`).
 fn start_smollm2(cfg: CoreConfig) -> Harness {
-    let model = crate::test_smollm2().0.clone();
-    let slots = cfg.num_pages * cfg.page_size as u32;
-    let store = KvStore::new(model.llama.config().kv_shape(), slots).unwrap();
-    let store = Arc::new(store.with_guarded_slots());
-    let metrics = Metrics::default();
-    let cfg = CoreConfig {
-        model: ModelSpec::Llama(model),
+    start(CoreConfig {
+        model: ModelSpec::Llama(crate::test_smollm2().0.clone()),
         ..cfg
-    };
-    let core = Core::new(cfg, store.clone(), metrics.clone());
-    let (commands, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || core.run(rx));
-    Harness {
-        commands,
-        store,
-        metrics,
-    }
+    })
 }
 
 fn smollm2_request(text: &str, max_tokens: usize, sampling: Sampling) -> GenRequest {
