@@ -392,7 +392,10 @@ impl<E: Execute> Router<E> {
     ) -> Result<AttemptEnd, RouteError> {
         st.summary.attempts += 1;
         let attempt = st.summary.attempts;
-        let continued = self.continuation_tokens(&st.delivered.text)?;
+        let continued = match &st.delivered.token_ids {
+            Some(ids) => ids.clone(),
+            None => self.continuation_tokens(&st.delivered.text)?,
+        };
         let already = continued.len() as u32;
         let remaining = req.max_tokens.saturating_sub(already);
         if remaining == 0 {
@@ -405,6 +408,7 @@ impl<E: Execute> Router<E> {
         prompt.extend_from_slice(&continued);
         let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
         let mut body = req.template.clone();
+        body.return_token_ids = true;
         body.prompt = Prompt::Tokens(prompt);
         body.max_tokens = Some(remaining);
         let id = AttemptId::new(&req.request_id, attempt);
@@ -422,6 +426,7 @@ impl<E: Execute> Router<E> {
         st.summary.prefix_matched = generation.prefix_matched;
         st.summary.remote_sends_skipped += u32::from(generation.remote_send_skipped);
         let before = st.delivered.text.len();
+        let ids_before = st.delivered.token_ids.as_ref().map(Vec::len);
         let end = relay(&mut generation, tx, attempt, &mut st.delivered).await;
         let progressed = st.delivered.text.len() > before;
         if st.summary.ttft.is_none() {
@@ -432,9 +437,10 @@ impl<E: Execute> Router<E> {
                 finish_reason,
                 usage,
             } => {
-                let this_attempt = match usage {
-                    Some(u) => u.completion_tokens,
-                    None => self.count_tokens(&st.delivered.text[before..])?,
+                let this_attempt = match (usage, ids_before, &st.delivered.token_ids) {
+                    (Some(u), ..) => u.completion_tokens,
+                    (None, Some(from), Some(ids)) => (ids.len() - from) as u32,
+                    _ => self.count_tokens(&st.delivered.text[before..])?,
                 };
                 let usage = final_usage(req, already, Some(this_attempt));
                 self.finish(req, tx, st, finish_reason, usage).await;
@@ -555,7 +561,11 @@ impl<E: Execute> Router<E> {
         error: RouteError,
     ) {
         tracing::warn!(request = %req.request_id, %error, "request failed");
-        if let Ok(tokens) = self.count_tokens(&st.delivered.text) {
+        let tokens = match &st.delivered.token_ids {
+            Some(ids) => Ok(ids.len() as u32),
+            None => self.count_tokens(&st.delivered.text),
+        };
+        if let Ok(tokens) = tokens {
             st.summary.completion_tokens = tokens;
         }
         report(req, st, OutcomeStatus::Failed);

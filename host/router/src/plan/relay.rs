@@ -30,11 +30,26 @@ pub enum Event {
 }
 
 /// What the client has received so far, over every attempt.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Delivered {
     pub text: String,
+    /// The ids the engines generated for `text`, while every chunk with text carried its ids
+    /// (engines that honour `return_token_ids`, as the reference engine and vLLM do); `None`
+    /// from the first chunk that did not. A continuation starts from these exact ids: text
+    /// re-tokenized with a BPE tokenizer may give other ids, and another count.
+    pub token_ids: Option<Vec<u32>>,
     /// When the first text reached the client's channel.
     pub first_at: Option<Instant>,
+}
+
+impl Default for Delivered {
+    fn default() -> Self {
+        Delivered {
+            text: String::new(),
+            token_ids: Some(Vec::new()),
+            first_at: None,
+        }
+    }
 }
 
 /// How one attempt's generation ended.
@@ -87,6 +102,11 @@ pub async fn relay(
         };
         if choice.finish_reason.as_deref() == Some(FINISH_PREEMPT) {
             return RelayEnd::Preempted;
+        }
+        match (&mut delivered.token_ids, choice.token_ids) {
+            (Some(ids), Some(new)) => ids.extend(new),
+            (Some(_), None) if !choice.text.is_empty() => delivered.token_ids = None,
+            _ => {}
         }
         if !choice.text.is_empty() {
             delivered.text.push_str(&choice.text);

@@ -185,6 +185,17 @@ fn text(t: &str) -> Result<CompletionResponse, SseError> {
     chunk(t, None)
 }
 
+/// A chunk carrying the ids the engine generated for its text (`return_token_ids`).
+fn text_with_ids(
+    t: &str,
+    ids: &[u32],
+    finish_reason: Option<&str>,
+) -> Result<CompletionResponse, SseError> {
+    let mut c = chunk(t, finish_reason)?;
+    c.choices[0].token_ids = Some(ids.to_vec());
+    Ok(c)
+}
+
 fn finish(reason: &str) -> Result<CompletionResponse, SseError> {
     chunk("", Some(reason))
 }
@@ -549,6 +560,44 @@ async fn preemption_continues_from_the_delivered_text_with_one_usage() {
         (outcome.status, outcome.completion_tokens),
         (OutcomeStatus::Ok, 7)
     );
+}
+
+/// With ids on the wire, a preempted stream continues from the ids the engine generated, not
+/// from its text re-tokenized, and counts them: here the engine's ids for "abc" are two tokens
+/// that re-tokenizing "abc" (byte-level: three) would never give.
+#[tokio::test(start_paused = true)]
+async fn preemption_continues_from_the_engines_token_ids() {
+    let mut h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![
+                text_with_ids("ab", &[300], None),
+                text_with_ids("c", &[301], None),
+                finish(FINISH_PREEMPT),
+            ]),
+            Script::Stream(vec![
+                text_with_ids("de", &[302], None),
+                text_with_ids("", &[303], Some("length")),
+            ]),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 4).await;
+    assert_eq!(delivered, "abcde");
+    let (finish_reason, usage, _) = expect_done(last);
+    assert_eq!(finish_reason, "length");
+    assert_eq!(
+        usage.completion_tokens, 4,
+        "the engine's ids, not the text re-tokenized"
+    );
+    let ran = h.ran();
+    assert!(ran.iter().all(|r| r.body.return_token_ids));
+    assert_eq!(
+        ran[1].body.prompt,
+        Prompt::Tokens([tokens("hello"), vec![300, 301]].concat()),
+        "prompt + the ids generated"
+    );
+    assert_eq!(ran[1].body.max_tokens, Some(2), "4 - 2 generated");
+    assert_eq!(h.outcome().completion_tokens, 4);
 }
 
 #[tokio::test(start_paused = true)]
