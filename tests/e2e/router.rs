@@ -259,6 +259,55 @@ async fn up_with_the_real_model_answers_its_banner_question() {
     assert_eq!(joined, text);
 }
 
+/// Preemption on the real model with its BPE tokenizer: every second decoding request is cut
+/// half-way, and the router continues it from the ids the engine generated, so the client gets
+/// exactly the uninterrupted single-engine text, and a usage counting the engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_preempted_streams_continue_token_exactly() {
+    let truth = EngineProcess::spawn(&["--model", "smollm2", "--threads", "1"]);
+    let up = RouterProcess::up(&[
+        "--model",
+        "smollm2",
+        "--prefill",
+        "1",
+        "--decode",
+        "1",
+        "--engine-arg=--preempt-every=2",
+    ]);
+    for prompt in [
+        "Once upon a time, in a small village by the sea,",
+        "The three primary colours are",
+        "def fibonacci(n):",
+        "Le café de la gare était",
+    ] {
+        let body = json!({"prompt": prompt, "max_tokens": 16});
+        let expected = post_json(&truth.endpoint("/v1/completions"), &body).await;
+        let got = post_json(&up.endpoint("/v1/completions"), &body).await;
+        assert_eq!(
+            got["choices"][0]["text"], expected["choices"][0]["text"],
+            "{prompt:?}: {got}"
+        );
+        assert_eq!(
+            got["usage"]["completion_tokens"], expected["usage"]["completion_tokens"],
+            "{prompt:?}: {got}"
+        );
+    }
+    let metrics = client()
+        .get(up.endpoint("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.contains("preempt") && !l.starts_with('#') && !l.ends_with(" 0")),
+        "some request was preempted:\n{metrics}"
+    );
+}
+
 pub(crate) async fn post_or_get(url: &str) -> Value {
     let response = client().get(url).send().await.expect("reachable");
     assert_eq!(response.status(), 200);
