@@ -1,23 +1,35 @@
 //! Endpoints: roles, device ranks, health and load, and the snapshot given to policies.
 //!
 //! ```text
-//! Cluster::new(Vec<EndpointSpec>)      ids in order, device ranks = prefix sums of GPUs (as MLC)
+//! Cluster::new(Vec<EndpointSpec>, OutlierConfig)   ids in order, device ranks = prefix sums of GPUs (as MLC)
 //!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
+//!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
 //!   mark_unhealthy(id) / set_health(id, ok) / set_kv_usage(id, usage)
 //!   url(id) / device_rank(id) / is_ready()
 //! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness + KV usage probes
 //! ```
+//!
+//! An endpoint is healthy in the snapshot when its readiness probe answers *and* it is not
+//! ejected; plans may name only healthy endpoints.
 
 mod health;
 mod inflight;
+mod outlier;
 
+use std::fmt::Display;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
+use parking_lot::Mutex;
+use tokio::time::Instant;
+
 pub use health::{ProbeConfig, spawn_probes};
 pub use inflight::InFlight;
-use switchyard_contract::{EndpointSnapshot, Role};
+pub use outlier::{OutlierConfig, OutlierView};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
+
+use outlier::Outlier;
 
 /// An endpoint as the operator configured it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -42,13 +54,15 @@ pub(crate) struct EndpointState {
     url: String,
     role: Role,
     device_rank: u32,
-    healthy: AtomicBool,
+    /// The readiness probe answers (and no call failed to connect since).
+    ready: AtomicBool,
     /// Set once the first readiness probe succeeded: `/health` stays 503 until every
     /// endpoint has been ready once.
     ever_ready: AtomicBool,
     in_flight: AtomicU32,
     /// The engine's KV pool usage as `f32` bits; [`NO_KV_USAGE`] when unknown.
     kv_usage: AtomicU32,
+    outlier: Mutex<Outlier>,
 }
 
 /// `kv_usage` bits meaning "unknown": a NaN, which no measured usage in `[0, 1]` can be.
@@ -59,12 +73,23 @@ impl EndpointState {
         let bits = self.kv_usage.load(Ordering::Acquire);
         (bits != NO_KV_USAGE).then(|| f32::from_bits(bits))
     }
+
+    fn health(&self, now: Instant) -> Health {
+        if self.outlier.lock().is_ejected(now) {
+            Health::Ejected
+        } else if self.ready.load(Ordering::Acquire) {
+            Health::Healthy
+        } else {
+            Health::NotReady
+        }
+    }
 }
 
 /// Every endpoint the router routes to, by id.
 #[derive(Debug)]
 pub struct Cluster {
     endpoints: Vec<Arc<EndpointState>>,
+    outlier: OutlierConfig,
 }
 
 /// The row `/admin/endpoints` shows for an endpoint.
@@ -75,13 +100,15 @@ pub struct EndpointStatus {
     pub role: Role,
     pub device_rank: u32,
     pub healthy: bool,
+    pub health: Health,
     pub in_flight: u32,
     pub kv_usage: Option<f32>,
+    pub outlier: OutlierView,
 }
 
 impl Cluster {
     /// Endpoints start unhealthy until a probe (or [`Cluster::set_health`]) says otherwise.
-    pub fn new(specs: Vec<EndpointSpec>) -> Self {
+    pub fn new(specs: Vec<EndpointSpec>, outlier: OutlierConfig) -> Self {
         let mut rank = 0u32;
         let endpoints = specs
             .into_iter()
@@ -94,14 +121,15 @@ impl Cluster {
                     url: spec.url.trim_end_matches('/').to_owned(),
                     role: spec.role,
                     device_rank,
-                    healthy: AtomicBool::new(false),
+                    ready: AtomicBool::new(false),
                     ever_ready: AtomicBool::new(false),
                     in_flight: AtomicU32::new(0),
                     kv_usage: AtomicU32::new(NO_KV_USAGE),
+                    outlier: Mutex::new(Outlier::default()),
                 })
             })
             .collect();
-        Cluster { endpoints }
+        Cluster { endpoints, outlier }
     }
 
     pub fn len(&self) -> usize {
@@ -114,13 +142,14 @@ impl Cluster {
 
     /// What a policy sees, ordered by id.
     pub fn snapshot(&self) -> Vec<EndpointSnapshot> {
+        let now = Instant::now();
         self.endpoints
             .iter()
             .map(|e| EndpointSnapshot {
                 id: e.id,
                 role: e.role,
                 device_rank: e.device_rank,
-                healthy: e.healthy.load(Ordering::Acquire),
+                health: e.health(now),
                 in_flight: e.in_flight.load(Ordering::Acquire),
                 kv_usage: e.kv_usage(),
             })
@@ -129,18 +158,51 @@ impl Cluster {
 
     /// What `/admin/endpoints` shows.
     pub fn status(&self) -> Vec<EndpointStatus> {
+        let now = Instant::now();
         self.endpoints
             .iter()
-            .map(|e| EndpointStatus {
-                id: e.id,
-                url: e.url.clone(),
-                role: e.role,
-                device_rank: e.device_rank,
-                healthy: e.healthy.load(Ordering::Acquire),
-                in_flight: e.in_flight.load(Ordering::Acquire),
-                kv_usage: e.kv_usage(),
+            .map(|e| {
+                let health = e.health(now);
+                EndpointStatus {
+                    id: e.id,
+                    url: e.url.clone(),
+                    role: e.role,
+                    device_rank: e.device_rank,
+                    healthy: health.is_healthy(),
+                    health,
+                    in_flight: e.in_flight.load(Ordering::Acquire),
+                    kv_usage: e.kv_usage(),
+                    outlier: e.outlier.lock().view(now),
+                }
             })
             .collect()
+    }
+
+    /// A call to the endpoint succeeded.
+    pub fn record_success(&self, id: u32) {
+        if let Some(e) = self.endpoint(id) {
+            e.outlier.lock().success(Instant::now());
+        }
+    }
+
+    /// A call to the endpoint failed of the endpoint's own making (never a client's 4xx);
+    /// enough of these in a row eject it.
+    pub fn record_failure(&self, id: u32, why: &dyn Display) {
+        let Some(e) = self.endpoint(id) else { return };
+        let ejected = e
+            .outlier
+            .lock()
+            .failure(&self.outlier, Instant::now(), why.to_string());
+        if let Some(ejected) = ejected {
+            tracing::warn!(
+                endpoint = id,
+                url = %e.url,
+                failures = ejected.failures,
+                ejected_for = ?ejected.duration,
+                last = %why,
+                "endpoint ejected"
+            );
+        }
     }
 
     /// The endpoint's base URL; `None` for an id out of range.
@@ -160,7 +222,7 @@ impl Cluster {
     /// A call to the endpoint failed in a way that says it is down; the probe brings it back.
     pub fn mark_unhealthy(&self, id: u32) {
         if let Some(e) = self.endpoint(id)
-            && e.healthy.swap(false, Ordering::AcqRel)
+            && e.ready.swap(false, Ordering::AcqRel)
         {
             tracing::warn!(endpoint = id, url = %e.url, "endpoint marked unhealthy");
         }
@@ -168,7 +230,7 @@ impl Cluster {
 
     pub fn set_health(&self, id: u32, healthy: bool) {
         if let Some(e) = self.endpoint(id) {
-            let was = e.healthy.swap(healthy, Ordering::AcqRel);
+            let was = e.ready.swap(healthy, Ordering::AcqRel);
             if healthy {
                 e.ever_ready.store(true, Ordering::Release);
             }
@@ -197,7 +259,7 @@ impl Cluster {
             && self
                 .endpoints
                 .iter()
-                .any(|e| e.healthy.load(Ordering::Acquire))
+                .any(|e| e.ready.load(Ordering::Acquire))
     }
 
     fn endpoint(&self, id: u32) -> Option<&Arc<EndpointState>> {
@@ -207,6 +269,8 @@ impl Cluster {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn spec(url: &str, num_gpus: u32) -> EndpointSpec {
@@ -219,11 +283,14 @@ mod tests {
 
     #[test]
     fn device_ranks_are_prefix_sums_of_gpus() {
-        let cluster = Cluster::new(vec![
-            spec("http://a/", 4),
-            spec("http://b", 2),
-            spec("http://c", 1),
-        ]);
+        let cluster = Cluster::new(
+            vec![
+                spec("http://a/", 4),
+                spec("http://b", 2),
+                spec("http://c", 1),
+            ],
+            OutlierConfig::default(),
+        );
         let ranks: Vec<_> = cluster.snapshot().iter().map(|e| e.device_rank).collect();
         assert_eq!(ranks, [0, 4, 6]);
         assert_eq!(cluster.url(0), Some("http://a"));
@@ -232,7 +299,10 @@ mod tests {
 
     #[test]
     fn in_flight_guards_count_until_dropped() {
-        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
         let a = cluster.in_flight(1).expect("id in range");
         let b = cluster.in_flight(1).expect("id in range");
         assert_eq!(cluster.snapshot()[1].in_flight, 2);
@@ -245,7 +315,10 @@ mod tests {
 
     #[test]
     fn kv_usage_is_unknown_until_reported_and_clamped() {
-        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
         assert_eq!(cluster.snapshot()[0].kv_usage, None);
         cluster.set_kv_usage(0, Some(0.25));
         cluster.set_kv_usage(1, Some(1.5));
@@ -258,7 +331,10 @@ mod tests {
 
     #[test]
     fn ready_once_every_endpoint_answered_and_one_is_healthy() {
-        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
         assert!(!cluster.is_ready());
         cluster.set_health(0, true);
         assert!(!cluster.is_ready());
@@ -266,8 +342,48 @@ mod tests {
         assert!(cluster.is_ready());
         cluster.mark_unhealthy(0);
         assert!(cluster.is_ready());
-        assert!(!cluster.snapshot()[0].healthy);
+        assert_eq!(cluster.snapshot()[0].health, Health::NotReady);
         cluster.mark_unhealthy(1);
         assert!(!cluster.is_ready());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn consecutive_failures_eject_until_the_time_is_up_and_successes_reset() {
+        let config = OutlierConfig {
+            consecutive_failures: 2,
+            base_ejection: Duration::from_secs(1),
+            max_ejection: Duration::from_secs(10),
+        };
+        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)], config);
+        cluster.set_health(0, true);
+        cluster.set_health(1, true);
+        cluster.record_failure(0, &"HTTP 500");
+        cluster.record_success(0);
+        cluster.record_failure(0, &"HTTP 500");
+        assert_eq!(cluster.snapshot()[0].health, Health::Healthy);
+        cluster.record_failure(0, &"timed out");
+        assert_eq!(cluster.snapshot()[0].health, Health::Ejected);
+        assert_eq!(cluster.snapshot()[1].health, Health::Healthy);
+        let status = &cluster.status()[0];
+        assert!(!status.healthy);
+        assert_eq!(status.outlier.ejections, 1);
+        assert_eq!(status.outlier.last_failure.as_deref(), Some("timed out"));
+        assert_eq!(status.outlier.ejected_for_ms, Some(1000));
+
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // On trial: healthy again, and one failure ejects it for twice as long.
+        assert_eq!(cluster.snapshot()[0].health, Health::Healthy);
+        cluster.record_failure(0, &"HTTP 503");
+        assert_eq!(cluster.status()[0].outlier.ejected_for_ms, Some(2000));
+        let ejections: Vec<_> = cluster
+            .status()
+            .iter()
+            .map(|e| e.outlier.ejections)
+            .collect();
+        assert_eq!(ejections, [2, 0]);
+        // An ejected endpoint whose probe fails stays out after the ejection too.
+        cluster.mark_unhealthy(0);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(cluster.snapshot()[0].health, Health::NotReady);
     }
 }

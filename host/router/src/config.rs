@@ -20,6 +20,12 @@
 //! max_attempts = 3
 //! max_body_bytes = 33554432
 //! default_max_tokens = 256
+//! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
+//! outlier_failures = 3                        # consecutive failures that eject (0: off)
+//! outlier_base_ejection = "1s"                # doubled for each ejection in a row
+//! outlier_max_ejection = "30s"
+//! retry_budget_ratio = 0.2                    # retries per request over the last 10 s
+//! retry_budget_min_per_sec = 10               # plus this many per second
 //!
 //! [[endpoints]]
 //! url = "http://127.0.0.1:8081"
@@ -41,8 +47,8 @@ use std::time::Duration;
 use switchyard_contract::Role;
 use switchyard_policy_host::QuarantineRule;
 
-use crate::cluster::EndpointSpec;
-use crate::{RetryPolicy, RetryPolicyError};
+use crate::cluster::{EndpointSpec, OutlierConfig};
+use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
 
 /// `switchyard serve` flags: where the engines are, and how the router runs.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -118,6 +124,31 @@ pub struct RouterArgs {
     /// `max_tokens` for requests that give none.
     #[arg(long)]
     pub default_max_tokens: Option<u32>,
+    /// Longest time from a request's arrival to the end of its response, over every attempt;
+    /// a stream still open then ends with an error event [default: 10m].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub request_timeout: Option<Duration>,
+    /// Consecutive failures of an endpoint's own making (refused connections, timeouts, 5xx,
+    /// broken or stalled streams; never a client's 4xx) that eject it from routing for a while;
+    /// 0 turns ejection off [default: 3].
+    #[arg(long)]
+    pub outlier_failures: Option<u32>,
+    /// How long an endpoint's first ejection lasts; each further ejection in a row doubles it.
+    /// It comes back on trial once the time is up and its readiness probe answers [default: 1s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub outlier_base_ejection: Option<Duration>,
+    /// The longest an ejection lasts [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub outlier_max_ejection: Option<Duration>,
+    /// Retries (attempts after an engine failure) the whole router may make per client request
+    /// over the last 10 s; past it, failing requests fail at once instead of retrying
+    /// [default: 0.2].
+    #[arg(long)]
+    pub retry_budget_ratio: Option<f64>,
+    /// Retries per second allowed on top of --retry-budget-ratio, so a quiet router still
+    /// retries [default: 10].
+    #[arg(long)]
+    pub retry_budget_min_per_sec: Option<u32>,
 }
 
 /// The validated configuration.
@@ -135,7 +166,9 @@ pub struct Config {
     pub admin: AdminSettings,
     pub model_dir: Option<PathBuf>,
     pub model: String,
-    pub retry: RetryPolicy,
+    /// Retries, the retry budget and the request deadline.
+    pub routing: RouterConfig,
+    pub outlier: OutlierConfig,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
 }
@@ -208,6 +241,14 @@ pub enum ConfigError {
     BodyLimit,
     #[error("--default-max-tokens must be at least 1")]
     DefaultMaxTokens,
+    #[error("--request-timeout must be longer than zero")]
+    RequestTimeout,
+    #[error(
+        "--outlier-base-ejection {base:?} must be longer than zero and at most --outlier-max-ejection {max:?}"
+    )]
+    Ejection { base: Duration, max: Duration },
+    #[error("--retry-budget-ratio {0} must be a number from 0 to 100")]
+    RetryBudgetRatio(f64),
 }
 
 /// The TOML file, every key optional.
@@ -232,8 +273,32 @@ struct FileConfig {
     max_attempts: Option<u32>,
     max_body_bytes: Option<usize>,
     default_max_tokens: Option<u32>,
+    request_timeout: Option<TextDuration>,
+    outlier_failures: Option<u32>,
+    outlier_base_ejection: Option<TextDuration>,
+    outlier_max_ejection: Option<TextDuration>,
+    retry_budget_ratio: Option<f64>,
+    retry_budget_min_per_sec: Option<u32>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
+}
+
+/// A duration in the TOML file, written as the flags take it: `"500ms"`, `"30s"`, `"10m"`.
+#[derive(Debug, Clone, Copy)]
+struct TextDuration(Duration);
+
+impl<'de> serde::Deserialize<'de> for TextDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text)
+            .map(TextDuration)
+            .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration: {e}")))
+    }
+}
+
+/// The flag's value, else the file's, else `default`.
+fn duration(flag: Option<Duration>, file: Option<TextDuration>, default: Duration) -> Duration {
+    flag.or(file.map(|d| d.0)).unwrap_or(default)
 }
 
 pub const DEFAULT_PORT: u16 = 8000;
@@ -336,6 +401,52 @@ impl Config {
         if default_max_tokens == 0 {
             return Err(ConfigError::DefaultMaxTokens);
         }
+        let r = &args.router;
+        let request_timeout = duration(
+            r.request_timeout,
+            file.request_timeout,
+            crate::DEFAULT_REQUEST_TIMEOUT,
+        );
+        if request_timeout.is_zero() {
+            return Err(ConfigError::RequestTimeout);
+        }
+        let budget_defaults = RetryBudgetConfig::default();
+        let retry_budget = RetryBudgetConfig {
+            ratio: r
+                .retry_budget_ratio
+                .or(file.retry_budget_ratio)
+                .unwrap_or(budget_defaults.ratio),
+            min_per_sec: r
+                .retry_budget_min_per_sec
+                .or(file.retry_budget_min_per_sec)
+                .unwrap_or(budget_defaults.min_per_sec),
+        };
+        if !(0.0..=100.0).contains(&retry_budget.ratio) {
+            return Err(ConfigError::RetryBudgetRatio(retry_budget.ratio));
+        }
+        let outlier_defaults = OutlierConfig::default();
+        let outlier = OutlierConfig {
+            consecutive_failures: r
+                .outlier_failures
+                .or(file.outlier_failures)
+                .unwrap_or(outlier_defaults.consecutive_failures),
+            base_ejection: duration(
+                r.outlier_base_ejection,
+                file.outlier_base_ejection,
+                outlier_defaults.base_ejection,
+            ),
+            max_ejection: duration(
+                r.outlier_max_ejection,
+                file.outlier_max_ejection,
+                outlier_defaults.max_ejection,
+            ),
+        };
+        if outlier.base_ejection.is_zero() || outlier.base_ejection > outlier.max_ejection {
+            return Err(ConfigError::Ejection {
+                base: outlier.base_ejection,
+                max: outlier.max_ejection,
+            });
+        }
         Ok(Config {
             listen: SocketAddr::new(host, port),
             endpoints,
@@ -347,7 +458,12 @@ impl Config {
             admin,
             model_dir,
             model,
-            retry,
+            routing: RouterConfig {
+                retry,
+                retry_budget,
+                request_timeout,
+            },
+            outlier,
             max_body_bytes,
             default_max_tokens,
         })
@@ -558,7 +674,74 @@ mod tests {
         assert_eq!(config.endpoints.len(), 2);
         assert_eq!(config.policy_path, dir.path().join("disagg.wasm"));
         assert_eq!(config.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
-        assert_eq!(config.retry.max_attempts(), 3);
+        assert_eq!(config.routing, RouterConfig::default());
+        assert_eq!(config.outlier, OutlierConfig::default());
+    }
+
+    #[test]
+    fn fault_settings_come_from_flags_over_the_file_and_are_checked() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "plugins = {:?}\nrequest_timeout = \"90s\"\noutlier_failures = 5\n\
+                 outlier_base_ejection = \"250ms\"\noutlier_max_ejection = \"1m\"\n\
+                 retry_budget_ratio = 0.5\nretry_budget_min_per_sec = 2\n\
+                 [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+                dir.path()
+            ),
+        )
+        .expect("write");
+        let mut a = ServeArgs {
+            config: Some(file.clone()),
+            ..ServeArgs::default()
+        };
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.routing.request_timeout, Duration::from_secs(90));
+        assert_eq!(
+            config.outlier,
+            OutlierConfig {
+                consecutive_failures: 5,
+                base_ejection: Duration::from_millis(250),
+                max_ejection: Duration::from_secs(60),
+            }
+        );
+        assert_eq!(
+            config.routing.retry_budget,
+            RetryBudgetConfig {
+                ratio: 0.5,
+                min_per_sec: 2
+            }
+        );
+        a.router.request_timeout = Some(Duration::from_secs(5));
+        a.router.outlier_failures = Some(0);
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.routing.request_timeout, Duration::from_secs(5));
+        assert_eq!(config.outlier.consecutive_failures, 0);
+
+        a.router.outlier_base_ejection = Some(Duration::from_secs(120));
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::Ejection { .. })
+        ));
+        a.router.outlier_base_ejection = None;
+        a.router.retry_budget_ratio = Some(-1.0);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::RetryBudgetRatio(_))
+        ));
+        a.router.retry_budget_ratio = None;
+        a.router.request_timeout = Some(Duration::ZERO);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::RequestTimeout)
+        ));
+        std::fs::write(&file, "request_timeout = \"soon\"\n").expect("write");
+        let error = Config::from_args(&a)
+            .expect_err("not a duration")
+            .to_string();
+        assert!(error.contains("\"soon\" is not a duration"), "{error}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //!   remote_send(url, &RemoteSendRequest)    -> ()
 //!   start_generate(url, &StartGenerateRequest) -> ChunkStream   (SSE, or one JSON as one chunk)
 //!   forward(url, &CompletionRequest)        -> ChunkStream
+//!   release(url, &StartGenerateRequest)     -> Release          (frees a prep_recv reservation)
 //!   ready(url)                              -> bool             (GET /v1/models == 200)
 //!   metrics(url)                            -> Option<String>   (GET /metrics, Prometheus text)
 //! ```
@@ -34,6 +35,9 @@ use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
 /// without bound.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// How long an idle pooled connection to an engine is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// How long the router waits on an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,6 +104,21 @@ impl CallError {
     }
 }
 
+/// How one try to free a decode engine's prep_recv reservation ended (see
+/// [`EngineClient::release`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Release {
+    /// The engine took the reservation over and saw the connection close: it is freed.
+    Freed,
+    /// Nothing left to do: the engine no longer holds it (it said so, or its process is gone
+    /// and with it the reservation), or the release was sent and the engine frees it when it
+    /// runs it.
+    Gone(String),
+    /// Refused for now, or never sent: the engine is busy with the reservation (a transfer is
+    /// still writing it), failing, or could not be connected to; try again later.
+    Later(String),
+}
+
 /// One HTTP client shared by every call to every engine (connections are pooled per host).
 #[derive(Debug, Clone)]
 pub struct EngineClient {
@@ -111,7 +130,9 @@ impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Result<Self, CallError> {
         let http = reqwest::Client::builder()
             .connect_timeout(timeouts.connect)
-            .pool_idle_timeout(Duration::from_secs(90))
+            // Below common engine keep-alive timeouts (uvicorn closes idle connections after
+            // 5 s), so a request is not sent on a connection the engine is closing.
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .tcp_nodelay(true)
             .build()
             .map_err(|e| CallError::Build {
@@ -158,6 +179,44 @@ impl EngineClient {
         body: &CompletionRequest,
     ) -> Result<ChunkStream, CallError> {
         self.generate(base, "/v1/completions", body).await
+    }
+
+    /// Free the reservation a successful prep_recv made for `body.common.user`, the one way
+    /// the microserving protocol offers: start generating from it and hang up at once. Both
+    /// an MLC engine and the reference engine abort a generation whose client is gone, and
+    /// aborting frees its KV. Only for an id whose prep_recv answered: an MLC engine crashes on
+    /// a start_generate for an id it never prepared.
+    pub async fn release(&self, base: &str, body: &StartGenerateRequest) -> Release {
+        let url = format!("{base}/microserving/start_generate");
+        let sent = self
+            .http
+            .post(&url)
+            .json(body)
+            .timeout(self.timeouts.call)
+            .send()
+            .await;
+        match sent {
+            // Dropping the response closes the connection before the generation ends.
+            Ok(response) if response.status().is_success() => Release::Freed,
+            // A transfer into the reservation is still being written (reference engine).
+            Ok(response) if response.status() == reqwest::StatusCode::CONFLICT => {
+                Release::Later("a KV transfer into it is still under way".into())
+            }
+            Ok(response) if response.status().is_client_error() => {
+                Release::Gone(format!("the engine answered HTTP {}", response.status()))
+            }
+            Ok(response) => {
+                Release::Later(format!("the engine answered HTTP {}", response.status()))
+            }
+            // Not even connected: the request never left, so it is safe to send again.
+            Err(e) if e.is_connect() && e.is_timeout() => Release::Later(error_chain(&e)),
+            // Refused: the engine process is gone, and its reservations with it.
+            Err(e) if e.is_connect() => Release::Gone(error_chain(&e)),
+            // Sent, but no answer came (a frozen engine): the engine runs it when it can, sees
+            // the connection gone and aborts, which frees the pages. Sending it again could
+            // reach an MLC engine for an id it no longer holds, which it does not survive.
+            Err(e) => Release::Gone(format!("sent, answer lost: {}", error_chain(&e))),
+        }
     }
 
     /// Readiness: `GET /v1/models` answers 200.

@@ -155,14 +155,14 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
     let planner: Arc<dyn Planner> = policies.clone();
 
-    let cluster = Arc::new(Cluster::new(config.endpoints.clone()));
+    let cluster = Arc::new(Cluster::new(config.endpoints.clone(), config.outlier));
     let client = EngineClient::new(Timeouts::default())?;
     spawn_probes(&cluster, client.clone(), ProbeConfig::default());
     let executor = Executor::new(cluster, client);
     let router = Arc::new(Router::new(
         executor,
         planner,
-        config.retry,
+        config.routing,
         tokenizer.tokenizer(),
     ));
     let state = Arc::new(

@@ -100,6 +100,8 @@ impl ApiError {
             ApiError::Route(RouteError::Exhausted { .. } | RouteError::Engine(_)) => {
                 "upstream_error"
             }
+            ApiError::Route(RouteError::RetryBudget { .. }) => "retry_budget_exhausted",
+            ApiError::Route(RouteError::Deadline(_)) => "request_timeout",
             ApiError::Route(RouteError::Tokenize(_)) => "internal_error",
         }
     }
@@ -136,6 +138,9 @@ fn route_status(error: &RouteError) -> StatusCode {
             StatusCode::GATEWAY_TIMEOUT
         }
         RouteError::Exhausted { .. } => StatusCode::BAD_GATEWAY,
+        // Retrying now would add load where engines are already failing: come back later.
+        RouteError::RetryBudget { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
         // The engine refused the request itself (e.g. a prompt longer than its context).
         RouteError::Engine(e) => match &e.source {
             CallError::Status { status, .. }

@@ -4,11 +4,19 @@
 //! chunk to the client as it arrives.
 //!
 //! Errors are classified here, once: [`ExecError`] names the endpoint, the step and the
-//! attempt, and says whether another attempt may help ([`ExecError::retryable`]) and how the
-//! policy should hear about it ([`ExecError::failure_kind`]).
+//! attempt, and says whether another attempt may help ([`ExecError::retryable`]), whether the
+//! endpoint is to blame ([`ExecError::blames_endpoint`]) and how the policy should hear about
+//! it ([`ExecError::failure_kind`]).
+//!
+//! No KV is left reserved: once prep_recv has answered, D holds pages for the request until
+//! start_generate takes them over. An attempt that ends before that (remote_send failed or
+//! timed out, start_generate was refused, the client left) drops its [`Reservation`], which
+//! frees them in the background ([`release`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use switchyard_contract::{EndpointId, FailureKind, ValidPlan};
@@ -19,7 +27,7 @@ use switchyard_wire::microserving::{
 use switchyard_wire::sse::{ChunkStream, SseError};
 
 use crate::cluster::{Cluster, InFlight};
-use crate::microserving::{CallError, EngineClient};
+use crate::microserving::{CallError, EngineClient, Release};
 
 /// The microserving step an error happened in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +74,28 @@ impl ExecError {
             }
             CallError::Status { status, .. } => *status >= 500 || *status == 429,
             CallError::Decode { .. } | CallError::Build { .. } => false,
+        }
+    }
+
+    /// Whether the endpoint itself is to blame, so the failure counts toward ejecting it: it
+    /// could not be reached, was too slow, failed internally (5xx), sent something unreadable,
+    /// or its stream broke or stalled. A 4xx is the request's fault (and 429 is the engine
+    /// pacing its load, not failing), so neither counts.
+    pub fn blames_endpoint(&self) -> bool {
+        match &self.source {
+            CallError::Connect { .. }
+            | CallError::Timeout { .. }
+            | CallError::Stream { .. }
+            | CallError::Decode { .. } => true,
+            CallError::Status { status, .. } => *status >= 500,
+            CallError::Build { .. } => false,
+        }
+    }
+
+    /// Count this failure against its endpoint, when the endpoint is to blame.
+    pub fn record(&self, cluster: &Cluster) {
+        if self.blames_endpoint() {
+            cluster.record_failure(self.endpoint, self);
         }
     }
 
@@ -207,11 +237,18 @@ impl Executor {
             } => {
                 let guard = self.guard(decode, StepKind::PrepRecv, id)?;
                 let prep = self.prep_recv(decode, end, &body, id).await?;
+                // From here until start_generate answers, D holds pages for this attempt.
+                let start = StartGenerateRequest {
+                    common: body,
+                    begin: i64::from(end),
+                };
+                let reservation = Reservation::new(self, decode, start);
+                let body = &reservation.request().common;
                 let mut remote_send_skipped = false;
                 if let Some(send) = remote_send {
                     let begin = send.begin.unwrap_or(prep.prefix_matched_length);
                     if begin < end {
-                        self.remote_send(send.prefill, decode, begin, end, &prep, &body, id)
+                        self.remote_send(send.prefill, decode, begin, end, &prep, body, id)
                             .await?;
                     } else {
                         // D's prefix cache already holds [0, end): nothing to move.
@@ -219,7 +256,20 @@ impl Executor {
                         tracing::debug!(request = %id.upstream_id, decode, end, "remote_send skipped");
                     }
                 }
-                let chunks = self.start_generate(decode, end, body, id).await?;
+                // Whatever happens to the call now, the engine frees the pages itself: it
+                // aborts a generation whose client is gone. Only a refusal leaves them
+                // reserved (and a second start_generate for an id an MLC engine no longer
+                // holds would crash it, so nothing is sent again after an unread answer).
+                let start = reservation.hand_over();
+                let chunks = match self.start_generate(decode, &start, id).await {
+                    Ok(chunks) => chunks,
+                    Err(e) => {
+                        if matches!(e.source, CallError::Status { .. }) {
+                            drop(Reservation::new(self, decode, start));
+                        }
+                        return Err(e);
+                    }
+                };
                 Ok(Generation::new(
                     chunks,
                     decode,
@@ -288,19 +338,14 @@ impl Executor {
     async fn start_generate(
         &self,
         decode: EndpointId,
-        begin: u32,
-        body: CompletionRequest,
+        request: &StartGenerateRequest,
         id: &AttemptId,
     ) -> Result<ChunkStream, ExecError> {
-        let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, begin);
-        let request = StartGenerateRequest {
-            common: body,
-            begin: i64::from(begin),
-        };
+        let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, begin = request.begin);
         let url = self.url(decode, StepKind::StartGenerate, id)?;
         let result = self
             .client
-            .start_generate(url, &request)
+            .start_generate(url, request)
             .instrument(span)
             .await;
         self.check(result, decode, StepKind::StartGenerate, id)
@@ -320,7 +365,9 @@ impl Executor {
         Ok(Generation::new(chunks, endpoint, 0, false, guard))
     }
 
-    /// Wrap a call result, marking the endpoint unhealthy when it could not be reached.
+    /// Wrap a call result and tell the cluster how the endpoint did: a success, a failure
+    /// that counts toward ejecting it, or, when it could not be reached at all, a sign it is
+    /// down until its probe answers again.
     fn check<T>(
         &self,
         result: Result<T, CallError>,
@@ -328,17 +375,25 @@ impl Executor {
         step: StepKind,
         id: &AttemptId,
     ) -> Result<T, ExecError> {
-        result.map_err(|source| {
-            if source.is_unreachable() {
-                self.cluster.mark_unhealthy(endpoint);
+        match result {
+            Ok(value) => {
+                self.cluster.record_success(endpoint);
+                Ok(value)
             }
-            ExecError {
-                endpoint,
-                step,
-                attempt: id.attempt,
-                source,
+            Err(source) => {
+                if source.is_unreachable() {
+                    self.cluster.mark_unhealthy(endpoint);
+                }
+                let error = ExecError {
+                    endpoint,
+                    step,
+                    attempt: id.attempt,
+                    source,
+                };
+                error.record(&self.cluster);
+                Err(error)
             }
-        })
+        }
     }
 
     fn url(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> Result<&str, ExecError> {
@@ -369,6 +424,100 @@ impl Executor {
                 url: String::new(),
                 reason: format!("endpoint {endpoint} does not exist"),
             },
+        }
+    }
+}
+
+// === impl Reservation ===
+
+/// D's prep_recv reservation for one attempt, until start_generate takes it over. Dropped
+/// before that, whatever the reason, it starts a [`release`] in the background.
+struct Reservation {
+    client: EngineClient,
+    cluster: Arc<Cluster>,
+    decode: EndpointId,
+    /// The start_generate this attempt will send, and the one a release sends.
+    request: Option<StartGenerateRequest>,
+}
+
+impl Reservation {
+    fn new(executor: &Executor, decode: EndpointId, request: StartGenerateRequest) -> Self {
+        Reservation {
+            client: executor.client.clone(),
+            cluster: Arc::clone(&executor.cluster),
+            decode,
+            request: Some(request),
+        }
+    }
+
+    fn request(&self) -> &StartGenerateRequest {
+        // Taken only by `hand_over` (which consumes the guard) or `drop`.
+        self.request
+            .as_ref()
+            .expect("the request lives as long as the guard")
+    }
+
+    /// The start_generate to send: once it is on its way, the engine owns the pages.
+    fn hand_over(mut self) -> StartGenerateRequest {
+        self.request
+            .take()
+            .expect("the request lives as long as the guard")
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let Some(request) = self.request.take() else {
+            return;
+        };
+        let Some(url) = self.cluster.url(self.decode).map(str::to_owned) else {
+            return;
+        };
+        // Drop runs inside the attempt's task, on the runtime; a runtime shutting down has no
+        // engines left to call either.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(release(self.client.clone(), url, self.decode, request));
+        }
+    }
+}
+
+/// How long a release keeps trying: a decode engine frozen for minutes still gets its pages
+/// back when it resumes, and nothing keeps trying forever.
+const RELEASE_PATIENCE: Duration = Duration::from_secs(600);
+const RELEASE_BACKOFF_MIN: Duration = Duration::from_millis(50);
+const RELEASE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Free D's reservation for `request.common.user`: try, and while the engine is busy with it
+/// (a transfer still writing it), frozen or failing, try again with backoff, for at most
+/// [`RELEASE_PATIENCE`]. An engine whose process is gone took its reservations with it.
+async fn release(
+    client: EngineClient,
+    url: String,
+    decode: EndpointId,
+    request: StartGenerateRequest,
+) {
+    let user = request.common.user.clone().unwrap_or_default();
+    let give_up = Instant::now() + RELEASE_PATIENCE;
+    let mut backoff = RELEASE_BACKOFF_MIN;
+    loop {
+        match client.release(&url, &request).await {
+            Release::Freed => {
+                tracing::debug!(request = %user, endpoint = decode, "KV reservation released");
+                return;
+            }
+            Release::Gone(why) => {
+                tracing::debug!(request = %user, endpoint = decode, %why, "KV reservation already gone");
+                return;
+            }
+            Release::Later(why) if Instant::now() + backoff < give_up => {
+                tracing::debug!(request = %user, endpoint = decode, %why, retry_in = ?backoff, "KV reservation not released yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RELEASE_BACKOFF_MAX);
+            }
+            Release::Later(why) => {
+                tracing::warn!(request = %user, endpoint = decode, %why, "gave up releasing a KV reservation; the engine must expire it");
+                return;
+            }
         }
     }
 }
