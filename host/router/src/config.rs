@@ -21,6 +21,9 @@
 //! max_body_bytes = 33554432
 //! default_max_tokens = 256
 //! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
+//! connect_timeout = "2s"                      # TCP connect to an engine
+//! call_timeout = "120s"                       # a prep_recv or remote_send, a stream's headers
+//! stream_idle_timeout = "60s"                 # longest gap between two chunks of a stream
 //! outlier_failures = 3                        # consecutive failures that eject (0: off)
 //! outlier_base_ejection = "1s"                # doubled for each ejection in a row
 //! outlier_max_ejection = "30s"
@@ -48,6 +51,7 @@ use switchyard_contract::Role;
 use switchyard_policy_host::QuarantineRule;
 
 use crate::cluster::{EndpointSpec, OutlierConfig};
+use crate::microserving::Timeouts;
 use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
 
 /// `switchyard serve` flags: where the engines are, and how the router runs.
@@ -128,6 +132,18 @@ pub struct RouterArgs {
     /// a stream still open then ends with an error event [default: 10m].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub request_timeout: Option<Duration>,
+    /// Longest wait for a TCP connection to an engine [default: 2s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub connect_timeout: Option<Duration>,
+    /// Longest wait for a whole prep_recv or remote_send (prep_recv may wait for free KV
+    /// pages, remote_send includes the prefill), and for a generation's response headers
+    /// [default: 120s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub call_timeout: Option<Duration>,
+    /// Longest gap between two chunks of a generation before it counts as stalled: the request
+    /// continues elsewhere and the engine is blamed [default: 60s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub stream_idle_timeout: Option<Duration>,
     /// Consecutive failures of an endpoint's own making (refused connections, timeouts, 5xx,
     /// broken or stalled streams; never a client's 4xx) that eject it from routing for a while;
     /// 0 turns ejection off [default: 3].
@@ -168,6 +184,8 @@ pub struct Config {
     pub model: String,
     /// Retries, the retry budget and the request deadline.
     pub routing: RouterConfig,
+    /// How long the router waits on engines.
+    pub timeouts: Timeouts,
     pub outlier: OutlierConfig,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
@@ -241,8 +259,8 @@ pub enum ConfigError {
     BodyLimit,
     #[error("--default-max-tokens must be at least 1")]
     DefaultMaxTokens,
-    #[error("--request-timeout must be longer than zero")]
-    RequestTimeout,
+    #[error("--{0} must be longer than zero")]
+    ZeroTimeout(&'static str),
     #[error(
         "--outlier-base-ejection {base:?} must be longer than zero and at most --outlier-max-ejection {max:?}"
     )]
@@ -274,6 +292,9 @@ struct FileConfig {
     max_body_bytes: Option<usize>,
     default_max_tokens: Option<u32>,
     request_timeout: Option<TextDuration>,
+    connect_timeout: Option<TextDuration>,
+    call_timeout: Option<TextDuration>,
+    stream_idle_timeout: Option<TextDuration>,
     outlier_failures: Option<u32>,
     outlier_base_ejection: Option<TextDuration>,
     outlier_max_ejection: Option<TextDuration>,
@@ -407,8 +428,30 @@ impl Config {
             file.request_timeout,
             crate::DEFAULT_REQUEST_TIMEOUT,
         );
-        if request_timeout.is_zero() {
-            return Err(ConfigError::RequestTimeout);
+        let default_timeouts = Timeouts::default();
+        let timeouts = Timeouts {
+            connect: duration(
+                r.connect_timeout,
+                file.connect_timeout,
+                default_timeouts.connect,
+            ),
+            call: duration(r.call_timeout, file.call_timeout, default_timeouts.call),
+            stream_idle: duration(
+                r.stream_idle_timeout,
+                file.stream_idle_timeout,
+                default_timeouts.stream_idle,
+            ),
+            ..default_timeouts
+        };
+        for (flag, value) in [
+            ("request-timeout", request_timeout),
+            ("connect-timeout", timeouts.connect),
+            ("call-timeout", timeouts.call),
+            ("stream-idle-timeout", timeouts.stream_idle),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::ZeroTimeout(flag));
+            }
         }
         let budget_defaults = RetryBudgetConfig::default();
         let retry_budget = RetryBudgetConfig {
@@ -463,6 +506,7 @@ impl Config {
                 retry_budget,
                 request_timeout,
             },
+            timeouts,
             outlier,
             max_body_bytes,
             default_max_tokens,
@@ -675,6 +719,7 @@ mod tests {
         assert_eq!(config.policy_path, dir.path().join("disagg.wasm"));
         assert_eq!(config.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
         assert_eq!(config.routing, RouterConfig::default());
+        assert_eq!(config.timeouts, Timeouts::default());
         assert_eq!(config.outlier, OutlierConfig::default());
     }
 
@@ -735,8 +780,13 @@ mod tests {
         a.router.request_timeout = Some(Duration::ZERO);
         assert!(matches!(
             Config::from_args(&a),
-            Err(ConfigError::RequestTimeout)
+            Err(ConfigError::ZeroTimeout("request-timeout"))
         ));
+        a.router.request_timeout = None;
+        a.router.stream_idle_timeout = Some(Duration::from_millis(1500));
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.timeouts.stream_idle, Duration::from_millis(1500));
+        assert_eq!(config.timeouts.call, Timeouts::default().call);
         std::fs::write(&file, "request_timeout = \"soon\"\n").expect("write");
         let error = Config::from_args(&a)
             .expect_err("not a duration")

@@ -23,7 +23,7 @@ use crate::Router;
 use crate::api::{self, AdminAccess, AppState, PromptTokenizer, TokenizerError};
 use crate::cluster::{Cluster, ProbeConfig, spawn_probes};
 use crate::config::Config;
-use crate::microserving::{CallError, EngineClient, Timeouts};
+use crate::microserving::{CallError, EngineClient};
 use crate::plan::Executor;
 
 /// Why the router could not start.
@@ -156,7 +156,7 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let planner: Arc<dyn Planner> = policies.clone();
 
     let cluster = Arc::new(Cluster::new(config.endpoints.clone(), config.outlier));
-    let client = EngineClient::new(Timeouts::default())?;
+    let client = EngineClient::new(config.timeouts)?;
     spawn_probes(&cluster, client.clone(), ProbeConfig::default());
     let executor = Executor::new(cluster, client);
     let router = Arc::new(Router::new(

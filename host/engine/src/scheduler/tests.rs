@@ -649,7 +649,10 @@ fn a_released_reservation_leaves_no_unchecked_page_in_the_prefix_cache() {
     assert_eq!(core.metrics.requests_aborted.get(), 1);
     assert_eq!(core.metrics.kv_pages_used.get(), 0);
     let again = manual_prep(&mut core, t0, "b", request(&prompt, 4), 29);
-    assert_eq!(again.prefix_matched_length, 0, "nothing unchecked was cached");
+    assert_eq!(
+        again.prefix_matched_length, 0,
+        "nothing unchecked was cached"
+    );
 
     // The same flow run to its finish does cache its pages (7 full pages inside [0, 29)).
     let mut events = manual_start(&mut core, "b", 29).expect("accepted");
