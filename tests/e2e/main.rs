@@ -1,4 +1,5 @@
 mod engine;
 mod examples;
+mod faults;
 mod http;
 mod router;

@@ -65,60 +65,66 @@ pub struct EngineProcess {
     /// The engine's KV transfer address as printed (`tcp:…` or `unix:@…`), for `--kv-peer`.
     pub kv_addr: String,
     pub device_rank: u32,
+    /// The flags it was started with, for [`EngineProcess::restart`].
+    args: Vec<String>,
 }
 
 impl EngineProcess {
     /// Starts `switchyard engine --port 0 ARGS…`, learns its port from the ready line, and waits
     /// until `GET /v1/models` answers 200.
     pub fn spawn(args: &[&str]) -> EngineProcess {
-        let mut child = Command::new(switchyard_bin())
-            .arg("engine")
-            .args(["--port", "0"])
-            .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("can spawn the switchyard binary");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        // Keep reading stdout for the child's whole life so it never blocks on a full pipe.
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            for line in lines.by_ref().map_while(Result::ok) {
-                if line.parse::<ReadyLine>().is_ok() {
-                    let _ = tx.send(line);
-                    break;
-                }
-            }
-            for _ in lines {}
-        });
-        let line = match rx.recv_timeout(STARTUP_TIMEOUT) {
-            Ok(line) => line,
-            Err(_) => {
-                let _ = child.kill();
-                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-                panic!(
-                    "switchyard engine {args:?} printed no ready line within {STARTUP_TIMEOUT:?} ({status})"
-                );
-            }
-        };
-        let ready: ReadyLine = line
-            .parse()
-            .unwrap_or_else(|e| panic!("switchyard engine {args:?}: {e}"));
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let (child, ready) = start_engine(&["--port", "0"], &args);
         let engine = EngineProcess {
             child,
             url: ready.url(),
             http_addr: ready.http_addr,
             kv_addr: ready.kv_addr,
             device_rank: ready.device_rank,
+            args,
         };
         engine.wait_until_ready();
         engine
+    }
+
+    /// SIGKILL, and wait until the process is gone: no clean-up runs, as in a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGSTOP: the process stays, its sockets keep accepting, nothing answers.
+    pub fn freeze(&self) {
+        self.signal("-STOP");
+    }
+
+    /// SIGCONT after [`EngineProcess::freeze`].
+    pub fn thaw(&self) {
+        self.signal("-CONT");
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .expect("can run kill");
+        assert!(status.success(), "kill {signal} failed");
+    }
+
+    /// Kill it if it still runs, then start it again with the same flags on the same HTTP and
+    /// KV addresses (its KV pool starts empty), and wait until it is ready.
+    pub fn restart(&mut self) {
+        self.kill();
+        let port = self.http_addr.port().to_string();
+        let (child, ready) =
+            start_engine(&["--port", &port, "--kv-listen", &self.kv_addr], &self.args);
+        assert_eq!(
+            (ready.http_addr, &ready.kv_addr),
+            (self.http_addr, &self.kv_addr),
+            "restarted on the same addresses"
+        );
+        self.child = child;
+        self.wait_until_ready();
     }
 
     /// Polls `GET /v1/models` until 200, within the startup timeout.
@@ -134,9 +140,54 @@ impl EngineProcess {
 
 impl Drop for EngineProcess {
     fn drop(&mut self) {
+        // SIGKILL ends a frozen process too.
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Starts `switchyard engine PLACE… ARGS…` and waits for its ready line.
+fn start_engine(place: &[&str], args: &[String]) -> (Child, ReadyLine) {
+    let mut child = Command::new(switchyard_bin())
+        .arg("engine")
+        .args(place)
+        .args(args)
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("can spawn the switchyard binary");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    // Keep reading stdout for the child's whole life so it never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        for line in lines.by_ref().map_while(Result::ok) {
+            if line.parse::<ReadyLine>().is_ok() {
+                let _ = tx.send(line);
+                break;
+            }
+        }
+        for _ in lines {}
+    });
+    let line = match rx.recv_timeout(STARTUP_TIMEOUT) {
+        Ok(line) => line,
+        Err(_) => {
+            let _ = child.kill();
+            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+            panic!(
+                "switchyard engine {place:?} {args:?} printed no ready line within {STARTUP_TIMEOUT:?} ({status})"
+            );
+        }
+    };
+    let ready: ReadyLine = line
+        .parse()
+        .unwrap_or_else(|e| panic!("switchyard engine {args:?}: {e}"));
+    (child, ready)
 }
 
 /// Polls `GET path` on a freshly started process until it answers 200, within the startup

@@ -8,10 +8,12 @@
 //! endpoint is to blame ([`ExecError::blames_endpoint`]) and how the policy should hear about
 //! it ([`ExecError::failure_kind`]).
 //!
-//! No KV is left reserved: once prep_recv has answered, D holds pages for the request until
-//! start_generate takes them over. An attempt that ends before that (remote_send failed or
-//! timed out, start_generate was refused, the client left) drops its [`Reservation`], which
-//! frees them in the background ([`release`]).
+//! No KV is left reserved. prep_recv and start_generate run on tasks of their own
+//! ([`detached`]): once such a call may have reached D, only its answer says whether D holds
+//! pages for the request, so the answer is always read, even when the attempt was dropped
+//! meanwhile. Between a successful prep_recv and start_generate, D's pages belong to a
+//! [`Reservation`]; an attempt that ends in between (remote_send failed or timed out,
+//! start_generate was refused, the client left) frees them in the background ([`release`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -236,18 +238,12 @@ impl Executor {
                 remote_send,
             } => {
                 let guard = self.guard(decode, StepKind::PrepRecv, id)?;
-                let prep = self.prep_recv(decode, end, &body, id).await?;
-                // From here until start_generate answers, D holds pages for this attempt.
-                let start = StartGenerateRequest {
-                    common: body,
-                    begin: i64::from(end),
-                };
-                let reservation = Reservation::new(self, decode, start);
-                let body = &reservation.request().common;
+                let (prep, reservation) = self.prep_recv(decode, end, body, id).await?;
                 let mut remote_send_skipped = false;
                 if let Some(send) = remote_send {
                     let begin = send.begin.unwrap_or(prep.prefix_matched_length);
                     if begin < end {
+                        let body = &reservation.request().common;
                         self.remote_send(send.prefill, decode, begin, end, &prep, body, id)
                             .await?;
                     } else {
@@ -256,20 +252,7 @@ impl Executor {
                         tracing::debug!(request = %id.upstream_id, decode, end, "remote_send skipped");
                     }
                 }
-                // Whatever happens to the call now, the engine frees the pages itself: it
-                // aborts a generation whose client is gone. Only a refusal leaves them
-                // reserved (and a second start_generate for an id an MLC engine no longer
-                // holds would crash it, so nothing is sent again after an unread answer).
-                let start = reservation.hand_over();
-                let chunks = match self.start_generate(decode, &start, id).await {
-                    Ok(chunks) => chunks,
-                    Err(e) => {
-                        if matches!(e.source, CallError::Status { .. }) {
-                            drop(Reservation::new(self, decode, start));
-                        }
-                        return Err(e);
-                    }
-                };
+                let chunks = self.start_generate(decode, reservation, id).await?;
                 Ok(Generation::new(
                     chunks,
                     decode,
@@ -281,21 +264,44 @@ impl Executor {
         }
     }
 
+    /// prep_recv on D; on success, D's pages for `[0, end)` are the returned [`Reservation`]'s.
     async fn prep_recv(
         &self,
         decode: EndpointId,
         end: u32,
-        body: &CompletionRequest,
+        body: CompletionRequest,
         id: &AttemptId,
-    ) -> Result<PrepRecvResponse, ExecError> {
+    ) -> Result<(PrepRecvResponse, Reservation), ExecError> {
         let span = tracing::debug_span!("prep_recv", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, end);
+        let url = self.url(decode, StepKind::PrepRecv, id)?.to_owned();
+        let mut pending = Reservation {
+            client: self.client.clone(),
+            url,
+            decode,
+            request: Some(StartGenerateRequest {
+                common: body,
+                begin: i64::from(end),
+            }),
+            armed: false,
+        };
         let request = PrepRecvRequest {
-            common: body.clone(),
+            common: pending.request().common.clone(),
             end: i64::from(end),
         };
-        let url = self.url(decode, StepKind::PrepRecv, id)?;
-        let result = self.client.prep_recv(url, &request).instrument(span).await;
-        self.check(result, decode, StepKind::PrepRecv, id)
+        let call = async move {
+            let answer = pending.client.prep_recv(&pending.url, &request).await;
+            // Armed before anyone may see it: dropped anywhere from here (with the attempt,
+            // or unread in the channel), it frees D's pages.
+            if answer.is_ok() {
+                pending.arm();
+            }
+            (answer, pending)
+        };
+        let (answer, reservation) = detached(call.instrument(span))
+            .await
+            .ok_or_else(|| self.lost(decode, StepKind::PrepRecv, id))?;
+        let prep = self.check(answer, decode, StepKind::PrepRecv, id)?;
+        Ok((prep, reservation))
     }
 
     #[expect(
@@ -335,20 +341,33 @@ impl Executor {
         self.check(result, prefill, StepKind::RemoteSend, id)
     }
 
+    /// start_generate on D, which takes the reservation's pages over: from the moment the call
+    /// may reach D, D frees them itself (it aborts a generation whose client is gone), so the
+    /// answer is read even if the attempt is dropped, and a stream nobody wants is hung up on.
+    /// Only a refusal leaves the pages reserved, and frees them like any other dropped
+    /// reservation.
     async fn start_generate(
         &self,
         decode: EndpointId,
-        request: &StartGenerateRequest,
+        mut reservation: Reservation,
         id: &AttemptId,
     ) -> Result<ChunkStream, ExecError> {
-        let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, begin = request.begin);
-        let url = self.url(decode, StepKind::StartGenerate, id)?;
-        let result = self
-            .client
-            .start_generate(url, request)
-            .instrument(span)
-            .await;
-        self.check(result, decode, StepKind::StartGenerate, id)
+        let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode);
+        let mut taken = reservation.disarm();
+        let call = async move {
+            let answer = taken
+                .client
+                .start_generate(&taken.url, taken.request())
+                .await;
+            if matches!(answer, Err(CallError::Status { .. })) {
+                taken.arm();
+            }
+            answer
+        };
+        let answer = detached(call.instrument(span))
+            .await
+            .ok_or_else(|| self.lost(decode, StepKind::StartGenerate, id))?;
+        self.check(answer, decode, StepKind::StartGenerate, id)
     }
 
     async fn forward(
@@ -413,6 +432,19 @@ impl Executor {
             .ok_or_else(|| self.unknown(endpoint, step, id))
     }
 
+    /// A detached call's task ended without an answer (it panicked, or the runtime is going).
+    fn lost(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> ExecError {
+        ExecError {
+            endpoint,
+            step,
+            attempt: id.attempt,
+            source: CallError::Stream {
+                url: String::new(),
+                source: SseError::Transport("the call ended without an answer".into()),
+            },
+        }
+    }
+
     /// Unreachable after validation (ids are checked against the same cluster), but a plan
     /// must never panic the router.
     fn unknown(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> ExecError {
@@ -430,55 +462,69 @@ impl Executor {
 
 // === impl Reservation ===
 
-/// D's prep_recv reservation for one attempt, until start_generate takes it over. Dropped
-/// before that, whatever the reason, it starts a [`release`] in the background.
+/// D's pages for one attempt, from a successful prep_recv until start_generate takes them
+/// over. Dropped while armed, whatever the reason, it frees them in the background
+/// ([`release`]).
 struct Reservation {
     client: EngineClient,
-    cluster: Arc<Cluster>,
+    /// D's base URL.
+    url: String,
     decode: EndpointId,
-    /// The start_generate this attempt will send, and the one a release sends.
+    /// The start_generate that takes the pages over, and the one a release sends.
     request: Option<StartGenerateRequest>,
+    armed: bool,
 }
 
 impl Reservation {
-    fn new(executor: &Executor, decode: EndpointId, request: StartGenerateRequest) -> Self {
+    fn request(&self) -> &StartGenerateRequest {
+        // Taken only by `drop`.
+        self.request
+            .as_ref()
+            .expect("the request lives as long as the reservation")
+    }
+
+    /// This reservation, unarmed (a call in flight decides what it becomes), leaving an
+    /// empty one behind.
+    fn disarm(&mut self) -> Reservation {
         Reservation {
-            client: executor.client.clone(),
-            cluster: Arc::clone(&executor.cluster),
-            decode,
-            request: Some(request),
+            client: self.client.clone(),
+            url: std::mem::take(&mut self.url),
+            decode: self.decode,
+            request: self.request.take(),
+            armed: false,
         }
     }
 
-    fn request(&self) -> &StartGenerateRequest {
-        // Taken only by `hand_over` (which consumes the guard) or `drop`.
-        self.request
-            .as_ref()
-            .expect("the request lives as long as the guard")
-    }
-
-    /// The start_generate to send: once it is on its way, the engine owns the pages.
-    fn hand_over(mut self) -> StartGenerateRequest {
-        self.request
-            .take()
-            .expect("the request lives as long as the guard")
+    /// D holds the pages: free them if this is dropped.
+    fn arm(&mut self) {
+        self.armed = true;
     }
 }
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        let Some(request) = self.request.take() else {
+        let (true, Some(request)) = (self.armed, self.request.take()) else {
             return;
         };
-        let Some(url) = self.cluster.url(self.decode).map(str::to_owned) else {
-            return;
-        };
-        // Drop runs inside the attempt's task, on the runtime; a runtime shutting down has no
-        // engines left to call either.
+        // Drop runs on the runtime; one that is shutting down has no engines left to call.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let url = std::mem::take(&mut self.url);
             runtime.spawn(release(self.client.clone(), url, self.decode, request));
         }
     }
+}
+
+/// Runs `call` on a task of its own, so it runs to its answer even if the caller is dropped.
+/// An answer nobody reads is dropped: answers clean up after themselves when dropped (an armed
+/// [`Reservation`] frees its pages, a stream hangs up). `None`: the task ended without an
+/// answer.
+async fn detached<T: Send + 'static>(call: impl Future<Output = T> + Send + 'static) -> Option<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        // Nobody listening: the answer is dropped here.
+        let _ = tx.send(call.await);
+    });
+    rx.await.ok()
 }
 
 /// How long a release keeps trying: a decode engine frozen for minutes still gets its pages
