@@ -300,16 +300,24 @@ async fn killed_engines_lose_no_request_and_come_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_decode_engine_is_routed_around_and_readmitted() {
     let truth = Arc::new(Truth::new(22, 24).await);
+    // Real decode steps (~5 ms): streams of up to 200 ms, several on each decode engine.
     let c = disagg_over(
         "tcp",
         &[&[], &[]],
-        &SLOW,
-        &["--stream-idle-timeout", "1s", "--call-timeout", "30s"],
+        &["--profile", "llama3-8b-h100"],
+        &[
+            "--stream-idle-timeout",
+            "1s",
+            "--call-timeout",
+            "30s",
+            "--outlier-failures",
+            "2",
+        ],
     );
     let load = Load::start(&c.router, &truth, 8);
     let_run(&load, 8).await;
-    // Freeze it while it serves several streams: each stalls, and enough consecutive
-    // failures eject it.
+    // Freeze it while it serves several streams: each stalls, and two failures in a row
+    // eject it.
     eventually(Duration::from_secs(30), || async {
         let in_flight = endpoint_row(&c.router, 1).await["in_flight"].as_u64();
         (in_flight < Some(3)).then(|| format!("{in_flight:?} legs in flight on it"))

@@ -95,20 +95,17 @@ impl EngineProcess {
 
     /// SIGSTOP: the process stays, its sockets keep accepting, nothing answers.
     pub fn freeze(&self) {
-        self.signal("-STOP");
+        self.signal(rustix::process::Signal::STOP);
     }
 
     /// SIGCONT after [`EngineProcess::freeze`].
     pub fn thaw(&self) {
-        self.signal("-CONT");
+        self.signal(rustix::process::Signal::CONT);
     }
 
-    fn signal(&self, signal: &str) {
-        let status = Command::new("kill")
-            .args([signal, &self.child.id().to_string()])
-            .status()
-            .expect("can run kill");
-        assert!(status.success(), "kill {signal} failed");
+    fn signal(&self, signal: rustix::process::Signal) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
+        rustix::process::kill_process(pid, signal).expect("the engine process exists");
     }
 
     /// Kill it if it still runs, then start it again with the same flags on the same HTTP and
@@ -148,10 +145,32 @@ impl Drop for EngineProcess {
 
 /// Starts `switchyard engine PLACE… ARGS…` and waits for its ready line.
 fn start_engine(place: &[&str], args: &[String]) -> (Child, ReadyLine) {
+    let argv: Vec<String> = std::iter::once("engine")
+        .chain(place.iter().copied())
+        .map(str::to_owned)
+        .chain(args.iter().cloned())
+        .collect();
+    let (child, line) = spawn_switchyard(&argv, &[], STARTUP_TIMEOUT, |line| {
+        line.parse::<ReadyLine>().is_ok().then(|| line.to_owned())
+    });
+    let ready: ReadyLine = line
+        .parse()
+        .unwrap_or_else(|e| panic!("switchyard {argv:?}: {e}"));
+    (child, ready)
+}
+
+/// Starts `switchyard ARGS…` with `env` (and the caller's `RUST_LOG`, else `warn`), and waits
+/// up to `within` for the first stdout line `ready` accepts, returning what it made of it.
+/// Stdout is read for the child's whole life, so it never blocks on a full pipe.
+fn spawn_switchyard(
+    args: &[String],
+    env: &[(&str, &Path)],
+    within: Duration,
+    ready: impl Fn(&str) -> Option<String> + Send + 'static,
+) -> (Child, String) {
     let mut child = Command::new(switchyard_bin())
-        .arg("engine")
-        .args(place)
         .args(args)
+        .envs(env.iter().copied())
         .env(
             "RUST_LOG",
             std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -163,31 +182,24 @@ fn start_engine(place: &[&str], args: &[String]) -> (Child, ReadyLine) {
         .expect("can spawn the switchyard binary");
     let stdout = child.stdout.take().expect("stdout is piped");
     let (tx, rx) = std::sync::mpsc::channel();
-    // Keep reading stdout for the child's whole life so it never blocks on a full pipe.
     std::thread::spawn(move || {
         let mut lines = BufReader::new(stdout).lines();
         for line in lines.by_ref().map_while(Result::ok) {
-            if line.parse::<ReadyLine>().is_ok() {
-                let _ = tx.send(line);
+            if let Some(found) = ready(&line) {
+                let _ = tx.send(found);
                 break;
             }
         }
         for _ in lines {}
     });
-    let line = match rx.recv_timeout(STARTUP_TIMEOUT) {
-        Ok(line) => line,
+    match rx.recv_timeout(within) {
+        Ok(found) => (child, found),
         Err(_) => {
             let _ = child.kill();
             let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-            panic!(
-                "switchyard engine {place:?} {args:?} printed no ready line within {STARTUP_TIMEOUT:?} ({status})"
-            );
+            panic!("switchyard {args:?} printed no ready line within {within:?} ({status})");
         }
-    };
-    let ready: ReadyLine = line
-        .parse()
-        .unwrap_or_else(|e| panic!("switchyard engine {args:?}: {e}"));
-    (child, ready)
+    }
 }
 
 /// Polls `GET path` on a freshly started process until it answers 200, within the startup
@@ -268,38 +280,10 @@ impl RouterProcess {
         env: &[(&str, &Path)],
         ready_prefix: &'static str,
     ) -> RouterProcess {
-        let mut child = Command::new(switchyard_bin())
-            .args(&args)
-            .envs(env.iter().copied())
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("can spawn the switchyard binary");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            for line in lines.by_ref().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix(ready_prefix) {
-                    let _ = tx.send(url.trim().to_owned());
-                    break;
-                }
-            }
-            for _ in lines {}
+        let (child, url) = spawn_switchyard(&args, env, STARTUP_TIMEOUT * 2, move |line| {
+            line.strip_prefix(ready_prefix)
+                .map(|url| url.trim().to_owned())
         });
-        let Ok(url) = rx.recv_timeout(STARTUP_TIMEOUT * 2) else {
-            let _ = child.kill();
-            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-            panic!(
-                "switchyard {args:?} printed no ready line within {:?} ({status})",
-                STARTUP_TIMEOUT * 2
-            );
-        };
         let addr: SocketAddr = url
             .strip_prefix("http://")
             .and_then(|a| a.parse().ok())
