@@ -73,8 +73,13 @@ impl EngineProcess {
     /// Starts `switchyard engine --port 0 ARGS…`, learns its port from the ready line, and waits
     /// until `GET /v1/models` answers 200.
     pub fn spawn(args: &[&str]) -> EngineProcess {
+        Self::spawn_on(0, args)
+    }
+
+    /// [`EngineProcess::spawn`] on HTTP port `port`.
+    pub fn spawn_on(port: u16, args: &[&str]) -> EngineProcess {
         let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-        let (child, ready) = start_engine(&["--port", "0"], &args);
+        let (child, ready) = start_engine(&["--port", &port.to_string()], &args);
         let engine = EngineProcess {
             child,
             url: ready.url(),
@@ -205,24 +210,33 @@ fn spawn_switchyard(
 /// Polls `GET path` on a freshly started process until it answers 200, within the startup
 /// timeout (readiness has no event to wait on from outside the process).
 fn wait_for_200(addr: SocketAddr, path: &str, what: &str, url: &str) {
+    wait_for(addr, path, what, url, |_| true);
+}
+
+/// Polls `GET path` until it answers 200 with a body `accept` takes, within the startup
+/// timeout.
+fn wait_for(addr: SocketAddr, path: &str, what: &str, url: &str, accept: impl Fn(&str) -> bool) {
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     while Instant::now() < deadline {
-        if http_get_status(addr, path) == Some(200) {
+        if http_get(addr, path).is_some_and(|(status, body)| status == 200 && accept(&body)) {
             return;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("{what} at {url} did not answer GET {path} 200 within {STARTUP_TIMEOUT:?}");
+    panic!("{what} at {url} did not answer GET {path} as expected within {STARTUP_TIMEOUT:?}");
 }
 
-/// A minimal blocking HTTP/1.0 GET, so readiness checks need no async runtime.
-fn http_get_status(addr: SocketAddr, path: &str) -> Option<u16> {
+/// A minimal blocking HTTP/1.0 GET (the server closes after answering), so readiness checks
+/// need no async runtime: the status and the body.
+fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut head = [0u8; 12];
-    stream.read_exact(&mut head).ok()?;
-    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.get(9..12)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_owned();
+    Some((status, body))
 }
 
 // === router processes (the router engineer's part) ===
@@ -242,6 +256,14 @@ impl RouterProcess {
     /// `switchyard serve --port 0 --plugins <checkout>/plugins --endpoint URL… ARGS…`; waits
     /// until `/health` answers 200.
     pub fn serve(endpoints: &[&str], args: &[&str]) -> RouterProcess {
+        let router = Self::serve_ready(endpoints, args);
+        router.wait_until_healthy();
+        router
+    }
+
+    /// [`RouterProcess::serve`], but returns as soon as the router is ready (`/health` 200:
+    /// enough endpoints healthy), whether or not every endpoint is.
+    pub fn serve_ready(endpoints: &[&str], args: &[&str]) -> RouterProcess {
         let mut full: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
         full.push("--plugins".into());
         full.push(plugins_dir().display().to_string());
@@ -272,7 +294,9 @@ impl RouterProcess {
         full.push("--plugins".into());
         full.push(plugins.display().to_string());
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        Self::spawn(full, env, "switchyard router ready on ")
+        let router = Self::spawn(full, env, "switchyard router ready on ");
+        router.wait_until_healthy();
+        router
     }
 
     fn spawn(
@@ -289,12 +313,15 @@ impl RouterProcess {
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("unexpected router URL {url:?}"));
         let router = RouterProcess { child, url, addr };
-        router.wait_until_healthy();
+        wait_for_200(router.addr, "/health", "router", &router.url);
         router
     }
 
+    /// Ready, and every endpoint healthy: tests start from the whole cluster.
     fn wait_until_healthy(&self) {
-        wait_for_200(self.addr, "/health", "router", &self.url);
+        wait_for(self.addr, "/health", "router", &self.url, |body| {
+            body.contains(r#""down":[]"#)
+        });
     }
 
     /// `url` + `path`.

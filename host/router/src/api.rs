@@ -73,6 +73,8 @@ pub struct AppState {
     /// The live policies; each request is planned by the one it selects.
     pub policies: Arc<PolicyRegistry>,
     pub admin: AdminAccess,
+    /// The request headers policies see (lower-case names).
+    pub forward_headers: Vec<String>,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
     next_id: AtomicU64,
@@ -94,6 +96,9 @@ impl AppState {
             model,
             policies,
             admin: AdminAccess::default(),
+            forward_headers: crate::config::DEFAULT_FORWARD_HEADERS
+                .map(str::to_owned)
+                .to_vec(),
             max_body_bytes,
             default_max_tokens,
             next_id: AtomicU64::new(1),
@@ -106,7 +111,13 @@ impl AppState {
         self
     }
 
-    /// The endpoints are ready (the policy was loaded before the state existed).
+    /// Which request headers policies see.
+    pub fn with_forward_headers(mut self, names: Vec<String>) -> Self {
+        self.forward_headers = names;
+        self
+    }
+
+    /// Enough endpoints are healthy (the policy was loaded before the state existed).
     pub fn is_ready(&self) -> bool {
         self.router.executor().cluster().is_ready()
     }
@@ -120,6 +131,10 @@ pub struct AdminAccess {
     /// `/admin/*` has a listener of its own ([`serve_admin`]); the main port then answers 404.
     pub separate_port: bool,
 }
+
+/// The address a request's connection came from, in its extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub SocketAddr);
 
 /// How long open connections may take to finish after shutdown begins.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -169,7 +184,8 @@ where
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
-        let service = hyper::service::service_fn(move |req| {
+        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(Peer(peer));
             let state = state.clone();
             async move { Ok::<_, Infallible>(handler(state, req).await) }
         });
@@ -193,8 +209,32 @@ where
     Ok(())
 }
 
-/// Route one request.
+/// Route one request. Every response carries `x-request-id`: the client's, when it sent a
+/// usable one, else one made up here, so a client and the router's log can name the request.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+    let request_id = request_id(req.headers());
+    let mut response = route(state, req).await;
+    response.headers_mut().insert(REQUEST_ID, request_id);
+    response
+}
+
+const REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+
+/// The client's `x-request-id` when it is short printable text, else a fresh one.
+fn request_id(headers: &HeaderMap) -> http::HeaderValue {
+    headers
+        .get(&REQUEST_ID)
+        .filter(|v| {
+            !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(u8::is_ascii_graphic)
+        })
+        .cloned()
+        .unwrap_or_else(|| {
+            http::HeaderValue::from_str(&format!("{:032x}", rand::random::<u128>()))
+                .expect("hex digits make a header value")
+        })
+}
+
+async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     if req.uri().path().starts_with("/admin/") && !state.admin.separate_port {
         return admin::handle(state, req).await;
     }
@@ -254,7 +294,7 @@ async fn generate(
         return reject(
             &state,
             shape,
-            &ApiError::NotReady("the endpoints are not ready yet"),
+            &ApiError::NotReady("too few endpoints are healthy"),
         );
     }
     let selection = match state
@@ -294,7 +334,7 @@ async fn generate(
         stream,
         model: parsed.model,
         user: parsed.user,
-        headers: x_headers(headers),
+        headers: forwarded_headers(headers, &state.forward_headers),
         template: parsed.template,
         arrived,
     };
@@ -420,16 +460,16 @@ fn policy_header(headers: &HeaderMap) -> Option<String> {
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
 }
 
-/// The `x-*` headers a policy may route on.
-fn x_headers(headers: &HeaderMap) -> Vec<(String, String)> {
-    headers
+/// The headers a policy may route on: those the operator allowed (`--forward-header`), with
+/// text values. A client's other headers (cookies, tokens) never reach a policy.
+fn forwarded_headers(headers: &HeaderMap, allowed: &[String]) -> Vec<(String, String)> {
+    allowed
         .iter()
-        .filter(|(name, _)| name.as_str().starts_with("x-"))
-        .filter_map(|(name, value)| {
-            value
-                .to_str()
-                .ok()
-                .map(|v| (name.as_str().to_owned(), v.to_owned()))
+        .flat_map(|name| {
+            headers
+                .get_all(name.as_str())
+                .iter()
+                .filter_map(move |value| value.to_str().ok().map(|v| (name.clone(), v.to_owned())))
         })
         .collect()
 }
@@ -443,4 +483,28 @@ fn unix_now() -> u64 {
 /// Bind `addr` (port 0 picks a free one).
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_usable_client_request_id_is_kept_and_anything_else_replaced() {
+        let with = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                REQUEST_ID,
+                http::HeaderValue::from_bytes(value).expect("a header value"),
+            );
+            request_id(&headers)
+        };
+        assert_eq!(with(b"trace-42"), "trace-42");
+        for bad in [&b""[..], b"has space", &[b'a'; 129]] {
+            let replaced = with(bad);
+            assert_ne!(replaced.as_bytes(), bad);
+            assert_eq!(replaced.len(), 32, "a fresh id: {replaced:?}");
+        }
+        assert_eq!(request_id(&HeaderMap::new()).len(), 32);
+    }
 }

@@ -56,9 +56,6 @@ pub(crate) struct EndpointState {
     device_rank: u32,
     /// The readiness probe answers (and no call failed to connect since).
     ready: AtomicBool,
-    /// Set once the first readiness probe succeeded: `/health` stays 503 until every
-    /// endpoint has been ready once.
-    ever_ready: AtomicBool,
     in_flight: AtomicU32,
     /// The engine's KV pool usage as `f32` bits; [`NO_KV_USAGE`] when unknown.
     kv_usage: AtomicU32,
@@ -90,6 +87,24 @@ impl EndpointState {
 pub struct Cluster {
     endpoints: Vec<Arc<EndpointState>>,
     outlier: OutlierConfig,
+    /// Healthy endpoints the router needs to call itself ready.
+    min_healthy: usize,
+}
+
+/// What `/health` says: whether the router can serve, and which endpoints are down.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Readiness {
+    pub ready: bool,
+    pub healthy: usize,
+    pub min_healthy: usize,
+    pub down: Vec<Down>,
+}
+
+/// An endpoint plans may not name, and why.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Down {
+    pub id: u32,
+    pub health: Health,
 }
 
 /// The row `/admin/endpoints` shows for an endpoint.
@@ -122,14 +137,23 @@ impl Cluster {
                     role: spec.role,
                     device_rank,
                     ready: AtomicBool::new(false),
-                    ever_ready: AtomicBool::new(false),
                     in_flight: AtomicU32::new(0),
                     kv_usage: AtomicU32::new(NO_KV_USAGE),
                     outlier: Mutex::new(Outlier::default()),
                 })
             })
             .collect();
-        Cluster { endpoints, outlier }
+        Cluster {
+            endpoints,
+            outlier,
+            min_healthy: 1,
+        }
+    }
+
+    /// Ready once at least `n` endpoints are healthy (default 1).
+    pub fn with_min_healthy(mut self, n: usize) -> Self {
+        self.min_healthy = n;
+        self
     }
 
     pub fn len(&self) -> usize {
@@ -231,9 +255,6 @@ impl Cluster {
     pub fn set_health(&self, id: u32, healthy: bool) {
         if let Some(e) = self.endpoint(id) {
             let was = e.ready.swap(healthy, Ordering::AcqRel);
-            if healthy {
-                e.ever_ready.store(true, Ordering::Release);
-            }
             if was != healthy {
                 tracing::info!(endpoint = id, url = %e.url, healthy, "endpoint health changed");
             }
@@ -249,17 +270,28 @@ impl Cluster {
         }
     }
 
-    /// Every endpoint has been ready once and at least one is healthy now.
+    /// Whether enough endpoints are healthy to serve, and which are not.
+    pub fn readiness(&self) -> Readiness {
+        let now = Instant::now();
+        let mut healthy = 0;
+        let mut down = Vec::new();
+        for e in &self.endpoints {
+            match e.health(now) {
+                Health::Healthy => healthy += 1,
+                health => down.push(Down { id: e.id, health }),
+            }
+        }
+        Readiness {
+            ready: healthy >= self.min_healthy,
+            healthy,
+            min_healthy: self.min_healthy,
+            down,
+        }
+    }
+
+    /// At least `min_healthy` endpoints are healthy now.
     pub fn is_ready(&self) -> bool {
-        !self.endpoints.is_empty()
-            && self
-                .endpoints
-                .iter()
-                .all(|e| e.ever_ready.load(Ordering::Acquire))
-            && self
-                .endpoints
-                .iter()
-                .any(|e| e.ready.load(Ordering::Acquire))
+        self.readiness().ready
     }
 
     fn endpoint(&self, id: u32) -> Option<&Arc<EndpointState>> {
@@ -330,21 +362,32 @@ mod tests {
     }
 
     #[test]
-    fn ready_once_every_endpoint_answered_and_one_is_healthy() {
-        let cluster = Cluster::new(
-            vec![spec("http://a", 1), spec("http://b", 1)],
-            OutlierConfig::default(),
-        );
-        assert!(!cluster.is_ready());
-        cluster.set_health(0, true);
-        assert!(!cluster.is_ready());
+    fn ready_with_enough_healthy_endpoints_whichever_they_are() {
+        let specs = || {
+            vec![
+                spec("http://a", 1),
+                spec("http://b", 1),
+                spec("http://c", 1),
+            ]
+        };
+        let cluster = Cluster::new(specs(), OutlierConfig::default());
+        assert!(!cluster.is_ready(), "nothing has answered yet");
+        // One of three answers: that is enough by default, the others are reported down.
         cluster.set_health(1, true);
-        assert!(cluster.is_ready());
-        cluster.mark_unhealthy(0);
-        assert!(cluster.is_ready());
-        assert_eq!(cluster.snapshot()[0].health, Health::NotReady);
+        let readiness = cluster.readiness();
+        assert!(readiness.ready);
+        assert_eq!(readiness.healthy, 1);
+        let down: Vec<_> = readiness.down.iter().map(|d| (d.id, d.health)).collect();
+        assert_eq!(down, [(0, Health::NotReady), (2, Health::NotReady)]);
         cluster.mark_unhealthy(1);
         assert!(!cluster.is_ready());
+        assert_eq!(cluster.snapshot()[1].health, Health::NotReady);
+
+        let two = Cluster::new(specs(), OutlierConfig::default()).with_min_healthy(2);
+        two.set_health(0, true);
+        assert!(!two.is_ready());
+        two.set_health(2, true);
+        assert!(two.is_ready());
     }
 
     #[tokio::test(start_paused = true)]

@@ -11,6 +11,7 @@
 //!                                             # (other policies: plugins/<name>.json)
 //! fallback_policy = "round-robin"             # plans a faulting policy's requests ("none": off)
 //! policy_header = true                        # x-switchyard-policy may select a policy
+//! forward_headers = ["x-priority"]           # request headers policies may route on
 //! quarantine_faults = 5                       # faults within the window that quarantine
 //! quarantine_window_ms = 30000
 //! admin_token = "s3cret"                      # /admin/* then needs `Authorization: Bearer …`
@@ -18,6 +19,7 @@
 //! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json
 //! model = "llama"                              # name reported by /v1/models
 //! max_attempts = 3
+//! min_healthy_endpoints = 1                   # healthy endpoints needed to be ready
 //! max_body_bytes = 33554432
 //! default_max_tokens = 256
 //! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
@@ -100,6 +102,10 @@ pub struct RouterArgs {
     /// Ignore the `x-switchyard-policy` request header (clients cannot pick a policy).
     #[arg(long)]
     pub no_policy_header: bool,
+    /// A request header policies may route on (repeatable; names are case-insensitive). No
+    /// other header reaches a policy [default: x-priority].
+    #[arg(long = "forward-header", value_name = "NAME")]
+    pub forward_headers: Vec<String>,
     /// Faults (trap, deadline, memory cap, invalid plan) within --quarantine-window-ms that
     /// quarantine a policy version.
     #[arg(long)]
@@ -144,6 +150,11 @@ pub struct RouterArgs {
     /// continues elsewhere and the engine is blamed [default: 60s].
     #[arg(long, value_parser = humantime::parse_duration)]
     pub stream_idle_timeout: Option<Duration>,
+    /// Healthy endpoints the router needs to report ready (`/health` 200) and serve; requests
+    /// are planned over the healthy ones, so one engine down never stops the others
+    /// [default: 1].
+    #[arg(long)]
+    pub min_healthy_endpoints: Option<usize>,
     /// Consecutive failures of an endpoint's own making (refused connections, timeouts, 5xx,
     /// broken or stalled streams; never a client's 4xx) that eject it from routing for a while;
     /// 0 turns ejection off [default: 3].
@@ -184,6 +195,8 @@ pub struct Config {
     pub model: String,
     /// Retries, the retry budget and the request deadline.
     pub routing: RouterConfig,
+    /// Healthy endpoints needed to be ready.
+    pub min_healthy_endpoints: usize,
     /// How long the router waits on engines.
     pub timeouts: Timeouts,
     pub outlier: OutlierConfig,
@@ -199,6 +212,8 @@ pub struct PolicySettings {
     pub models: BTreeMap<String, String>,
     /// Whether `x-switchyard-policy` may select a policy.
     pub header: bool,
+    /// The request headers policies see (lower-case names).
+    pub forward_headers: Vec<String>,
     pub quarantine: QuarantineRule,
 }
 
@@ -253,6 +268,8 @@ pub enum ConfigError {
     AdminPort(u16),
     #[error("--model-dir {}: {reason}", path.display())]
     ModelDir { path: PathBuf, reason: String },
+    #[error("--forward-header {0:?} is not a header name")]
+    ForwardHeader(String),
     #[error("--max-attempts: {0}")]
     Retry(#[from] RetryPolicyError),
     #[error("--max-body-bytes must be at least 1")]
@@ -261,6 +278,8 @@ pub enum ConfigError {
     DefaultMaxTokens,
     #[error("--{0} must be longer than zero")]
     ZeroTimeout(&'static str),
+    #[error("--min-healthy-endpoints {wanted} is more than the {endpoints} endpoints configured")]
+    MinHealthy { wanted: usize, endpoints: usize },
     #[error(
         "--outlier-base-ejection {base:?} must be longer than zero and at most --outlier-max-ejection {max:?}"
     )]
@@ -280,6 +299,7 @@ struct FileConfig {
     policy_config: Option<toml::Value>,
     fallback_policy: Option<String>,
     policy_header: Option<bool>,
+    forward_headers: Option<Vec<String>>,
     #[serde(default)]
     model_policies: BTreeMap<String, String>,
     quarantine_faults: Option<u32>,
@@ -292,6 +312,7 @@ struct FileConfig {
     max_body_bytes: Option<usize>,
     default_max_tokens: Option<u32>,
     request_timeout: Option<TextDuration>,
+    min_healthy_endpoints: Option<usize>,
     connect_timeout: Option<TextDuration>,
     call_timeout: Option<TextDuration>,
     stream_idle_timeout: Option<TextDuration>,
@@ -330,6 +351,8 @@ pub const NO_FALLBACK: &str = "none";
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 pub const DEFAULT_MAX_TOKENS: u32 = 256;
 pub const DEFAULT_MODEL: &str = "switchyard-reference";
+/// The request headers policies see unless configured otherwise.
+pub const DEFAULT_FORWARD_HEADERS: [&str; 1] = ["x-priority"];
 
 impl Config {
     /// Parse and validate `args` (and the file it names).
@@ -370,6 +393,7 @@ impl Config {
         let policy_keys = PolicyKeys {
             fallback: file.fallback_policy,
             header: file.policy_header,
+            forward_headers: file.forward_headers,
             models: file.model_policies,
             faults: file.quarantine_faults,
             window_ms: file.quarantine_window_ms,
@@ -453,6 +477,16 @@ impl Config {
                 return Err(ConfigError::ZeroTimeout(flag));
             }
         }
+        let min_healthy_endpoints = r
+            .min_healthy_endpoints
+            .or(file.min_healthy_endpoints)
+            .unwrap_or(1);
+        if min_healthy_endpoints > endpoints.len() {
+            return Err(ConfigError::MinHealthy {
+                wanted: min_healthy_endpoints,
+                endpoints: endpoints.len(),
+            });
+        }
         let budget_defaults = RetryBudgetConfig::default();
         let retry_budget = RetryBudgetConfig {
             ratio: r
@@ -506,6 +540,7 @@ impl Config {
                 retry_budget,
                 request_timeout,
             },
+            min_healthy_endpoints,
             timeouts,
             outlier,
             max_body_bytes,
@@ -605,6 +640,7 @@ fn existing_policy(plugins: &Path, name: &str) -> Result<PathBuf, String> {
 struct PolicyKeys {
     fallback: Option<String>,
     header: Option<bool>,
+    forward_headers: Option<Vec<String>>,
     models: BTreeMap<String, String>,
     faults: Option<u32>,
     window_ms: Option<u64>,
@@ -648,10 +684,24 @@ fn policy_settings(
     if faults == 0 || window_ms == 0 {
         return Err(ConfigError::Quarantine);
     }
+    let forward_headers = if args.forward_headers.is_empty() {
+        file.forward_headers
+            .unwrap_or_else(|| DEFAULT_FORWARD_HEADERS.map(str::to_owned).to_vec())
+    } else {
+        args.forward_headers.clone()
+    };
+    let forward_headers = forward_headers
+        .into_iter()
+        .map(|name| match http::HeaderName::from_bytes(name.as_bytes()) {
+            Ok(header) => Ok(header.as_str().to_owned()),
+            Err(_) => Err(ConfigError::ForwardHeader(name)),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(PolicySettings {
         fallback,
         models: file.models,
         header: !args.no_policy_header && file.header.unwrap_or(true),
+        forward_headers,
         quarantine: QuarantineRule {
             faults,
             window: Duration::from_millis(window_ms),
@@ -845,6 +895,7 @@ mod tests {
             Some(DEFAULT_FALLBACK_POLICY)
         );
         assert!(config.policies.header);
+        assert_eq!(config.policies.forward_headers, ["x-priority"]);
         assert_eq!(config.policies.quarantine, QuarantineRule::default());
         assert_eq!(config.admin, AdminSettings::default());
 
@@ -853,7 +904,9 @@ mod tests {
         a.router.no_policy_header = true;
         a.router.admin_token = Some("s3cret".into());
         a.router.admin_port = Some(9001);
+        a.router.forward_headers = vec!["X-Tenant".into(), "x-priority".into()];
         let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.policies.forward_headers, ["x-tenant", "x-priority"]);
         assert_eq!(config.policies.fallback, None);
         assert!(!config.policies.header);
         assert_eq!(config.admin.token.as_deref(), Some("s3cret"));
@@ -882,6 +935,10 @@ mod tests {
         assert!(matches!(
             refused(&|a| a.router.quarantine_faults = Some(0)),
             ConfigError::Quarantine
+        ));
+        assert!(matches!(
+            refused(&|a| a.router.forward_headers = vec!["bad header".into()]),
+            ConfigError::ForwardHeader(_)
         ));
     }
 

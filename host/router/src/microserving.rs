@@ -20,7 +20,7 @@ mod tests;
 
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_wire::completion::{CompletionRequest, CompletionResponse};
@@ -65,30 +65,27 @@ impl Default for Timeouts {
     }
 }
 
-/// Why one call to an engine failed.
+/// Why one call to an engine failed. The messages name no URL: they reach clients (whose
+/// error bodies name endpoints by id) and the log alike.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     /// The HTTP client itself could not be set up (at startup, before any engine is called).
     #[error("cannot build the HTTP client for engines: {reason}")]
     Build { reason: String },
-    #[error("cannot reach {url}: {reason}")]
-    Connect { url: String, reason: String },
-    #[error("{url} did not answer within {after:?}")]
-    Timeout { url: String, after: Duration },
-    #[error("{url} answered HTTP {status}: {body}")]
-    Status {
-        url: String,
-        status: u16,
-        body: String,
-    },
-    #[error("{url} sent an answer that does not parse: {reason}")]
-    Decode { url: String, reason: String },
-    #[error("{url}: {source}")]
-    Stream {
-        url: String,
-        #[source]
-        source: SseError,
-    },
+    /// Refused: nothing listens there (a sign the engine is down).
+    #[error("cannot connect: {reason}")]
+    Connect { reason: String },
+    /// The connection closed or reset before an answer started: the engine went away mid-call.
+    #[error("the connection closed before an answer: {reason}")]
+    Closed { reason: String },
+    #[error("no answer within {after:?}")]
+    Timeout { after: Duration },
+    #[error("answered HTTP {status}: {body}")]
+    Status { status: u16, body: String },
+    #[error("sent an answer that does not parse: {reason}")]
+    Decode { reason: String },
+    #[error(transparent)]
+    Stream(#[from] SseError),
 }
 
 impl CallError {
@@ -209,13 +206,13 @@ impl EngineClient {
                 Release::Later(format!("the engine answered HTTP {}", response.status()))
             }
             // Not even connected: the request never left, so it is safe to send again.
-            Err(e) if e.is_connect() && e.is_timeout() => Release::Later(error_chain(&e)),
+            Err(e) if e.is_connect() && e.is_timeout() => Release::Later(reason(e)),
             // Refused: the engine process is gone, and its reservations with it.
-            Err(e) if e.is_connect() => Release::Gone(error_chain(&e)),
+            Err(e) if e.is_connect() => Release::Gone(reason(e)),
             // Sent, but no answer came (a frozen engine): the engine runs it when it can, sees
             // the connection gone and aborts, which frees the pages. Sending it again could
             // reach an MLC engine for an id it no longer holds, which it does not survive.
-            Err(e) => Release::Gone(format!("sent, answer lost: {}", error_chain(&e))),
+            Err(e) => Release::Gone(format!("sent, answer lost: {}", reason(e))),
         }
     }
 
@@ -258,18 +255,17 @@ impl EngineClient {
         let response = request
             .send()
             .await
-            .map_err(|e| classify(url, &e, self.timeouts.call))?;
+            .map_err(|e| classify(e, self.timeouts.call))?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
         }
         // The body only explains the status: a cut or oversized one still yields the status.
-        let body = read_capped(url, response, self.timeouts.call)
+        let body = read_capped(response, self.timeouts.call)
             .await
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
             .unwrap_or_default();
         Err(CallError::Status {
-            url: url.to_owned(),
             status: status.as_u16(),
             body: truncate(body, 512),
         })
@@ -283,9 +279,8 @@ impl EngineClient {
     ) -> Result<R, CallError> {
         let url = format!("{base}{path}");
         let response = self.send(&url, body, Some(self.timeouts.call)).await?;
-        let bytes = read_capped(&url, response, self.timeouts.call).await?;
+        let bytes = read_capped(response, self.timeouts.call).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
-            url,
             reason: e.to_string(),
         })
     }
@@ -302,7 +297,6 @@ impl EngineClient {
         let response = tokio::time::timeout(self.timeouts.call, self.send(&url, body, None))
             .await
             .map_err(|_| CallError::Timeout {
-                url: url.clone(),
                 after: self.timeouts.call,
             })??;
         let is_sse = response
@@ -311,16 +305,16 @@ impl EngineClient {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let bytes = read_capped(&url, response, self.timeouts.call).await?;
+            let bytes = read_capped(response, self.timeouts.call).await?;
             let one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
-                    url,
                     reason: e.to_string(),
                 })?;
             return Ok(single_chunk(one));
         }
+        let bytes = response.bytes_stream().map_err(reqwest::Error::without_url);
         Ok(with_idle_timeout(
-            parse_chunks(response.bytes_stream()),
+            parse_chunks(bytes),
             self.timeouts.stream_idle,
         ))
     }
@@ -328,16 +322,14 @@ impl EngineClient {
 
 /// A whole non-streamed answer, at most [`MAX_ANSWER_BYTES`], within `within`.
 async fn read_capped(
-    url: &str,
     mut response: reqwest::Response,
     within: Duration,
 ) -> Result<bytes::Bytes, CallError> {
     let read = async {
         let mut body = Vec::new();
-        while let Some(chunk) = response.chunk().await.map_err(|e| broken_answer(url, &e))? {
+        while let Some(chunk) = response.chunk().await.map_err(broken_answer)? {
             if body.len() + chunk.len() > MAX_ANSWER_BYTES {
                 return Err(CallError::Decode {
-                    url: url.to_owned(),
                     reason: format!("the answer is over {MAX_ANSWER_BYTES} bytes"),
                 });
             }
@@ -347,20 +339,19 @@ async fn read_capped(
     };
     tokio::time::timeout(within, read)
         .await
-        .map_err(|_| CallError::Timeout {
-            url: url.to_owned(),
-            after: within,
-        })?
+        .map_err(|_| CallError::Timeout { after: within })?
 }
 
 /// An answer that started and then broke off: the engine is up (it answered), so this is a
 /// failed call to retry, not a sign the endpoint is down, and not a malformed answer either
 /// (reqwest reports body failures as "decode" errors).
-fn broken_answer(url: &str, e: &reqwest::Error) -> CallError {
-    CallError::Stream {
-        url: url.to_owned(),
-        source: SseError::Transport(error_chain(e)),
-    }
+fn broken_answer(e: reqwest::Error) -> CallError {
+    CallError::Stream(SseError::Transport(reason(e)))
+}
+
+/// A reqwest error's message and causes, without the URL reqwest puts in it.
+fn reason(e: reqwest::Error) -> String {
+    error_chain(&e.without_url())
 }
 
 /// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:
@@ -381,29 +372,17 @@ fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
     )
 }
 
-fn classify(url: &str, e: &reqwest::Error, after: Duration) -> CallError {
+fn classify(e: reqwest::Error, after: Duration) -> CallError {
     if e.is_timeout() {
-        CallError::Timeout {
-            url: url.to_owned(),
-            after,
-        }
+        CallError::Timeout { after }
     } else if e.is_connect() {
-        CallError::Connect {
-            url: url.to_owned(),
-            reason: e.to_string(),
-        }
+        CallError::Connect { reason: reason(e) }
     } else if e.is_decode() {
-        CallError::Decode {
-            url: url.to_owned(),
-            reason: e.to_string(),
-        }
+        CallError::Decode { reason: reason(e) }
     } else {
-        // A reset or an early close before any answer: the engine went away mid-call. (Once
-        // an answer has started, a break is `broken_answer`'s, not this.)
-        CallError::Connect {
-            url: url.to_owned(),
-            reason: error_chain(e),
-        }
+        // Reset or closed before any answer. (Once an answer has started, a break is
+        // `broken_answer`'s, not this.)
+        CallError::Closed { reason: reason(e) }
     }
 }
 

@@ -165,6 +165,27 @@ pub enum RouteError {
     Tokenize(String),
 }
 
+impl RouteError {
+    /// The engine failure behind this error, if an engine failed.
+    pub fn engine_failure(&self) -> Option<&ExecError> {
+        match self {
+            RouteError::Exhausted { last, .. } | RouteError::RetryBudget { last } => Some(last),
+            RouteError::Engine(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Whether the request itself is at fault: an engine refused it (4xx) or the policy
+    /// rejected it.
+    pub fn is_clients(&self) -> bool {
+        match self {
+            RouteError::Policy(TranslateError::Rejected { .. }) => true,
+            RouteError::Engine(e) => e.is_clients(),
+            _ => false,
+        }
+    }
+}
+
 impl From<PlanningError> for RouteError {
     fn from(error: PlanningError) -> Self {
         match error {
@@ -417,10 +438,9 @@ impl<E: Execute> Router<E> {
                             endpoint: failure.endpoint,
                             step: StepKind::Relay,
                             attempt: st.summary.attempts,
-                            source: CallError::Stream {
-                                url: String::new(),
-                                source: SseError::Transport("preempted without progress".into()),
-                            },
+                            source: CallError::Stream(SseError::Transport(
+                                "preempted without progress".into(),
+                            )),
                         };
                         let attempts = st.summary.attempts;
                         return self
@@ -616,7 +636,15 @@ impl<E: Execute> Router<E> {
         st: &mut State,
         error: RouteError,
     ) {
-        tracing::warn!(request = %req.request_id, %error, "request failed");
+        // Client bodies name endpoints by id; the log names the URL too.
+        let url = error
+            .engine_failure()
+            .and_then(|e| self.executor.cluster().url(e.endpoint));
+        if error.is_clients() {
+            tracing::info!(request = %req.request_id, %error, url, "request refused");
+        } else {
+            tracing::warn!(request = %req.request_id, %error, url, "request failed");
+        }
         if let Ok(tokens) = self.count_tokens(&st.delivered.text) {
             st.summary.completion_tokens = tokens;
         }

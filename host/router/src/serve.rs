@@ -2,8 +2,8 @@
 //!
 //! Startup order: tokenizer → policies (every `*.wasm` of the plugins directory loaded,
 //! `init`ed and checked; the default must load) → plugins watcher → cluster + health probes →
-//! bind (and the admin port, if any) → serve. `/health` turns 200 once every endpoint has
-//! answered `GET /v1/models`.
+//! bind (and the admin port, if any) → serve. `/health` turns 200 once
+//! `--min-healthy-endpoints` endpoints answer `GET /v1/models`.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -155,7 +155,10 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
     let planner: Arc<dyn Planner> = policies.clone();
 
-    let cluster = Arc::new(Cluster::new(config.endpoints.clone(), config.outlier));
+    let cluster = Arc::new(
+        Cluster::new(config.endpoints.clone(), config.outlier)
+            .with_min_healthy(config.min_healthy_endpoints),
+    );
     let client = EngineClient::new(config.timeouts)?;
     spawn_probes(&cluster, client.clone(), ProbeConfig::default());
     let executor = Executor::new(cluster, client);
@@ -177,7 +180,8 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         .with_admin(AdminAccess {
             token: config.admin.token.clone(),
             separate_port: config.admin.listen.is_some(),
-        }),
+        })
+        .with_forward_headers(config.policies.forward_headers.clone()),
     );
 
     let (listener, addr) = bind(config.listen).await?;

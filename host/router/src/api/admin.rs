@@ -1,9 +1,10 @@
 //! `/health`, `/metrics`, `/v1/models` and the operator routes under `/admin/*`:
 //! `GET /admin/endpoints`, `GET /admin/policies`, `POST /admin/policies/{name}/reload`.
 //!
-//! `/admin/*` answers 401 without `Authorization: Bearer <token>` when a token is configured.
-//! The comparison takes the same time wherever the first wrong byte is, so the token cannot be
-//! guessed byte by byte from response times.
+//! `/admin/*` answers 401 without `Authorization: Bearer <token>` when a token is configured,
+//! and without a token only to clients on loopback (403 to others): it can reload policies and
+//! shows internal URLs. The comparison takes the same time wherever the first wrong byte is, so
+//! the token cannot be guessed byte by byte from response times.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,23 +14,34 @@ use hyper::body::Incoming;
 use serde_json::json;
 
 use super::respond::{ApiError, json_response};
-use super::{AppState, Body, full};
+use super::{AppState, Body, Peer, full};
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
-/// 200 once every endpoint has been ready and one is healthy (the policy is loaded before the
-/// server starts), 503 before.
+/// Readiness: 200 while at least `--min-healthy-endpoints` endpoints are healthy (the policy
+/// is loaded before the server starts), 503 otherwise; the body says which endpoints are down
+/// and why, either way.
 pub fn health(state: &AppState) -> Response<Body> {
-    if state.is_ready() {
-        json_response(StatusCode::OK, &json!({"status": "ok"}))
+    let readiness = state.router.executor().cluster().readiness();
+    let status = if readiness.ready {
+        StatusCode::OK
     } else {
-        ApiError::NotReady("waiting for the endpoints to answer GET /v1/models").response()
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(
+        status,
+        &json!({
+            "status": if readiness.ready { "ready" } else { "not_ready" },
+            "healthy_endpoints": readiness.healthy,
+            "min_healthy_endpoints": readiness.min_healthy,
+            "down": readiness.down,
+        }),
+    )
 }
 
 /// The served model, OpenAI-style; 503 until ready (MLC's readiness check is this route).
 pub fn models(state: &AppState) -> Response<Body> {
     if !state.is_ready() {
-        return ApiError::NotReady("waiting for the endpoints to answer GET /v1/models").response();
+        return ApiError::NotReady("too few endpoints are healthy").response();
     }
     json_response(
         StatusCode::OK,
@@ -55,8 +67,12 @@ pub fn metrics(state: &AppState) -> Response<Body> {
 
 /// Every `/admin/*` route, behind the token check.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
-    if !authorized(state.admin.token.as_deref(), req.headers()) {
-        return ApiError::Unauthorized.response();
+    match state.admin.token.as_deref() {
+        Some(token) if !authorized(token, req.headers()) => {
+            return ApiError::Unauthorized.response();
+        }
+        None if !from_loopback(&req) => return ApiError::AdminNotLocal.response(),
+        _ => {}
     }
     let path = req.uri().path();
     match (req.method(), path, reload_target(path)) {
@@ -127,16 +143,20 @@ fn outcome_name(outcome: &ReloadOutcome) -> &'static str {
     }
 }
 
-/// True when no token is configured, or the request carries `Bearer <token>`.
-fn authorized(token: Option<&str>, headers: &HeaderMap) -> bool {
-    let Some(token) = token else {
-        return true;
-    };
+/// The request carries `Bearer <token>`.
+fn authorized(token: &str, headers: &HeaderMap) -> bool {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+}
+
+/// The connection came from a loopback address (the server records each connection's peer).
+fn from_loopback<B>(req: &Request<B>) -> bool {
+    req.extensions()
+        .get::<Peer>()
+        .is_some_and(|peer| peer.0.ip().is_loopback())
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -159,21 +179,34 @@ mod tests {
     }
 
     #[test]
-    fn the_token_is_required_only_when_configured() {
+    fn the_token_must_match_exactly() {
         let mut headers = HeaderMap::new();
-        assert!(authorized(None, &headers));
-        assert!(!authorized(Some("s3cret"), &headers));
+        assert!(!authorized("s3cret", &headers));
         headers.insert(
             header::AUTHORIZATION,
             "Bearer wrong!".parse().expect("header"),
         );
-        assert!(!authorized(Some("s3cret"), &headers));
+        assert!(!authorized("s3cret", &headers));
         headers.insert(
             header::AUTHORIZATION,
             "Bearer s3cret".parse().expect("header"),
         );
-        assert!(authorized(Some("s3cret"), &headers));
+        assert!(authorized("s3cret", &headers));
         headers.insert(header::AUTHORIZATION, "s3cret".parse().expect("header"));
-        assert!(!authorized(Some("s3cret"), &headers));
+        assert!(!authorized("s3cret", &headers));
+    }
+
+    #[test]
+    fn without_a_token_only_loopback_peers_pass() {
+        let from = |addr: &str| {
+            let mut req = Request::new(());
+            req.extensions_mut()
+                .insert(Peer(addr.parse().expect("a socket address")));
+            req
+        };
+        assert!(from_loopback(&from("127.0.0.1:5000")));
+        assert!(from_loopback(&from("[::1]:5000")));
+        assert!(!from_loopback(&from("10.1.2.3:5000")));
+        assert!(!from_loopback(&Request::new(())), "no peer recorded");
     }
 }

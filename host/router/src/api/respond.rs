@@ -33,6 +33,8 @@ pub enum ApiError {
     NotFound { method: String, path: String },
     #[error("this route needs `Authorization: Bearer <admin token>`")]
     Unauthorized,
+    #[error("without --admin-token, /admin/* answers only on loopback")]
+    AdminNotLocal,
     #[error("the router is not ready: {0}")]
     NotReady(&'static str),
     #[error("cannot tokenize the prompt: {0}")]
@@ -57,6 +59,7 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::AdminNotLocal => StatusCode::FORBIDDEN,
             ApiError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
             ApiError::Route(e) => route_status(e),
@@ -87,6 +90,7 @@ impl ApiError {
             ApiError::BodyRead(_) => "invalid_body",
             ApiError::NotFound { .. } => "not_found",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::AdminNotLocal => "forbidden",
             ApiError::NotReady(_) => "not_ready",
             ApiError::Tokenize(_) => "invalid_prompt",
             ApiError::Route(RouteError::Policy(TranslateError::Unavailable { .. })) => {

@@ -71,9 +71,10 @@ impl ExecError {
     /// request itself is wrong and is not retried.
     pub fn retryable(&self) -> bool {
         match &self.source {
-            CallError::Connect { .. } | CallError::Timeout { .. } | CallError::Stream { .. } => {
-                true
-            }
+            CallError::Connect { .. }
+            | CallError::Closed { .. }
+            | CallError::Timeout { .. }
+            | CallError::Stream(_) => true,
             CallError::Status { status, .. } => *status >= 500 || *status == 429,
             CallError::Decode { .. } | CallError::Build { .. } => false,
         }
@@ -86,12 +87,19 @@ impl ExecError {
     pub fn blames_endpoint(&self) -> bool {
         match &self.source {
             CallError::Connect { .. }
+            | CallError::Closed { .. }
             | CallError::Timeout { .. }
-            | CallError::Stream { .. }
+            | CallError::Stream(_)
             | CallError::Decode { .. } => true,
             CallError::Status { status, .. } => *status >= 500,
             CallError::Build { .. } => false,
         }
+    }
+
+    /// Whether the engine refused the request itself (4xx other than 429): retrying cannot help
+    /// and the client hears the 4xx.
+    pub fn is_clients(&self) -> bool {
+        matches!(self.source, CallError::Status { status, .. } if (400..500).contains(&status) && status != 429)
     }
 
     /// Count this failure against its endpoint, when the endpoint is to blame.
@@ -105,10 +113,7 @@ impl ExecError {
     pub fn failure_kind(&self) -> FailureKind {
         match &self.source {
             CallError::Timeout { .. } => FailureKind::Timeout,
-            CallError::Stream {
-                source: SseError::Idle(_),
-                ..
-            } => FailureKind::Timeout,
+            CallError::Stream(SseError::Idle(_)) => FailureKind::Timeout,
             _ => FailureKind::EndpointError,
         }
     }
@@ -438,10 +443,9 @@ impl Executor {
             endpoint,
             step,
             attempt: id.attempt,
-            source: CallError::Stream {
-                url: String::new(),
-                source: SseError::Transport("the call ended without an answer".into()),
-            },
+            source: CallError::Stream(SseError::Transport(
+                "the call ended without an answer".into(),
+            )),
         }
     }
 
@@ -453,7 +457,6 @@ impl Executor {
             step,
             attempt: id.attempt,
             source: CallError::Connect {
-                url: String::new(),
                 reason: format!("endpoint {endpoint} does not exist"),
             },
         }

@@ -205,24 +205,19 @@ fn engine_usage(
 
 fn connect_error() -> CallError {
     CallError::Connect {
-        url: "http://127.0.0.1:1".into(),
         reason: "connection refused".into(),
     }
 }
 
 fn status_error(status: u16) -> CallError {
     CallError::Status {
-        url: "http://127.0.0.1:1".into(),
         status,
         body: String::new(),
     }
 }
 
 fn timeout_error() -> CallError {
-    CallError::Timeout {
-        url: "http://127.0.0.1:1".into(),
-        after: ms(5),
-    }
+    CallError::Timeout { after: ms(5) }
 }
 
 // === harness ===
