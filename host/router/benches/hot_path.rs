@@ -81,6 +81,8 @@ fn parse_and_inject(c: &mut Criterion) {
     let defaults = Defaults {
         model: "m",
         max_tokens: 16,
+        context_length: 32768,
+        max_prompt_tokens: 32767,
     };
     let mut group = c.benchmark_group("parse+inject");
     for (format, make) in [

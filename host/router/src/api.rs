@@ -77,7 +77,29 @@ pub struct AppState {
     pub forward_headers: Vec<String>,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
+    pub limits: RequestLimits,
+    /// Model names served besides those the endpoints list: `--model` and the names mapped to
+    /// policies.
+    pub models: Vec<String>,
     next_id: AtomicU64,
+}
+
+/// How long a request may be, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Prompt plus completion tokens the model holds.
+    pub context_length: u32,
+    /// The longest prompt accepted.
+    pub max_prompt_tokens: u32,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            context_length: crate::config::DEFAULT_CONTEXT_LENGTH,
+            max_prompt_tokens: crate::config::DEFAULT_CONTEXT_LENGTH - 1,
+        }
+    }
 }
 
 impl AppState {
@@ -101,6 +123,8 @@ impl AppState {
                 .to_vec(),
             max_body_bytes,
             default_max_tokens,
+            limits: RequestLimits::default(),
+            models: Vec::new(),
             next_id: AtomicU64::new(1),
         }
     }
@@ -109,6 +133,26 @@ impl AppState {
     pub fn with_admin(mut self, admin: AdminAccess) -> Self {
         self.admin = admin;
         self
+    }
+
+    /// How long requests may be.
+    pub fn with_limits(mut self, limits: RequestLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Model names served besides those the endpoints list.
+    pub fn with_models(mut self, models: Vec<String>) -> Self {
+        self.models = models;
+        self
+    }
+
+    /// Whether the router serves `model`: the served name, a name mapped to a policy, or one
+    /// an endpoint lists at `/v1/models`.
+    pub fn serves(&self, model: &str) -> bool {
+        model == self.model
+            || self.models.iter().any(|m| m == model)
+            || self.router.executor().cluster().serves(model)
     }
 
     /// Which request headers policies see.
@@ -283,13 +327,17 @@ async fn generate(
     body: Incoming,
 ) -> Response<Body> {
     let arrived = Instant::now();
-    let parsed = match read_body(body, headers, state.max_body_bytes)
-        .await
-        .and_then(|bytes| parse(&state, shape, &bytes))
-    {
+    let parsed = match read_body(body, headers, state.max_body_bytes).await {
+        Ok(bytes) => parse(&state, shape, bytes).await,
+        Err(e) => Err(e),
+    };
+    let parsed = match parsed {
         Ok(p) => p,
         Err(e) => return reject(&state, shape, &e),
     };
+    if !state.serves(&parsed.model) {
+        return reject(&state, shape, &ApiError::ModelNotFound(parsed.model));
+    }
     if !state.is_ready() {
         return reject(
             &state,
@@ -358,10 +406,31 @@ async fn generate(
     collect(state, responder, first, routing, arrived).await
 }
 
-fn parse(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+/// Bodies above this are parsed (and their prompts tokenized) on the blocking pool: a
+/// megabyte of text takes the tokenizer hundreds of milliseconds, which must not hold up the
+/// async worker every other request on it shares.
+const PARSE_INLINE_BYTES: usize = 16 << 10;
+
+async fn parse(
+    state: &Arc<AppState>,
+    shape: Shape,
+    body: Bytes,
+) -> Result<ParsedRequest, ApiError> {
+    if body.len() <= PARSE_INLINE_BYTES {
+        return parse_now(state, shape, &body);
+    }
+    let state = Arc::clone(state);
+    tokio::task::spawn_blocking(move || parse_now(&state, shape, &body))
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Tokenize(format!("the parse was cancelled: {e}"))))
+}
+
+fn parse_now(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let defaults = Defaults {
         model: &state.model,
         max_tokens: state.default_max_tokens,
+        context_length: state.limits.context_length,
+        max_prompt_tokens: state.limits.max_prompt_tokens,
     };
     match shape {
         Shape::Completion => openai::parse_completion(body, &state.tokenizer, defaults),

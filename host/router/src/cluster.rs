@@ -60,6 +60,8 @@ pub(crate) struct EndpointState {
     /// The engine's KV pool usage as `f32` bits; [`NO_KV_USAGE`] when unknown.
     kv_usage: AtomicU32,
     outlier: Mutex<Outlier>,
+    /// The model ids its `/v1/models` last listed.
+    models: parking_lot::RwLock<Vec<String>>,
 }
 
 /// `kv_usage` bits meaning "unknown": a NaN, which no measured usage in `[0, 1]` can be.
@@ -140,6 +142,7 @@ impl Cluster {
                     in_flight: AtomicU32::new(0),
                     kv_usage: AtomicU32::new(NO_KV_USAGE),
                     outlier: Mutex::new(Outlier::default()),
+                    models: parking_lot::RwLock::new(Vec::new()),
                 })
             })
             .collect();
@@ -268,6 +271,20 @@ impl Cluster {
             let bits = usage.map_or(NO_KV_USAGE, |u| u.clamp(0.0, 1.0).to_bits());
             e.kv_usage.store(bits, Ordering::Release);
         }
+    }
+
+    /// The model ids endpoint `id` lists at `/v1/models`, as its probe last read them.
+    pub fn set_models(&self, id: u32, models: Vec<String>) {
+        if let Some(e) = self.endpoint(id) {
+            *e.models.write() = models;
+        }
+    }
+
+    /// Whether any endpoint lists `model` at `/v1/models`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.endpoints
+            .iter()
+            .any(|e| e.models.read().iter().any(|m| m == model))
     }
 
     /// Whether enough endpoints are healthy to serve, and which are not.

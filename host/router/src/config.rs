@@ -22,6 +22,8 @@
 //! min_healthy_endpoints = 1                   # healthy endpoints needed to be ready
 //! max_body_bytes = 33554432
 //! default_max_tokens = 256
+//! context_length = 32768                      # prompt + completion tokens the model holds
+//! max_prompt_tokens = 32767                   # default: context_length - 1
 //! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
 //! connect_timeout = "2s"                      # TCP connect to an engine
 //! call_timeout = "120s"                       # a prep_recv or remote_send, a stream's headers
@@ -52,6 +54,7 @@ use std::time::Duration;
 use switchyard_contract::Role;
 use switchyard_policy_host::QuarantineRule;
 
+use crate::api::RequestLimits;
 use crate::cluster::{EndpointSpec, OutlierConfig};
 use crate::microserving::Timeouts;
 use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
@@ -131,9 +134,16 @@ pub struct RouterArgs {
     /// Largest accepted request body; larger ones get 413.
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
-    /// `max_tokens` for requests that give none.
+    /// `max_tokens` for requests that give none (less when the context leaves less room).
     #[arg(long)]
     pub default_max_tokens: Option<u32>,
+    /// Prompt plus completion tokens the model holds: a request whose prompt and `max_tokens`
+    /// do not fit is refused with 400, never cut short [default: 32768, the reference engine's].
+    #[arg(long)]
+    pub context_length: Option<u32>,
+    /// The longest prompt accepted, in tokens [default: --context-length - 1].
+    #[arg(long)]
+    pub max_prompt_tokens: Option<u32>,
     /// Longest time from a request's arrival to the end of its response, over every attempt;
     /// a stream still open then ends with an error event [default: 10m].
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -202,6 +212,7 @@ pub struct Config {
     pub outlier: OutlierConfig,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
+    pub limits: RequestLimits,
 }
 
 /// How requests find their policy, and what happens when it faults.
@@ -276,6 +287,8 @@ pub enum ConfigError {
     BodyLimit,
     #[error("--default-max-tokens must be at least 1")]
     DefaultMaxTokens,
+    #[error("--context-length must be at least 2, and --max-prompt-tokens from 1 to below it")]
+    Lengths,
     #[error("--{0} must be longer than zero")]
     ZeroTimeout(&'static str),
     #[error("--min-healthy-endpoints {wanted} is more than the {endpoints} endpoints configured")]
@@ -311,6 +324,8 @@ struct FileConfig {
     max_attempts: Option<u32>,
     max_body_bytes: Option<usize>,
     default_max_tokens: Option<u32>,
+    context_length: Option<u32>,
+    max_prompt_tokens: Option<u32>,
     request_timeout: Option<TextDuration>,
     min_healthy_endpoints: Option<usize>,
     connect_timeout: Option<TextDuration>,
@@ -350,6 +365,8 @@ pub const DEFAULT_FALLBACK_POLICY: &str = "round-robin";
 pub const NO_FALLBACK: &str = "none";
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 pub const DEFAULT_MAX_TOKENS: u32 = 256;
+/// The reference engine's: 2048 KV pages of 16 positions.
+pub const DEFAULT_CONTEXT_LENGTH: u32 = 32768;
 pub const DEFAULT_MODEL: &str = "switchyard-reference";
 /// The request headers policies see unless configured otherwise.
 pub const DEFAULT_FORWARD_HEADERS: [&str; 1] = ["x-priority"];
@@ -447,6 +464,21 @@ impl Config {
             return Err(ConfigError::DefaultMaxTokens);
         }
         let r = &args.router;
+        let context_length = r
+            .context_length
+            .or(file.context_length)
+            .unwrap_or(DEFAULT_CONTEXT_LENGTH);
+        let max_prompt_tokens = r
+            .max_prompt_tokens
+            .or(file.max_prompt_tokens)
+            .unwrap_or(context_length.saturating_sub(1));
+        if context_length < 2 || max_prompt_tokens == 0 || max_prompt_tokens >= context_length {
+            return Err(ConfigError::Lengths);
+        }
+        let limits = RequestLimits {
+            context_length,
+            max_prompt_tokens,
+        };
         let request_timeout = duration(
             r.request_timeout,
             file.request_timeout,
@@ -545,6 +577,7 @@ impl Config {
             outlier,
             max_body_bytes,
             default_max_tokens,
+            limits,
         })
     }
 }

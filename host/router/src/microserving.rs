@@ -36,6 +36,9 @@ use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
 /// without bound.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
 
+/// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
+const MAX_PROBE_BYTES: usize = 256 << 10;
+
 /// How long an idle pooled connection to an engine is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
@@ -216,22 +219,37 @@ impl EngineClient {
         }
     }
 
-    /// Readiness: `GET /v1/models` answers 200.
-    pub async fn ready(&self, base: &str) -> bool {
-        let url = format!("{base}/v1/models");
-        matches!(
-            self.http.get(&url).timeout(self.timeouts.probe).send().await,
-            Ok(r) if r.status() == reqwest::StatusCode::OK
-        )
+    /// Readiness: `GET /v1/models` answers 200; `Some` with the ids of the models it serves
+    /// (none when the list does not parse).
+    pub async fn ready(&self, base: &str) -> Option<Vec<String>> {
+        #[derive(serde::Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let body = self.probe(&format!("{base}/v1/models")).await?;
+        let ids = serde_json::from_slice::<Models>(&body)
+            .map(|m| m.data.into_iter().map(|m| m.id).collect())
+            .unwrap_or_default();
+        Some(ids)
     }
 
     /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
     /// answer within the probe timeout.
     pub async fn metrics(&self, base: &str) -> Option<String> {
-        let url = format!("{base}/metrics");
+        let body = self.probe(&format!("{base}/metrics")).await?;
+        String::from_utf8(body.to_vec()).ok()
+    }
+
+    /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
+    /// probe timeout.
+    async fn probe(&self, url: &str) -> Option<bytes::Bytes> {
         let response = self
             .http
-            .get(&url)
+            .get(url)
             .timeout(self.timeouts.probe)
             .send()
             .await
@@ -239,7 +257,9 @@ impl EngineClient {
         if response.status() != reqwest::StatusCode::OK {
             return None;
         }
-        response.text().await.ok()
+        read_capped(response, self.timeouts.probe, MAX_PROBE_BYTES)
+            .await
+            .ok()
     }
 
     async fn send<B: Serialize>(
@@ -261,7 +281,7 @@ impl EngineClient {
             return Ok(response);
         }
         // The body only explains the status: a cut or oversized one still yields the status.
-        let body = read_capped(response, self.timeouts.call)
+        let body = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES)
             .await
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
             .unwrap_or_default();
@@ -279,7 +299,7 @@ impl EngineClient {
     ) -> Result<R, CallError> {
         let url = format!("{base}{path}");
         let response = self.send(&url, body, Some(self.timeouts.call)).await?;
-        let bytes = read_capped(response, self.timeouts.call).await?;
+        let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
             reason: e.to_string(),
         })
@@ -305,7 +325,7 @@ impl EngineClient {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let bytes = read_capped(response, self.timeouts.call).await?;
+            let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
             let one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
                     reason: e.to_string(),
@@ -320,17 +340,18 @@ impl EngineClient {
     }
 }
 
-/// A whole non-streamed answer, at most [`MAX_ANSWER_BYTES`], within `within`.
+/// A whole non-streamed answer, at most `cap` bytes, within `within`.
 async fn read_capped(
     mut response: reqwest::Response,
     within: Duration,
+    cap: usize,
 ) -> Result<bytes::Bytes, CallError> {
     let read = async {
         let mut body = Vec::new();
         while let Some(chunk) = response.chunk().await.map_err(broken_answer)? {
-            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+            if body.len() + chunk.len() > cap {
                 return Err(CallError::Decode {
-                    reason: format!("the answer is over {MAX_ANSWER_BYTES} bytes"),
+                    reason: format!("the answer is over {cap} bytes"),
                 });
             }
             body.extend_from_slice(&chunk);

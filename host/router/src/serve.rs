@@ -181,7 +181,9 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
             token: config.admin.token.clone(),
             separate_port: config.admin.listen.is_some(),
         })
-        .with_forward_headers(config.policies.forward_headers.clone()),
+        .with_forward_headers(config.policies.forward_headers.clone())
+        .with_limits(config.limits)
+        .with_models(config.policies.models.keys().cloned().collect()),
     );
 
     let (listener, addr) = bind(config.listen).await?;

@@ -39,6 +39,8 @@ pub enum ApiError {
     NotReady(&'static str),
     #[error("cannot tokenize the prompt: {0}")]
     Tokenize(String),
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
     #[error(transparent)]
     Route(#[from] RouteError),
 }
@@ -62,6 +64,7 @@ impl ApiError {
             ApiError::AdminNotLocal => StatusCode::FORBIDDEN,
             ApiError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Route(e) => route_status(e),
         }
     }
@@ -78,6 +81,7 @@ impl ApiError {
     fn param(&self) -> Option<&'static str> {
         match self {
             ApiError::InvalidField { param, .. } => Some(param),
+            ApiError::ModelNotFound(_) => Some("model"),
             _ => None,
         }
     }
@@ -93,6 +97,7 @@ impl ApiError {
             ApiError::AdminNotLocal => "forbidden",
             ApiError::NotReady(_) => "not_ready",
             ApiError::Tokenize(_) => "invalid_prompt",
+            ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::Route(RouteError::Policy(TranslateError::Unavailable { .. })) => {
                 "no_endpoint_available"
             }

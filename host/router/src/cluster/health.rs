@@ -1,5 +1,6 @@
-//! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks), and the
-//! engines' KV usage for the policy snapshot.
+//! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks; the ids it
+//! lists are the models the endpoint serves), and the engines' KV usage for the policy
+//! snapshot. Probe answers are read up to a cap.
 //!
 //! A healthy endpoint is probed every `interval`; an unhealthy one with exponential backoff
 //! from `min_backoff` to `max_backoff`, so a restarted engine comes back quickly without a
@@ -57,7 +58,8 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         let Some(url) = cluster.upgrade().and_then(|c| c.url(id).map(str::to_owned)) else {
             return;
         };
-        let ok = client.ready(&url).await;
+        let models = client.ready(&url).await;
+        let ok = models.is_some();
         let kv_usage = if ok {
             client.metrics(&url).await.as_deref().and_then(kv_usage)
         } else {
@@ -66,6 +68,9 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         let Some(c) = cluster.upgrade() else { return };
         c.set_health(id, ok);
         c.set_kv_usage(id, kv_usage);
+        if let Some(models) = models {
+            c.set_models(id, models);
+        }
         drop(c);
         let wait = if ok {
             backoff = config.min_backoff;
