@@ -33,6 +33,7 @@ use outlier::Outlier;
 
 /// An endpoint as the operator configured it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EndpointSpec {
     /// Base URL, e.g. `http://127.0.0.1:8081` (no trailing slash needed).
     pub url: String,

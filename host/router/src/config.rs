@@ -1037,4 +1037,27 @@ mod tests {
             Some(r#"{"pd_balance_factor":0.1}"#)
         );
     }
+
+    #[test]
+    fn an_unknown_key_anywhere_in_the_file_is_an_error_that_names_it() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        let args = ServeArgs {
+            config: Some(file.clone()),
+            ..ServeArgs::default()
+        };
+        for (text, key) in [
+            ("prot = 9000\n", "prot"),
+            (
+                "[[endpoints]]\nurl = \"http://127.0.0.1:1\"\nnum_gpu = 2\n",
+                "num_gpu",
+            ),
+        ] {
+            std::fs::write(&file, format!("plugins = {:?}\n{text}", dir.path())).expect("write");
+            let error = Config::from_args(&args)
+                .expect_err("unknown key")
+                .to_string();
+            assert!(error.contains(key), "{error}");
+        }
+    }
 }

@@ -678,14 +678,13 @@ fn failure_of(error: &ExecError) -> Failure {
 }
 
 /// The usage the client sees: the original prompt, and every token delivered over all attempts.
+/// Saturating: an engine's count is not trusted to keep the sum in range.
 fn final_usage(req: &RouteRequest, earlier: u32, this_attempt: Option<u32>) -> Usage {
-    let prompt_tokens = req.prompt.len() as u32;
-    let completion_tokens = earlier + this_attempt.unwrap_or(0);
-    Usage {
+    let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
+    Usage::new(
         prompt_tokens,
-        completion_tokens,
-        total_tokens: prompt_tokens + completion_tokens,
-    }
+        earlier.saturating_add(this_attempt.unwrap_or(0)),
+    )
 }
 
 #[cfg(test)]
