@@ -26,13 +26,13 @@ use crate::http::{client, post, sse_payloads};
 use crate::router::{disagg_over, eventually, metric, post_or_get, prompts, reference};
 
 /// A single engine's answer for every prompt the load sends.
-struct Truth {
+pub(crate) struct Truth {
     prompts: Vec<(String, u32)>,
     answers: HashMap<(String, u32), String>,
 }
 
 impl Truth {
-    async fn new(seed: u64, n: usize) -> Truth {
+    pub(crate) async fn new(seed: u64, n: usize) -> Truth {
         let engine = EngineProcess::spawn(&[]);
         let prompts = prompts(seed, n);
         let mut answers = HashMap::new();
@@ -46,17 +46,17 @@ impl Truth {
 
 /// How the streams of a load ended.
 #[derive(Debug, Default)]
-struct Tally {
+pub(crate) struct Tally {
     /// The whole text, equal to the single engine's.
-    exact: u32,
+    pub(crate) exact: u32,
     /// Text then an error event then `[DONE]`: the router could not continue.
-    error_events: u32,
+    pub(crate) error_events: u32,
     /// What went wrong in the others: a wrong text, a cut stream, or no 200.
-    wrong: Vec<String>,
+    pub(crate) wrong: Vec<String>,
 }
 
 /// Clients streaming prompts through a router until stopped.
-struct Load {
+pub(crate) struct Load {
     stop: Arc<AtomicBool>,
     tally: Arc<Mutex<Tally>>,
     clients: Vec<tokio::task::JoinHandle<()>>,
@@ -66,7 +66,7 @@ struct Load {
 const MAX_REQUESTS_PER_CLIENT: usize = 2_000;
 
 impl Load {
-    fn start(router: &RouterProcess, truth: &Arc<Truth>, clients: u64) -> Load {
+    pub(crate) fn start(router: &RouterProcess, truth: &Arc<Truth>, clients: u64) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let tally = Arc::new(Mutex::new(Tally::default()));
         let url = router.endpoint("/v1/completions");
@@ -102,7 +102,7 @@ impl Load {
     }
 
     /// Stop sending, wait for the streams in flight to end, and say how they all ended.
-    async fn stop(self) -> Tally {
+    pub(crate) async fn stop(self) -> Tally {
         self.stop.store(true, Ordering::Release);
         for client in self.clients {
             tokio::time::timeout(Duration::from_secs(60), client)
@@ -122,7 +122,7 @@ impl Load {
 
 /// Stream one completion: `Ok(true)` for the expected text, `Ok(false)` for text then an
 /// error event then `[DONE]`, `Err` for anything else.
-async fn stream_one(
+pub(crate) async fn stream_one(
     url: &str,
     prompt: &str,
     max_tokens: u32,
@@ -172,7 +172,7 @@ async fn stream_one(
 
 /// Waits until the load has ended `n` more streams (bounded), so each fault lands on a load
 /// that is really running.
-async fn let_run(load: &Load, n: u32) {
+pub(crate) async fn let_run(load: &Load, n: u32) {
     let target = load.ended() + n;
     eventually(Duration::from_secs(60), || async {
         let ended = load.ended();
@@ -184,7 +184,7 @@ async fn let_run(load: &Load, n: u32) {
 /// Every engine's idle baseline: nothing running or waiting, no KV page in use, no
 /// reservation, and no reservation ever freed by its TTL. Polls for at most 30 s and returns
 /// how long it took.
-async fn assert_engines_idle(engines: &[&EngineProcess]) -> Duration {
+pub(crate) async fn assert_engines_idle(engines: &[&EngineProcess]) -> Duration {
     let started = Instant::now();
     eventually(Duration::from_secs(30), || async {
         for (i, engine) in engines.iter().enumerate() {
@@ -218,7 +218,7 @@ async fn assert_engines_idle(engines: &[&EngineProcess]) -> Duration {
 }
 
 /// `/admin/endpoints`' row for endpoint `id`.
-async fn endpoint_row(router: &RouterProcess, id: usize) -> Value {
+pub(crate) async fn endpoint_row(router: &RouterProcess, id: usize) -> Value {
     post_or_get(&router.endpoint("/admin/endpoints")).await["endpoints"][id].clone()
 }
 
@@ -230,7 +230,7 @@ async fn wait_health(router: &RouterProcess, id: usize, healthy: bool) {
     .await;
 }
 
-fn assert_no_wrong(tally: &Tally) {
+pub(crate) fn assert_no_wrong(tally: &Tally) {
     assert!(
         tally.wrong.is_empty(),
         "{} of {} streams went wrong, first: {:?}",

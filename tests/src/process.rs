@@ -329,6 +329,13 @@ impl RouterProcess {
         format!("{}{path}", self.url)
     }
 
+    /// Send SIGHUP: a router reloads its config file's endpoint list.
+    pub fn hang_up(&self) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::HUP)
+            .expect("the router process exists");
+    }
+
     /// Send SIGTERM and wait (bounded) for a clean exit; returns the exit status.
     pub fn terminate(mut self) -> Option<std::process::ExitStatus> {
         let pid = rustix::process::Pid::from_raw(self.child.id() as i32)?;

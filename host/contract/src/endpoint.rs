@@ -23,6 +23,10 @@ pub enum Health {
     NotReady,
     /// Taken out for a while after consecutive failures of its own making (outlier ejection).
     Ejected,
+    /// Being taken out by the operator: no new request; those in flight finish.
+    Draining,
+    /// Taken out by the operator; its id is never reused.
+    Removed,
 }
 
 impl Health {

@@ -193,6 +193,9 @@ pub struct RouterArgs {
 pub struct Config {
     pub listen: SocketAddr,
     pub endpoints: Vec<EndpointSpec>,
+    /// The `--config` file whose `[[endpoints]]` a SIGHUP re-reads; `None` when there is no
+    /// file or `--endpoint` flags replace its endpoints.
+    pub endpoints_file: Option<PathBuf>,
     /// The default policy.
     pub policy_name: String,
     pub policy_path: PathBuf,
@@ -559,6 +562,7 @@ impl Config {
         Ok(Config {
             listen: SocketAddr::new(host, port),
             endpoints,
+            endpoints_file: args.config.clone().filter(|_| args.endpoints.is_empty()),
             policy_name,
             policy_path,
             policy_config,
@@ -580,6 +584,16 @@ impl Config {
             limits,
         })
     }
+}
+
+/// The `[[endpoints]]` of the config file at `path`, checked as at startup: what a SIGHUP
+/// reconciles the live list with.
+pub fn endpoints_in_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError> {
+    let args = ServeArgs {
+        config: Some(path.to_owned()),
+        ..ServeArgs::default()
+    };
+    endpoints(&args, read_file(path)?.endpoints)
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -631,18 +645,11 @@ fn endpoints(
         return Err(ConfigError::NoEndpoints);
     }
     for (index, spec) in specs.iter().enumerate() {
-        let bad = |reason: &str| ConfigError::BadEndpoint {
+        spec.check().map_err(|reason| ConfigError::BadEndpoint {
             index,
             url: spec.url.clone(),
-            reason: reason.to_owned(),
-        };
-        let url = reqwest::Url::parse(&spec.url).map_err(|e| bad(&e.to_string()))?;
-        if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
-            return Err(bad("expected http://HOST:PORT"));
-        }
-        if spec.num_gpus == 0 {
-            return Err(bad("num_gpus must be at least 1"));
-        }
+            reason,
+        })?;
     }
     Ok(specs)
 }

@@ -640,6 +640,7 @@ impl<E: Execute> Router<E> {
         let url = error
             .engine_failure()
             .and_then(|e| self.executor.cluster().url(e.endpoint));
+        let url = url.as_deref();
         if error.is_clients() {
             tracing::info!(request = %req.request_id, %error, url, "request refused");
         } else {

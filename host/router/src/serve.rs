@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,7 +22,7 @@ use switchyard_policy_host::{
 
 use crate::Router;
 use crate::api::{self, AdminAccess, AppState, PromptTokenizer, TokenizerError};
-use crate::cluster::{Cluster, ProbeConfig, spawn_probes};
+use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::Config;
 use crate::microserving::{CallError, EngineClient};
 use crate::plan::Executor;
@@ -160,8 +161,11 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
             .with_min_healthy(config.min_healthy_endpoints),
     );
     let client = EngineClient::new(config.timeouts)?;
-    spawn_probes(&cluster, client.clone(), ProbeConfig::default());
+    spawn_probes(&cluster, &client, ProbeConfig::default());
     let executor = Executor::new(cluster, client);
+    if let Some(path) = &config.endpoints_file {
+        reload_endpoints_on_sighup(path.clone(), executor.clone());
+    }
     let router = Arc::new(Router::new(
         executor,
         planner,
@@ -227,6 +231,59 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
     let listener = api::bind(addr).await.map_err(bind_error)?;
     let local = listener.local_addr().map_err(bind_error)?;
     Ok((listener, local))
+}
+
+/// On SIGHUP, re-read the `[[endpoints]]` of `path` and bring the live list in line with it:
+/// endpoints the file lists and the list lacks are added; endpoints the file put in and no
+/// longer lists are drained, then removed once nothing is in flight on them. Endpoints added
+/// through `/admin/endpoints` are left alone. A file that does not parse changes nothing.
+fn reload_endpoints_on_sighup(path: PathBuf, executor: Executor) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP: the endpoint list will not be reloaded");
+        return;
+    };
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            match crate::config::endpoints_in_file(&path) {
+                Ok(specs) => reconcile(&executor, &specs),
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "SIGHUP: endpoints not reloaded")
+                }
+            }
+        }
+    });
+}
+
+/// Make the file's endpoints (`Owner::Static`) those of `specs`, matched by URL.
+fn reconcile(executor: &Executor, specs: &[EndpointSpec]) {
+    let cluster = executor.cluster();
+    let current = cluster.owned_by(Owner::Static);
+    let base = |url: &str| url.trim_end_matches('/').to_owned();
+    for spec in specs {
+        if !current.iter().any(|(_, c)| base(&c.url) == base(&spec.url))
+            && let Err(e) = executor.add_endpoint(spec, Owner::Static)
+        {
+            tracing::warn!(url = %spec.url, error = %e, "SIGHUP: endpoint not added");
+        }
+    }
+    for (id, old) in current {
+        if !specs.iter().any(|s| base(&s.url) == base(&old.url)) && cluster.drain(id).is_ok() {
+            tokio::spawn(remove_when_idle(Arc::clone(cluster), id));
+        }
+    }
+}
+
+/// Remove a draining endpoint once nothing is in flight on it (every request ends by its
+/// deadline, so this ends too).
+async fn remove_when_idle(cluster: Arc<Cluster>, id: u32) {
+    const POLL: Duration = Duration::from_millis(100);
+    loop {
+        match cluster.remove(id) {
+            Err(crate::cluster::EndpointError::Busy { .. }) => tokio::time::sleep(POLL).await,
+            _ => return,
+        }
+    }
 }
 
 /// Run the router until `shutdown` resolves.

@@ -26,6 +26,8 @@ fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> wit::Endpoint {
             Health::Healthy => None,
             Health::NotReady => Some(wit::DownReason::NotReady),
             Health::Ejected => Some(wit::DownReason::Ejected),
+            Health::Draining => Some(wit::DownReason::Draining),
+            Health::Removed => Some(wit::DownReason::Removed),
         },
         in_flight: e.in_flight,
         kv_usage: e.kv_usage,

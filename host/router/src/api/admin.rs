@@ -1,5 +1,8 @@
 //! `/health`, `/metrics`, `/v1/models` and the operator routes under `/admin/*`:
-//! `GET /admin/endpoints`, `GET /admin/policies`, `POST /admin/policies/{name}/reload`.
+//! `GET /admin/policies`, `POST /admin/policies/{name}/reload`, and the live endpoint list:
+//! `GET /admin/endpoints`, `POST /admin/endpoints` (`{"url", "num_gpus", "role"}`),
+//! `POST /admin/endpoints/{id}/drain` (no new request; those in flight finish) and
+//! `DELETE /admin/endpoints/{id}` (once nothing is in flight on it).
 //!
 //! `/admin/*` answers 401 without `Authorization: Bearer <token>` when a token is configured,
 //! and without a token only to clients on loopback (403 to others): it can reload policies and
@@ -13,8 +16,11 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use serde_json::json;
 
+use http_body_util::{BodyExt, Limited};
+
 use super::respond::{ApiError, json_response};
 use super::{AppState, Body, Peer, full};
+use crate::cluster::{Cluster, EndpointError, EndpointSpec, Owner};
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
 /// Readiness: 200 while at least `--min-healthy-endpoints` endpoints are healthy (the policy
@@ -74,19 +80,87 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Bo
         None if !from_loopback(&req) => return ApiError::AdminNotLocal.response(),
         _ => {}
     }
-    let path = req.uri().path();
-    match (req.method(), path, reload_target(path)) {
-        (&Method::GET, "/admin/endpoints", _) => endpoints(&state),
-        (&Method::GET, "/admin/policies", _) => {
+    let path = req.uri().path().to_owned();
+    let endpoint = endpoint_target(&path);
+    match (req.method(), path.as_str(), reload_target(&path), endpoint) {
+        (&Method::GET, "/admin/endpoints", _, _) => endpoints(&state),
+        (&Method::POST, "/admin/endpoints", _, _) => add_endpoint(&state, req).await,
+        (&Method::POST, _, _, Some((id, Some("drain")))) => {
+            change_endpoint(&state, id, |c| c.drain(id))
+        }
+        (&Method::DELETE, _, _, Some((id, None))) => change_endpoint(&state, id, |c| c.remove(id)),
+        (&Method::GET, "/admin/policies", _, _) => {
             json_response(StatusCode::OK, &json!(state.policies.view()))
         }
-        (&Method::POST, _, Some(name)) => reload(&state, name).await,
-        (method, path, _) => ApiError::NotFound {
+        (&Method::POST, _, Some(name), _) => reload(&state, name).await,
+        (method, path, _, _) => ApiError::NotFound {
             method: method.to_string(),
             path: path.to_owned(),
         }
         .response(),
     }
+}
+
+/// `ID` and the action after it of `/admin/endpoints/ID[/ACTION]`.
+fn endpoint_target(path: &str) -> Option<(u32, Option<&str>)> {
+    let rest = path.strip_prefix("/admin/endpoints/")?;
+    let (id, action) = match rest.split_once('/') {
+        Some((id, action)) => (id, Some(action)),
+        None => (rest, None),
+    };
+    Some((id.parse().ok()?, action))
+}
+
+/// Largest `POST /admin/endpoints` body read.
+const MAX_ENDPOINT_BODY: usize = 16 << 10;
+
+/// `POST /admin/endpoints`: add an endpoint (`{"url", "num_gpus", "role"}`), probed at once;
+/// 201 with its row.
+async fn add_endpoint(state: &AppState, req: Request<Incoming>) -> Response<Body> {
+    let body = match Limited::new(req.into_body(), MAX_ENDPOINT_BODY)
+        .collect()
+        .await
+    {
+        Ok(body) => body.to_bytes(),
+        Err(_) => {
+            return ApiError::BodyTooLarge {
+                limit: MAX_ENDPOINT_BODY,
+            }
+            .response();
+        }
+    };
+    let spec: EndpointSpec = match serde_json::from_slice(&body) {
+        Ok(spec) => spec,
+        Err(e) => return ApiError::invalid("body", e.to_string()).response(),
+    };
+    let executor = state.router.executor();
+    match executor.add_endpoint(&spec, Owner::Admin) {
+        Ok(id) => endpoint_row(state, id, StatusCode::CREATED),
+        Err(e) => ApiError::Endpoint(e).response(),
+    }
+}
+
+/// Drain or remove endpoint `id`; 200 with its row.
+fn change_endpoint(
+    state: &AppState,
+    id: u32,
+    change: impl FnOnce(&Cluster) -> Result<(), EndpointError>,
+) -> Response<Body> {
+    match change(state.router.executor().cluster()) {
+        Ok(()) => endpoint_row(state, id, StatusCode::OK),
+        Err(e) => ApiError::Endpoint(e).response(),
+    }
+}
+
+fn endpoint_row(state: &AppState, id: u32, status: StatusCode) -> Response<Body> {
+    let row = state
+        .router
+        .executor()
+        .cluster()
+        .status()
+        .into_iter()
+        .find(|e| e.id == id);
+    json_response(status, &json!(row))
 }
 
 fn endpoints(state: &AppState) -> Response<Body> {
@@ -166,6 +240,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoint_paths_name_an_id_and_an_action() {
+        assert_eq!(endpoint_target("/admin/endpoints/3"), Some((3, None)));
+        assert_eq!(
+            endpoint_target("/admin/endpoints/3/drain"),
+            Some((3, Some("drain")))
+        );
+        assert_eq!(endpoint_target("/admin/endpoints/x/drain"), None);
+        assert_eq!(endpoint_target("/admin/endpoints"), None);
+    }
 
     #[test]
     fn reload_paths_name_one_policy() {

@@ -1,6 +1,7 @@
 //! Prometheus metrics for `/metrics`: requests by status, latency histograms, retries,
 //! preemptions, remote_sends skipped, policy call latency, and per endpoint: legs in flight,
-//! health (`1` healthy, `0` not ready, `-1` ejected) and ejections.
+//! health (`1` healthy, `0` not ready, `-1` ejected, `-2` draining, `-3` removed) and
+//! ejections.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -89,7 +90,7 @@ impl Metrics {
         );
         registry.register(
             "endpoint_health",
-            "1 healthy, 0 not ready (probe), -1 ejected after consecutive failures",
+            "1 healthy, 0 not ready (probe), -1 ejected after consecutive failures, -2 draining, -3 removed",
             health.clone(),
         );
         registry.register(
@@ -155,6 +156,8 @@ impl Metrics {
                     Health::Healthy => 1,
                     Health::NotReady => 0,
                     Health::Ejected => -1,
+                    Health::Draining => -2,
+                    Health::Removed => -3,
                 });
             // The cluster counts ejections (it decides them); this counter mirrors its count.
             self.ejections

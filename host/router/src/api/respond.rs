@@ -10,6 +10,7 @@ use switchyard_wire::sse;
 
 use super::{Body, full};
 use crate::RouteError;
+use crate::cluster::EndpointError;
 use crate::microserving::CallError;
 use crate::plan::StepKind;
 
@@ -42,6 +43,8 @@ pub enum ApiError {
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
     #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    #[error(transparent)]
     Route(#[from] RouteError),
 }
 
@@ -65,6 +68,9 @@ impl ApiError {
             ApiError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Endpoint(EndpointError::Unknown(_)) => StatusCode::NOT_FOUND,
+            ApiError::Endpoint(EndpointError::Invalid { .. }) => StatusCode::BAD_REQUEST,
+            ApiError::Endpoint(_) => StatusCode::CONFLICT,
             ApiError::Route(e) => route_status(e),
         }
     }
@@ -98,6 +104,7 @@ impl ApiError {
             ApiError::NotReady(_) => "not_ready",
             ApiError::Tokenize(_) => "invalid_prompt",
             ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::Endpoint(_) => "endpoint_change_refused",
             ApiError::Route(RouteError::Policy(TranslateError::Unavailable { .. })) => {
                 "no_endpoint_available"
             }

@@ -41,23 +41,33 @@ impl Default for ProbeConfig {
 }
 
 /// Start one probe task per endpoint. The tasks end when the cluster is dropped.
-pub fn spawn_probes(cluster: &Arc<Cluster>, client: EngineClient, config: ProbeConfig) {
+pub fn spawn_probes(cluster: &Arc<Cluster>, client: &EngineClient, config: ProbeConfig) {
     for id in 0..cluster.len() as u32 {
-        tokio::spawn(probe_loop(
-            Arc::downgrade(cluster),
-            client.clone(),
-            config,
-            id,
-        ));
+        spawn_probe(cluster, client, config, id);
     }
+}
+
+/// Start probing endpoint `id`, until it is removed or the cluster is dropped.
+pub fn spawn_probe(cluster: &Arc<Cluster>, client: &EngineClient, config: ProbeConfig, id: u32) {
+    tokio::spawn(probe_loop(
+        Arc::downgrade(cluster),
+        client.clone(),
+        config,
+        id,
+    ));
 }
 
 async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeConfig, id: u32) {
     let mut backoff = config.min_backoff;
     loop {
-        let Some(url) = cluster.upgrade().and_then(|c| c.url(id).map(str::to_owned)) else {
+        let Some(endpoint) = cluster.upgrade().and_then(|c| c.endpoint(id)) else {
             return;
         };
+        if endpoint.is_removed() {
+            return;
+        }
+        let url = endpoint.url.clone();
+        drop(endpoint);
         let models = client.ready(&url).await;
         let ok = models.is_some();
         let kv_usage = if ok {

@@ -28,7 +28,9 @@ use switchyard_wire::microserving::{
 };
 use switchyard_wire::sse::{ChunkStream, SseError};
 
-use crate::cluster::{Cluster, InFlight};
+use crate::cluster::{
+    Cluster, EndpointError, EndpointSpec, InFlight, Owner, ProbeConfig, spawn_probe,
+};
 use crate::microserving::{CallError, EngineClient, Release};
 
 /// The microserving step an error happened in.
@@ -226,6 +228,14 @@ impl Executor {
         &self.cluster
     }
 
+    /// Add an endpoint to the live list and start probing it: it serves once its probe
+    /// answers.
+    pub fn add_endpoint(&self, spec: &EndpointSpec, owner: Owner) -> Result<u32, EndpointError> {
+        let id = self.cluster.add(spec, owner)?;
+        spawn_probe(&self.cluster, &self.client, ProbeConfig::default(), id);
+        Ok(id)
+    }
+
     /// Run `plan` for `body` (prompt, sampling, max_tokens; `user` is set here). Returns once
     /// the generating engine has answered with its response headers.
     pub async fn execute(
@@ -278,7 +288,7 @@ impl Executor {
         id: &AttemptId,
     ) -> Result<(PrepRecvResponse, Reservation), ExecError> {
         let span = tracing::debug_span!("prep_recv", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, end);
-        let url = self.url(decode, StepKind::PrepRecv, id)?.to_owned();
+        let url = self.url(decode, StepKind::PrepRecv, id)?;
         let mut pending = Reservation {
             client: self.client.clone(),
             url,
@@ -340,7 +350,7 @@ impl Executor {
         let url = self.url(prefill, StepKind::RemoteSend, id)?;
         let result = self
             .client
-            .remote_send(url, &request)
+            .remote_send(&url, &request)
             .instrument(span)
             .await;
         self.check(result, prefill, StepKind::RemoteSend, id)
@@ -384,7 +394,7 @@ impl Executor {
         let span = tracing::debug_span!("forward", request = %id.upstream_id, attempt = id.attempt, endpoint);
         let guard = self.guard(endpoint, StepKind::Forward, id)?;
         let url = self.url(endpoint, StepKind::Forward, id)?;
-        let result = self.client.forward(url, &body).instrument(span).await;
+        let result = self.client.forward(&url, &body).instrument(span).await;
         let chunks = self.check(result, endpoint, StepKind::Forward, id)?;
         Ok(Generation::new(chunks, endpoint, 0, false, guard))
     }
@@ -420,7 +430,12 @@ impl Executor {
         }
     }
 
-    fn url(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> Result<&str, ExecError> {
+    fn url(
+        &self,
+        endpoint: EndpointId,
+        step: StepKind,
+        id: &AttemptId,
+    ) -> Result<Arc<str>, ExecError> {
         self.cluster
             .url(endpoint)
             .ok_or_else(|| self.unknown(endpoint, step, id))
@@ -471,7 +486,7 @@ impl Executor {
 struct Reservation {
     client: EngineClient,
     /// D's base URL.
-    url: String,
+    url: Arc<str>,
     decode: EndpointId,
     /// The start_generate that takes the pages over, and the one a release sends.
     request: Option<StartGenerateRequest>,
@@ -487,11 +502,12 @@ impl Reservation {
     }
 
     /// This reservation, unarmed (a call in flight decides what it becomes), leaving an
-    /// empty one behind.
+    /// empty, unarmed one behind.
     fn disarm(&mut self) -> Reservation {
+        self.armed = false;
         Reservation {
             client: self.client.clone(),
-            url: std::mem::take(&mut self.url),
+            url: Arc::clone(&self.url),
             decode: self.decode,
             request: self.request.take(),
             armed: false,
@@ -511,7 +527,7 @@ impl Drop for Reservation {
         };
         // Drop runs on the runtime; one that is shutting down has no engines left to call.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let url = std::mem::take(&mut self.url);
+            let url = Arc::clone(&self.url);
             runtime.spawn(release(self.client.clone(), url, self.decode, request));
         }
     }
@@ -541,7 +557,7 @@ const RELEASE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// [`RELEASE_PATIENCE`]. An engine whose process is gone took its reservations with it.
 async fn release(
     client: EngineClient,
-    url: String,
+    url: Arc<str>,
     decode: EndpointId,
     request: StartGenerateRequest,
 ) {
