@@ -155,7 +155,7 @@ fn start_engine(place: &[&str], args: &[String]) -> (Child, ReadyLine) {
         .map(str::to_owned)
         .chain(args.iter().cloned())
         .collect();
-    let (child, line) = spawn_switchyard(&argv, &[], STARTUP_TIMEOUT, |line| {
+    let (child, line) = spawn_switchyard(&argv, &[], Stdio::inherit(), STARTUP_TIMEOUT, |line| {
         line.parse::<ReadyLine>().is_ok().then(|| line.to_owned())
     });
     let ready: ReadyLine = line
@@ -170,6 +170,7 @@ fn start_engine(place: &[&str], args: &[String]) -> (Child, ReadyLine) {
 fn spawn_switchyard(
     args: &[String],
     env: &[(&str, &Path)],
+    stderr: Stdio,
     within: Duration,
     ready: impl Fn(&str) -> Option<String> + Send + 'static,
 ) -> (Child, String) {
@@ -182,7 +183,7 @@ fn spawn_switchyard(
         )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .expect("can spawn the switchyard binary");
     let stdout = child.stdout.take().expect("stdout is piped");
@@ -264,6 +265,18 @@ impl RouterProcess {
     /// [`RouterProcess::serve`], but returns as soon as the router is ready (`/health` 200:
     /// enough endpoints healthy), whether or not every endpoint is.
     pub fn serve_ready(endpoints: &[&str], args: &[&str]) -> RouterProcess {
+        Self::serve_to(endpoints, args, Stdio::inherit())
+    }
+
+    /// [`RouterProcess::serve`] with the router's log (stderr) written to `log`.
+    pub fn serve_logging_to(endpoints: &[&str], args: &[&str], log: &Path) -> RouterProcess {
+        let file = std::fs::File::create(log).expect("can create the log file");
+        let router = Self::serve_to(endpoints, args, Stdio::from(file));
+        router.wait_until_healthy();
+        router
+    }
+
+    fn serve_to(endpoints: &[&str], args: &[&str], stderr: Stdio) -> RouterProcess {
         let mut full: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
         full.push("--plugins".into());
         full.push(plugins_dir().display().to_string());
@@ -272,7 +285,7 @@ impl RouterProcess {
             full.push((*e).to_owned());
         }
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        Self::spawn(full, &[], "switchyard router listening on ")
+        Self::spawn(full, &[], stderr, "switchyard router listening on ")
     }
 
     /// `switchyard up --port 0 --plugins <checkout>/plugins ARGS…`; waits until `/health`
@@ -294,7 +307,7 @@ impl RouterProcess {
         full.push("--plugins".into());
         full.push(plugins.display().to_string());
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        let router = Self::spawn(full, env, "switchyard router ready on ");
+        let router = Self::spawn(full, env, Stdio::inherit(), "switchyard router ready on ");
         router.wait_until_healthy();
         router
     }
@@ -302,9 +315,10 @@ impl RouterProcess {
     fn spawn(
         args: Vec<String>,
         env: &[(&str, &Path)],
+        stderr: Stdio,
         ready_prefix: &'static str,
     ) -> RouterProcess {
-        let (child, url) = spawn_switchyard(&args, env, STARTUP_TIMEOUT * 2, move |line| {
+        let (child, url) = spawn_switchyard(&args, env, stderr, STARTUP_TIMEOUT * 2, move |line| {
             line.strip_prefix(ready_prefix)
                 .map(|url| url.trim().to_owned())
         });

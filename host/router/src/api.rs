@@ -35,7 +35,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -301,6 +301,10 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     }
 }
 
+/// Bytes of an oversized body read and thrown away before answering 413: a client still
+/// sending when the connection closes sees a reset, not the answer. Larger bodies are cut off.
+const DRAIN_OVERSIZE_BYTES: u64 = 1 << 20;
+
 /// Read at most `limit` bytes of body.
 async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
     let declared = headers
@@ -308,14 +312,32 @@ async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
+        drain(body, limit as u64 + DRAIN_OVERSIZE_BYTES).await;
         return Err(ApiError::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ApiError::BodyTooLarge { limit })
+    let mut body = body;
+    let mut collected = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
+        if let Some(data) = frame.data_ref() {
+            if collected.len() + data.len() > limit {
+                drain(body, DRAIN_OVERSIZE_BYTES).await;
+                return Err(ApiError::BodyTooLarge { limit });
+            }
+            collected.extend_from_slice(data);
         }
-        Err(e) => Err(ApiError::BodyRead(e.to_string())),
+    }
+    Ok(Bytes::from(collected))
+}
+
+/// Read and discard up to `max` more bytes of `body`.
+async fn drain(mut body: Incoming, max: u64) {
+    let mut read = 0u64;
+    while read <= max {
+        match body.frame().await {
+            Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len() as u64),
+            _ => return,
+        }
     }
 }
 

@@ -290,6 +290,16 @@ fn check_length(
 /// A string, a list of token ids, or a one-element list of either, parsed from raw JSON: ids
 /// go straight into a `Vec<u32>`.
 fn prompt_tokens(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
+    match serde_json::from_str::<[&RawValue; 1]>(raw.get()) {
+        // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`). One level only:
+        // however deep the client nests, nothing here recurses.
+        Ok([one]) if one.get().starts_with(['"', '[']) => one_prompt(one, tokenizer),
+        _ => one_prompt(raw, tokenizer),
+    }
+}
+
+/// A string or a list of token ids.
+fn one_prompt(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
     let json = raw.get();
     let tokens = if json.starts_with('"') {
         let text: String =
@@ -297,9 +307,6 @@ fn prompt_tokens(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>
         tokenizer.encode(&text).map_err(ApiError::Tokenize)?
     } else if let Ok(ids) = serde_json::from_str::<Vec<u32>>(json) {
         ids
-    } else if let Ok([one]) = serde_json::from_str::<[&RawValue; 1]>(json) {
-        // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`).
-        return prompt_tokens(one, tokenizer);
     } else {
         let why = match serde_json::from_str::<Value>(json) {
             Ok(Value::Array(items)) if items.iter().all(Value::is_number) => {
@@ -626,6 +633,13 @@ mod tests {
         );
         assert_eq!(param_of(parse(r#"{"prompt": "a", "n": 2}"#)), "n");
         assert_eq!(param_of(parse(r#"{"prompt": [1.5]}"#)), "prompt");
+        // Nesting as deep as a client likes recurses nowhere (this overflowed the stack once).
+        let deep = format!(
+            r#"{{"prompt": {}1{}}}"#,
+            "[".repeat(20_000),
+            "]".repeat(20_000)
+        );
+        assert_eq!(param_of(parse(&deep)), "prompt");
         assert_eq!(param_of(parse(r#"{"prompt": [[1], [2]]}"#)), "prompt");
         assert_eq!(
             param_of(parse(r#"{"prompt": "a", "temperature": "hot"}"#)),
