@@ -268,14 +268,22 @@ impl EngineClient {
         body: &B,
         timeout: Option<Duration>,
     ) -> Result<reqwest::Response, CallError> {
-        let mut request = self.http.post(url).json(body);
-        if let Some(t) = timeout {
-            request = request.timeout(t);
-        }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| classify(e, self.timeouts.call))?;
+        let send = || {
+            let request = self.http.post(url).json(body);
+            match timeout {
+                Some(t) => request.timeout(t).send(),
+                None => request.send(),
+            }
+        };
+        let response = match send().await.map_err(|e| classify(e, self.timeouts.call)) {
+            // The engine closed a pooled connection just as the request went out (its
+            // keep-alive ran out): once more, on a fresh connection, without blaming it.
+            Err(CallError::Closed { reason }) => {
+                tracing::debug!(%url, %reason, "connection closed before an answer; sending again");
+                send().await.map_err(|e| classify(e, self.timeouts.call))
+            }
+            answer => answer,
+        }?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
