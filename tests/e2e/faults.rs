@@ -230,14 +230,21 @@ async fn wait_health(router: &RouterProcess, id: usize, healthy: bool) {
     .await;
 }
 
-pub(crate) fn assert_no_wrong(tally: &Tally) {
-    assert!(
-        tally.wrong.is_empty(),
-        "{} of {} streams went wrong, first: {:?}",
-        tally.wrong.len(),
-        tally.exact + tally.error_events + tally.wrong.len() as u32,
-        tally.wrong.first()
-    );
+impl Tally {
+    /// Print how the streams of `what` ended, and fail if any went wrong.
+    pub(crate) fn report(&self, what: &str) {
+        eprintln!(
+            "{what}: {} streams exact, {} ended with an error event",
+            self.exact, self.error_events
+        );
+        assert!(
+            self.wrong.is_empty(),
+            "{} of {} streams went wrong, first: {:?}",
+            self.wrong.len(),
+            self.exact + self.error_events + self.wrong.len() as u32,
+            self.wrong.first()
+        );
+    }
 }
 
 /// A decode step of ~1.6 ms (the Llama-3-8B profile at 0.3): streams last long enough for
@@ -282,15 +289,11 @@ async fn killed_engines_lose_no_request_and_come_back() {
     }
     let_run(&load, 4).await;
     let tally = load.stop().await;
+    tally.report(&format!("{kills} kills"));
     let retried = metric(&c.router.endpoint("/metrics"), "switchyard_retries").await;
-    eprintln!(
-        "{kills} kills: {} streams exact, {} ended with an error event; {retried} attempts \
-         retried or continued after an engine failure",
-        tally.exact, tally.error_events
-    );
+    eprintln!("{retried} attempts retried or continued after an engine failure");
     assert!(kills >= 10);
     assert!(retried > 0.0, "the kills landed on requests in flight");
-    assert_no_wrong(&tally);
     assert!(tally.exact > 0);
     let engines: Vec<&EngineProcess> = c.engines.iter().collect();
     let took = assert_engines_idle(&engines).await;
@@ -333,11 +336,7 @@ async fn a_frozen_decode_engine_is_routed_around_and_readmitted() {
     wait_health(&c.router, 1, true).await;
     let_run(&load, 12).await;
     let tally = load.stop().await;
-    eprintln!(
-        "frozen 10 s: {} streams exact, {} ended with an error event",
-        tally.exact, tally.error_events
-    );
-    assert_no_wrong(&tally);
+    tally.report("frozen 10 s");
     let row = endpoint_row(&c.router, 1).await;
     assert!(
         row["outlier"]["ejections"].as_u64() >= Some(1),
