@@ -19,8 +19,8 @@
 
 use crate::export::{Policy, describe};
 use crate::types::{
-    Context, Endpoint, EndpointId, Failure, FailureKind, Outcome, Plan, PolicyError, PolicyInfo,
-    Request, Role, SendBegin, Step,
+    Context, DownReason, Endpoint, EndpointId, Failure, FailureKind, Outcome, Plan, PolicyError,
+    PolicyInfo, Request, Role, SendBegin, Step,
 };
 
 /// A snapshot of `n` healthy, idle, role-less endpoints with ids `0..n`, one GPU each.
@@ -32,6 +32,7 @@ pub fn endpoints(n: u32) -> Cluster {
                 role: Role::Any,
                 device_rank: id,
                 healthy: true,
+                down_reason: None,
                 in_flight: 0,
                 kv_usage: None,
             })
@@ -58,12 +59,22 @@ impl Cluster {
         self
     }
 
-    /// Mark endpoint `id` unhealthy.
+    /// Mark endpoint `id` unhealthy: not ready (its probe does not answer).
     ///
     /// # Panics
     /// If `id` is not in the snapshot (a mistake in the test itself).
-    pub fn unhealthy(mut self, id: EndpointId) -> Cluster {
-        self.endpoint_mut(id).healthy = false;
+    pub fn unhealthy(self, id: EndpointId) -> Cluster {
+        self.down(id, DownReason::NotReady)
+    }
+
+    /// Mark endpoint `id` unhealthy for `reason` (e.g. ejected after consecutive failures).
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn down(mut self, id: EndpointId, reason: DownReason) -> Cluster {
+        let e = self.endpoint_mut(id);
+        e.healthy = false;
+        e.down_reason = Some(reason);
         self
     }
 

@@ -270,7 +270,11 @@ async fn faulting_policies_are_served_by_the_fallback_and_quarantined() {
         ("misbehave.wasm", test_guest("misbehave")),
         ("round-robin.wasm", builtin("round-robin")),
     ];
-    let (_dir, router) = up_with(&plugins, &["--policy", "misbehave"]).await;
+    let (_dir, router) = up_with(
+        &plugins,
+        &["--policy", "misbehave", "--forward-header", "x-misbehave"],
+    )
+    .await;
     let base = router.url.clone();
     let url = format!("{base}/v1/completions");
     // The default rule: 5 faults within 30 s quarantine a version.

@@ -1,4 +1,6 @@
 mod engine;
 mod examples;
+mod faults;
+mod hardening;
 mod http;
 mod router;

@@ -146,22 +146,38 @@ pub(crate) async fn assert_completion_matches(url: &str, truth: &EngineProcess, 
 
 /// Prefill engine (rank 0) and `decodes` decode engines (ranks 1..), P able to push KV to each,
 /// behind `switchyard serve`.
-struct Disagg {
-    engines: Vec<EngineProcess>,
-    router: RouterProcess,
+pub(crate) struct Disagg {
+    pub(crate) engines: Vec<EngineProcess>,
+    pub(crate) router: RouterProcess,
 }
 
-fn disagg(decodes: u32, engine_args: &[&str], router_args: &[&str]) -> Disagg {
+fn disagg(decodes: usize, engine_args: &[&str], router_args: &[&str]) -> Disagg {
+    disagg_over("shm", &vec![&[][..]; decodes], engine_args, router_args)
+}
+
+/// [`disagg`] with KV moving over `transport` (`shm` or `tcp`), one decode engine per entry of
+/// `decodes`, each with those flags added to `engine_args`.
+pub(crate) fn disagg_over(
+    transport: &str,
+    decodes: &[&[&str]],
+    engine_args: &[&str],
+    router_args: &[&str],
+) -> Disagg {
     let mut engines = Vec::new();
     let mut peers = Vec::new();
-    for rank in 1..=decodes {
+    for (rank, own) in (1..).zip(decodes) {
         let mut args = vec![
             "--device-rank".to_owned(),
             rank.to_string(),
             "--kv-transport".into(),
-            "shm".into(),
+            transport.into(),
         ];
-        args.extend(engine_args.iter().map(|a| (*a).to_owned()));
+        args.extend(
+            engine_args
+                .iter()
+                .chain(own.iter())
+                .map(|a| (*a).to_owned()),
+        );
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         let d = EngineProcess::spawn(&refs);
         peers.push(format!("{rank}={}", d.kv_addr));
@@ -171,7 +187,7 @@ fn disagg(decodes: u32, engine_args: &[&str], router_args: &[&str]) -> Disagg {
         "--device-rank".to_owned(),
         "0".into(),
         "--kv-transport".into(),
-        "shm".into(),
+        transport.into(),
     ];
     for peer in &peers {
         args.push("--kv-peer".into());
@@ -578,7 +594,7 @@ async fn chat_completions_equal_a_single_engine_fed_the_rendered_prompt() {
 
 /// Polls `check` (which says what is still wrong, or `None`) until it passes, for at most
 /// `within`.
-async fn eventually<F, Fut>(within: Duration, mut check: F)
+pub(crate) async fn eventually<F, Fut>(within: Duration, mut check: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Option<String>>,

@@ -65,60 +65,68 @@ pub struct EngineProcess {
     /// The engine's KV transfer address as printed (`tcp:…` or `unix:@…`), for `--kv-peer`.
     pub kv_addr: String,
     pub device_rank: u32,
+    /// The flags it was started with, for [`EngineProcess::restart`].
+    args: Vec<String>,
 }
 
 impl EngineProcess {
     /// Starts `switchyard engine --port 0 ARGS…`, learns its port from the ready line, and waits
     /// until `GET /v1/models` answers 200.
     pub fn spawn(args: &[&str]) -> EngineProcess {
-        let mut child = Command::new(switchyard_bin())
-            .arg("engine")
-            .args(["--port", "0"])
-            .args(args)
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("can spawn the switchyard binary");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        // Keep reading stdout for the child's whole life so it never blocks on a full pipe.
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            for line in lines.by_ref().map_while(Result::ok) {
-                if line.parse::<ReadyLine>().is_ok() {
-                    let _ = tx.send(line);
-                    break;
-                }
-            }
-            for _ in lines {}
-        });
-        let line = match rx.recv_timeout(STARTUP_TIMEOUT) {
-            Ok(line) => line,
-            Err(_) => {
-                let _ = child.kill();
-                let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-                panic!(
-                    "switchyard engine {args:?} printed no ready line within {STARTUP_TIMEOUT:?} ({status})"
-                );
-            }
-        };
-        let ready: ReadyLine = line
-            .parse()
-            .unwrap_or_else(|e| panic!("switchyard engine {args:?}: {e}"));
+        Self::spawn_on(0, args)
+    }
+
+    /// [`EngineProcess::spawn`] on HTTP port `port`.
+    pub fn spawn_on(port: u16, args: &[&str]) -> EngineProcess {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        let (child, ready) = start_engine(&["--port", &port.to_string()], &args);
         let engine = EngineProcess {
             child,
             url: ready.url(),
             http_addr: ready.http_addr,
             kv_addr: ready.kv_addr,
             device_rank: ready.device_rank,
+            args,
         };
         engine.wait_until_ready();
         engine
+    }
+
+    /// SIGKILL, and wait until the process is gone: no clean-up runs, as in a crash.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGSTOP: the process stays, its sockets keep accepting, nothing answers.
+    pub fn freeze(&self) {
+        self.signal(rustix::process::Signal::STOP);
+    }
+
+    /// SIGCONT after [`EngineProcess::freeze`].
+    pub fn thaw(&self) {
+        self.signal(rustix::process::Signal::CONT);
+    }
+
+    fn signal(&self, signal: rustix::process::Signal) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
+        rustix::process::kill_process(pid, signal).expect("the engine process exists");
+    }
+
+    /// Kill it if it still runs, then start it again with the same flags on the same HTTP and
+    /// KV addresses (its KV pool starts empty), and wait until it is ready.
+    pub fn restart(&mut self) {
+        self.kill();
+        let port = self.http_addr.port().to_string();
+        let (child, ready) =
+            start_engine(&["--port", &port, "--kv-listen", &self.kv_addr], &self.args);
+        assert_eq!(
+            (ready.http_addr, &ready.kv_addr),
+            (self.http_addr, &self.kv_addr),
+            "restarted on the same addresses"
+        );
+        self.child = child;
+        self.wait_until_ready();
     }
 
     /// Polls `GET /v1/models` until 200, within the startup timeout.
@@ -134,32 +142,102 @@ impl EngineProcess {
 
 impl Drop for EngineProcess {
     fn drop(&mut self) {
+        // SIGKILL ends a frozen process too.
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Starts `switchyard engine PLACE… ARGS…` and waits for its ready line.
+fn start_engine(place: &[&str], args: &[String]) -> (Child, ReadyLine) {
+    let argv: Vec<String> = std::iter::once("engine")
+        .chain(place.iter().copied())
+        .map(str::to_owned)
+        .chain(args.iter().cloned())
+        .collect();
+    let (child, line) = spawn_switchyard(&argv, &[], Stdio::inherit(), STARTUP_TIMEOUT, |line| {
+        line.parse::<ReadyLine>().is_ok().then(|| line.to_owned())
+    });
+    let ready: ReadyLine = line
+        .parse()
+        .unwrap_or_else(|e| panic!("switchyard {argv:?}: {e}"));
+    (child, ready)
+}
+
+/// Starts `switchyard ARGS…` with `env` (and the caller's `RUST_LOG`, else `warn`), and waits
+/// up to `within` for the first stdout line `ready` accepts, returning what it made of it.
+/// Stdout is read for the child's whole life, so it never blocks on a full pipe.
+fn spawn_switchyard(
+    args: &[String],
+    env: &[(&str, &Path)],
+    stderr: Stdio,
+    within: Duration,
+    ready: impl Fn(&str) -> Option<String> + Send + 'static,
+) -> (Child, String) {
+    let mut child = Command::new(switchyard_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .env(
+            "RUST_LOG",
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .expect("can spawn the switchyard binary");
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        for line in lines.by_ref().map_while(Result::ok) {
+            if let Some(found) = ready(&line) {
+                let _ = tx.send(found);
+                break;
+            }
+        }
+        for _ in lines {}
+    });
+    match rx.recv_timeout(within) {
+        Ok(found) => (child, found),
+        Err(_) => {
+            let _ = child.kill();
+            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
+            panic!("switchyard {args:?} printed no ready line within {within:?} ({status})");
+        }
     }
 }
 
 /// Polls `GET path` on a freshly started process until it answers 200, within the startup
 /// timeout (readiness has no event to wait on from outside the process).
 fn wait_for_200(addr: SocketAddr, path: &str, what: &str, url: &str) {
+    wait_for(addr, path, what, url, |_| true);
+}
+
+/// Polls `GET path` until it answers 200 with a body `accept` takes, within the startup
+/// timeout.
+fn wait_for(addr: SocketAddr, path: &str, what: &str, url: &str, accept: impl Fn(&str) -> bool) {
     let deadline = Instant::now() + STARTUP_TIMEOUT;
     while Instant::now() < deadline {
-        if http_get_status(addr, path) == Some(200) {
+        if http_get(addr, path).is_some_and(|(status, body)| status == 200 && accept(&body)) {
             return;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("{what} at {url} did not answer GET {path} 200 within {STARTUP_TIMEOUT:?}");
+    panic!("{what} at {url} did not answer GET {path} as expected within {STARTUP_TIMEOUT:?}");
 }
 
-/// A minimal blocking HTTP/1.0 GET, so readiness checks need no async runtime.
-fn http_get_status(addr: SocketAddr, path: &str) -> Option<u16> {
+/// A minimal blocking HTTP/1.0 GET (the server closes after answering), so readiness checks
+/// need no async runtime: the status and the body.
+fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
-    let mut head = [0u8; 12];
-    stream.read_exact(&mut head).ok()?;
-    std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+    let mut response = String::new();
+    stream.read_to_string(&mut response).ok()?;
+    let status = response.get(9..12)?.parse().ok()?;
+    let body = response.split_once("\r\n\r\n")?.1.to_owned();
+    Some((status, body))
 }
 
 // === router processes (the router engineer's part) ===
@@ -179,6 +257,26 @@ impl RouterProcess {
     /// `switchyard serve --port 0 --plugins <checkout>/plugins --endpoint URL… ARGS…`; waits
     /// until `/health` answers 200.
     pub fn serve(endpoints: &[&str], args: &[&str]) -> RouterProcess {
+        let router = Self::serve_ready(endpoints, args);
+        router.wait_until_healthy();
+        router
+    }
+
+    /// [`RouterProcess::serve`], but returns as soon as the router is ready (`/health` 200:
+    /// enough endpoints healthy), whether or not every endpoint is.
+    pub fn serve_ready(endpoints: &[&str], args: &[&str]) -> RouterProcess {
+        Self::serve_to(endpoints, args, Stdio::inherit())
+    }
+
+    /// [`RouterProcess::serve`] with the router's log (stderr) written to `log`.
+    pub fn serve_logging_to(endpoints: &[&str], args: &[&str], log: &Path) -> RouterProcess {
+        let file = std::fs::File::create(log).expect("can create the log file");
+        let router = Self::serve_to(endpoints, args, Stdio::from(file));
+        router.wait_until_healthy();
+        router
+    }
+
+    fn serve_to(endpoints: &[&str], args: &[&str], stderr: Stdio) -> RouterProcess {
         let mut full: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
         full.push("--plugins".into());
         full.push(plugins_dir().display().to_string());
@@ -187,7 +285,7 @@ impl RouterProcess {
             full.push((*e).to_owned());
         }
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        Self::spawn(full, &[], "switchyard router listening on ")
+        Self::spawn(full, &[], stderr, "switchyard router listening on ")
     }
 
     /// `switchyard up --port 0 --plugins <checkout>/plugins ARGS…`; waits until `/health`
@@ -209,62 +307,47 @@ impl RouterProcess {
         full.push("--plugins".into());
         full.push(plugins.display().to_string());
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        Self::spawn(full, env, "switchyard router ready on ")
+        let router = Self::spawn(full, env, Stdio::inherit(), "switchyard router ready on ");
+        router.wait_until_healthy();
+        router
     }
 
     fn spawn(
         args: Vec<String>,
         env: &[(&str, &Path)],
+        stderr: Stdio,
         ready_prefix: &'static str,
     ) -> RouterProcess {
-        let mut child = Command::new(switchyard_bin())
-            .args(&args)
-            .envs(env.iter().copied())
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("can spawn the switchyard binary");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            for line in lines.by_ref().map_while(Result::ok) {
-                if let Some(url) = line.strip_prefix(ready_prefix) {
-                    let _ = tx.send(url.trim().to_owned());
-                    break;
-                }
-            }
-            for _ in lines {}
+        let (child, url) = spawn_switchyard(&args, env, stderr, STARTUP_TIMEOUT * 2, move |line| {
+            line.strip_prefix(ready_prefix)
+                .map(|url| url.trim().to_owned())
         });
-        let Ok(url) = rx.recv_timeout(STARTUP_TIMEOUT * 2) else {
-            let _ = child.kill();
-            let status = child.wait().map(|s| s.to_string()).unwrap_or_default();
-            panic!(
-                "switchyard {args:?} printed no ready line within {:?} ({status})",
-                STARTUP_TIMEOUT * 2
-            );
-        };
         let addr: SocketAddr = url
             .strip_prefix("http://")
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("unexpected router URL {url:?}"));
         let router = RouterProcess { child, url, addr };
-        router.wait_until_healthy();
+        wait_for_200(router.addr, "/health", "router", &router.url);
         router
     }
 
+    /// Ready, and every endpoint healthy: tests start from the whole cluster.
     fn wait_until_healthy(&self) {
-        wait_for_200(self.addr, "/health", "router", &self.url);
+        wait_for(self.addr, "/health", "router", &self.url, |body| {
+            body.contains(r#""down":[]"#)
+        });
     }
 
     /// `url` + `path`.
     pub fn endpoint(&self, path: &str) -> String {
         format!("{}{path}", self.url)
+    }
+
+    /// Send SIGHUP: a router reloads its config file's endpoint list.
+    pub fn hang_up(&self) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::HUP)
+            .expect("the router process exists");
     }
 
     /// Send SIGTERM and wait (bounded) for a clean exit; returns the exit status.

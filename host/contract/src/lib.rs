@@ -8,11 +8,14 @@
 //! host both depend on it, and neither may reach the other through it.
 //!
 //! ```
-//! use switchyard_contract::{EndpointSnapshot, Plan, Role, SendBegin, Step, ValidPlan, validate};
+//! use switchyard_contract::{
+//!     EndpointSnapshot, Health, Plan, Role, SendBegin, Step, ValidPlan, validate,
+//! };
 //!
 //! let endpoints: Vec<EndpointSnapshot> = (0..2)
 //!     .map(|id| EndpointSnapshot {
-//!         id, role: Role::Any, device_rank: id, healthy: true, in_flight: 0, kv_usage: None,
+//!         id, role: Role::Any, device_rank: id, health: Health::Healthy, in_flight: 0,
+//!         kv_usage: None,
 //!     })
 //!     .collect();
 //! let plan = Plan {
@@ -33,7 +36,7 @@ mod planner;
 mod policy;
 mod validate;
 
-pub use endpoint::{EndpointSnapshot, Role};
+pub use endpoint::{EndpointSnapshot, Health, Role};
 pub use plan::{EndpointId, Plan, SendBegin, Step};
 pub use planner::{Planner, PlanningError};
 pub use policy::{

@@ -239,7 +239,7 @@ fn check_endpoints(i: usize, step: &Step, endpoints: &[EndpointSnapshot]) -> Res
                     ),
                 ));
             }
-            Some(e) if !e.healthy => {
+            Some(e) if !e.health.is_healthy() => {
                 return Err(at(i, step, &format!("endpoint {id} is unhealthy")));
             }
             Some(_) => {}

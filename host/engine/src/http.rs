@@ -71,6 +71,8 @@ pub(super) struct EngineState {
     pub max_model_len: Option<usize>,
     pub num_pages: u32,
     pub page_size: usize,
+    /// `--fail-rate`: the share of calls answered 500 on purpose.
+    pub fail_rate: f64,
 }
 
 /// Accepts connections until the task is aborted. Each connection is served on a task of this
@@ -121,6 +123,13 @@ async fn route(
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
     let alive = state.alive.load(Ordering::Acquire);
+    if req.method() == Method::POST {
+        state.metrics.calls_received.inc();
+        if state.fail_rate > 0.0 && rand::random_bool(state.fail_rate) {
+            state.metrics.injected_failures.inc();
+            return Ok(HttpError::Injected.into_response());
+        }
+    }
     let response = match (req.method(), path.as_str()) {
         // Readiness and health follow the step loop: an engine whose loop died must not look
         // ready to a router.
@@ -157,6 +166,8 @@ enum HttpError {
     Transfer { rank: u32, source: KvError },
     #[error("the engine is shutting down")]
     CoreGone,
+    #[error("injected failure (--fail-rate)")]
+    Injected,
     #[error("no route for {path}")]
     NotFound { path: String },
     #[error("method not allowed")]
@@ -179,6 +190,7 @@ impl HttpError {
             HttpError::Core(e) => core_fault(e),
             HttpError::Transfer { source, .. } => transfer_fault(source),
             HttpError::CoreGone => (StatusCode::SERVICE_UNAVAILABLE, SERVER, None),
+            HttpError::Injected => (StatusCode::INTERNAL_SERVER_ERROR, SERVER, None),
             HttpError::NotFound { .. } => (StatusCode::NOT_FOUND, CLIENT, None),
             HttpError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, CLIENT, None),
         };

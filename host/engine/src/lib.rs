@@ -120,6 +120,11 @@ pub struct EngineArgs {
     /// Fault injection: preempt every K-th decoding request half-way through its max_tokens.
     #[arg(long)]
     pub preempt_every: Option<u64>,
+    /// Fault injection: answer this share (0 to 1) of completion and microserving calls with
+    /// HTTP 500 before doing anything, as an engine failing internally would. Readiness and
+    /// metrics keep answering.
+    #[arg(long, default_value_t = 0.0, value_parser = parse_fail_rate)]
+    pub fail_rate: f64,
     /// What computes the tokens: `synthetic` (the deterministic stand-in, fast), `smollm2`
     /// (SmolLM2-135M-Instruct from the cache `make model` fills) or the path of a llama-family
     /// GGUF file (run on CPU; see `llama`).
@@ -163,6 +168,13 @@ impl EngineArgs {
             .chain(flags.into_iter().map(Into::into));
         <Flags as clap::Parser>::try_parse_from(argv).map(|f| f.args)
     }
+}
+
+fn parse_fail_rate(s: &str) -> Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|r| (0.0..=1.0).contains(r))
+        .ok_or_else(|| format!("{s:?} is not a number from 0 to 1"))
 }
 
 fn parse_time_scale(s: &str) -> Result<f64, String> {
@@ -303,6 +315,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
         model_name: args.served_model_name.clone().unwrap_or(model.default_name),
         num_pages: args.kv_pages,
         page_size: args.page_size as usize,
+        fail_rate: args.fail_rate,
     });
     let server = tokio::spawn(http::serve(listener, state));
     Ok(RunningEngine {

@@ -21,6 +21,8 @@ pub struct Metrics {
     pub remote_send_received: Counter,
     pub reservations_expired: Counter,
     pub requests_aborted: Counter,
+    pub calls_received: Counter,
+    pub injected_failures: Counter,
 }
 
 impl Metrics {
@@ -97,6 +99,16 @@ impl Metrics {
                 "requests_aborted",
                 "Requests aborted because the client went away",
                 &self.requests_aborted,
+            ),
+            (
+                "calls_received",
+                "POST calls received (completions and microserving), failed ones included",
+                &self.calls_received,
+            ),
+            (
+                "injected_failures",
+                "Calls answered 500 by --fail-rate",
+                &self.injected_failures,
             ),
         ];
         for (name, help, counter) in counters {

@@ -193,6 +193,9 @@ struct Seq {
     pages: Vec<u32>,
     page_keys: Vec<u64>,
     registered_pages: usize,
+    /// Join the prefix cache only once the generation finishes: its first pages arrived from a
+    /// prefill engine, unchecked (see [`Core::start_generate`]).
+    cache_after_finish: bool,
     /// Positions whose KV is in the pool.
     computed: usize,
     /// The model's hash chain after `computed` tokens.
@@ -459,6 +462,7 @@ impl Core {
                     pages: Vec::new(),
                     page_keys: Vec::new(),
                     registered_pages: 0,
+                    cache_after_finish: false,
                     computed: 0,
                     chain: self.backend.chain_at(&[], 0),
                     work: Work::Prefill {
@@ -485,6 +489,7 @@ impl Core {
             pages: Vec::new(),
             page_keys: Vec::new(),
             registered_pages: 0,
+            cache_after_finish: false,
             computed: 0,
             chain: self.backend.chain_at(&[], 0),
             work: Work::Generate(GenState {
@@ -641,9 +646,10 @@ impl Core {
             return Err(CoreError::NoReservation { user });
         };
         // P wrote [matched, end) behind our back: read those slots now so decode steps see the
-        // bytes that actually arrived. Full pages among them join the prefix cache below
-        // unverified: the router calls start_generate only after remote_send succeeded (or
-        // was not needed), which is what makes them trustworthy.
+        // bytes that actually arrived. Whether they are all there, nobody here can tell: a
+        // router also calls start_generate to free a reservation whose remote_send failed,
+        // hanging up at once. So the pages join the prefix cache only when the generation
+        // finishes; one aborted or preempted leaves no unchecked page behind for others.
         for pos in r.matched..r.end {
             let slot = self.pool.slot(&r.pages, pos);
             self.backend.received(&self.store, slot);
@@ -655,9 +661,9 @@ impl Core {
         seq.pages = r.pages;
         seq.page_keys = r.page_keys;
         seq.registered_pages = r.matched / self.pool.page_size();
+        seq.cache_after_finish = true;
         seq.computed = begin;
         seq.chain = self.backend.chain_at(&seq.tokens, begin);
-        register_full_pages(&mut self.pool, &mut seq);
         self.waiting.push_back(seq);
         Ok(())
     }
@@ -863,10 +869,14 @@ impl Core {
         match outcome {
             StepResult::Continue => true,
             StepResult::Finished | StepResult::ClientGone => {
-                let seq = self.running.remove(i);
+                let mut seq = self.running.remove(i);
                 if outcome == StepResult::ClientGone {
                     self.abort(seq);
                 } else {
+                    if seq.cache_after_finish {
+                        seq.cache_after_finish = false;
+                        register_full_pages(&mut self.pool, &mut seq);
+                    }
                     self.end(seq);
                 }
                 false
@@ -1053,6 +1063,9 @@ fn seq_pages_needed(pool: &PagePool, seq: &Seq, n: usize) -> usize {
 
 /// Offers the sequence's newly completed pages to the prefix cache.
 fn register_full_pages(pool: &mut PagePool, seq: &mut Seq) {
+    if seq.cache_after_finish {
+        return;
+    }
     let ps = pool.page_size();
     let full = seq.computed / ps;
     if full <= seq.registered_pages {

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use switchyard_contract::{EndpointSnapshot, Role};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
 use switchyard_contract::{PolicyContext, PolicyRequest};
 use switchyard_policy_host::{Policy, PolicyHost, PolicyLimits};
 
@@ -157,7 +157,7 @@ fn context(i: u32) -> PolicyContext {
                 id,
                 role: Role::Any,
                 device_rank: id,
-                healthy: true,
+                health: Health::Healthy,
                 in_flight: (i + id * 3) % 5,
                 kv_usage: None,
             })

@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use switchyard_contract::{EndpointSnapshot, Role};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
 use switchyard_contract::{PolicyContext, PolicyRequest};
 use switchyard_policy_host::{Policy, PolicyHost, PolicyLimits};
 
@@ -32,7 +32,7 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             id,
             role: if id < 4 { Role::Prefill } else { Role::Decode },
             device_rank: id,
-            healthy: true,
+            health: Health::Healthy,
             in_flight: (id * 7) % 5,
             kv_usage: Some(0.1 * id as f32),
         })

@@ -179,14 +179,16 @@ impl Guest {
 /// between the host's types and the version's generated ones (0.2.0's request, context, plan
 /// and outcome have 0.1.0's shape), the calls, and the `log` import; `stateless` reads a
 /// `policy-info`'s declaration. Expanded inside a version module whose generated `types`
-/// interface is `wit`, whose world is `Guest` and whose world imports trait is `GuestImports`.
+/// interface is `wit`, whose world is `Guest` and whose world imports trait is `GuestImports`,
+/// and which converts an endpoint itself (`fn endpoint(&EndpointSnapshot) -> wit::Endpoint`:
+/// 0.2.0's says why an endpoint is down).
 /// A version whose types diverge (0.2.0's steps, once it gains endpoint protocols) writes those
 /// parts itself.
 macro_rules! shared_with_v0_1_0 {
     (stateless: $stateless:expr) => {
         use switchyard_contract::{
-            EndpointSnapshot, FailureKind, Outcome, OutcomeStatus, Plan, PolicyContext,
-            PolicyRequest, Role, SendBegin, Step,
+            FailureKind, Outcome, OutcomeStatus, Plan, PolicyContext, PolicyRequest, Role,
+            SendBegin, Step,
         };
         use wasmtime::Store;
         use wasmtime::component::{HasSelf, Linker};
@@ -292,18 +294,11 @@ macro_rules! shared_with_v0_1_0 {
             }
         }
 
-        fn endpoint(e: &EndpointSnapshot) -> wit::Endpoint {
-            wit::Endpoint {
-                id: e.id,
-                role: match e.role {
-                    Role::Any => wit::Role::Any,
-                    Role::Prefill => wit::Role::Prefill,
-                    Role::Decode => wit::Role::Decode,
-                },
-                device_rank: e.device_rank,
-                healthy: e.healthy,
-                in_flight: e.in_flight,
-                kv_usage: e.kv_usage,
+        fn role(role: Role) -> wit::Role {
+            match role {
+                Role::Any => wit::Role::Any,
+                Role::Prefill => wit::Role::Prefill,
+                Role::Decode => wit::Role::Decode,
             }
         }
 

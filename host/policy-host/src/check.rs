@@ -5,7 +5,7 @@
 use std::fmt;
 
 use switchyard_contract::{
-    EndpointSnapshot, Failure, FailureKind, PlanError, PolicyContext, PolicyRequest, Role,
+    EndpointSnapshot, Failure, FailureKind, Health, PlanError, PolicyContext, PolicyRequest, Role,
     TranslateError, ValidPlan, validate,
 };
 
@@ -30,7 +30,11 @@ impl fmt::Display for Case {
             count(Role::Prefill),
             count(Role::Decode)
         )?;
-        let unhealthy: Vec<u32> = e.iter().filter(|x| !x.healthy).map(|x| x.id).collect();
+        let unhealthy: Vec<u32> = e
+            .iter()
+            .filter(|x| !x.health.is_healthy())
+            .map(|x| x.id)
+            .collect();
         if !unhealthy.is_empty() {
             write!(f, ", unhealthy {unhealthy:?}")?;
         }
@@ -259,7 +263,11 @@ pub fn snapshot(roles: &[Role], unhealthy: &[u32], in_flight: &[u32]) -> Vec<End
             id,
             role,
             device_rank: id,
-            healthy: !unhealthy.contains(&id),
+            health: if unhealthy.contains(&id) {
+                Health::NotReady
+            } else {
+                Health::Healthy
+            },
             in_flight: in_flight.get(id as usize).copied().unwrap_or(0),
             kv_usage: None,
         })

@@ -115,8 +115,10 @@ pub enum ReloadError {
 /// Why no policy can plan a request.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum SelectError {
-    #[error("unknown policy {name:?} in {POLICY_HEADER} (loaded: {known})")]
-    Unknown { name: String, known: String },
+    /// The message names only what the client sent: which policies are loaded is the
+    /// operator's business (`/admin/policies`).
+    #[error("unknown policy {name:?} in {POLICY_HEADER}")]
+    Unknown { name: String },
     #[error("policy {name:?} has no loaded version and there is no fallback policy")]
     Unavailable { name: String },
 }
@@ -281,7 +283,6 @@ impl PolicyRegistry {
         let slot = match by_header {
             Some(name) => slots.get(name).ok_or_else(|| SelectError::Unknown {
                 name: name.to_owned(),
-                known: slots.keys().cloned().collect::<Vec<_>>().join(", "),
             })?,
             // A mapped policy whose file was deleted since startup: serve with the default.
             None => self

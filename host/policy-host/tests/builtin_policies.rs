@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 
 use switchyard_contract::{EndpointId, Plan, SendBegin, Step, validate};
-use switchyard_contract::{EndpointSnapshot, Role};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
 use switchyard_contract::{Failure, FailureKind, PolicyContext, PolicyRequest, TranslateError};
 use switchyard_policy::testing::load_patterns;
 use switchyard_policy_host::{LoadError, Policy, PolicyHost, PolicyLimits};
@@ -52,7 +52,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
             id,
             role: Role::Any,
             device_rank: id,
-            healthy: true,
+            health: Health::Healthy,
             in_flight,
             kv_usage: None,
         })
@@ -182,7 +182,7 @@ fn disagg_handles_small_and_degraded_clusters() {
     );
 
     let mut eps = endpoints(&[0, 5, 3, 1]);
-    eps[0].healthy = false;
+    eps[0].health = Health::NotReady;
     assert_eq!(
         translate(&policy, 17, &first_attempt(eps)),
         Ok(disagg_plan(1, 3, 15))
@@ -196,7 +196,7 @@ fn disagg_handles_small_and_degraded_clusters() {
     );
 
     let mut eps = endpoints(&[0, 0]);
-    eps.iter_mut().for_each(|e| e.healthy = false);
+    eps.iter_mut().for_each(|e| e.health = Health::NotReady);
     assert!(matches!(
         translate(&policy, 17, &first_attempt(eps)),
         Err(TranslateError::Unavailable { .. })
@@ -224,7 +224,7 @@ fn disagg_plans_are_valid_on_every_degraded_cluster() {
             for down in 0..n {
                 for failed in 0..n {
                     let mut eps = endpoints(&load_patterns(n, LOAD_SEED)[5]);
-                    eps[down as usize].healthy = false;
+                    eps[down as usize].health = Health::NotReady;
                     eps[(n - 1) as usize].role = Role::Prefill;
                     let ctx = retry(eps, FailureKind::EndpointError, failed);
                     for len in PROMPT_LENS {
@@ -309,12 +309,12 @@ fn round_robin_skips_unhealthy_and_failed_endpoints() {
     let host = host();
     let policy = load(&host, "round-robin.wasm", "{}").expect("round-robin loads");
     let mut eps = endpoints(&[3, 0, 0, 1]);
-    eps[1].healthy = false;
+    eps[1].health = Health::NotReady;
     assert_eq!(translate(&policy, 17, &first_attempt(eps)), Ok(forward(2)));
     let ctx = retry(endpoints(&[2, 0, 1]), FailureKind::Preempted, 1);
     assert_eq!(translate(&policy, 17, &ctx), Ok(forward(2)));
     let mut eps = endpoints(&[0, 0]);
-    eps.iter_mut().for_each(|e| e.healthy = false);
+    eps.iter_mut().for_each(|e| e.health = Health::NotReady);
     assert!(matches!(
         translate(&policy, 17, &first_attempt(eps)),
         Err(TranslateError::Unavailable { .. })

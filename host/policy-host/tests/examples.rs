@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use switchyard_contract::{EndpointId, Plan, SendBegin, Step, validate};
-use switchyard_contract::{EndpointSnapshot, Role};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
 use switchyard_contract::{Outcome, OutcomeStatus, PolicyContext, PolicyRequest, TranslateError};
 use switchyard_policy_host::{Contract, LoadError, Policy, PolicyHost, PolicyLimits, check};
 
@@ -56,7 +56,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
             id,
             role: Role::Any,
             device_rank: id,
-            healthy: true,
+            health: Health::Healthy,
             in_flight,
             kv_usage: None,
         })
@@ -64,7 +64,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
 }
 
 fn unhealthy(mut endpoints: Vec<EndpointSnapshot>, id: EndpointId) -> Vec<EndpointSnapshot> {
-    endpoints[id as usize].healthy = false;
+    endpoints[id as usize].health = Health::NotReady;
     endpoints
 }
 

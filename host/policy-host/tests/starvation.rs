@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use switchyard_contract::{
-    EndpointSnapshot, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, Role,
+    EndpointSnapshot, Health, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, Role,
 };
 use switchyard_policy_host::{PolicyHost, PolicyLimits};
 
@@ -190,7 +190,7 @@ fn endpoints(id: u64) -> Vec<EndpointSnapshot> {
             id: e,
             role: if e == 0 { Role::Prefill } else { Role::Decode },
             device_rank: e,
-            healthy: true,
+            health: Health::Healthy,
             in_flight: ((id + u64::from(e) * 3) % 5) as u32,
             kv_usage: Some(0.5),
         })

@@ -15,7 +15,7 @@ use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_m
 use futures::StreamExt;
 use switchyard_contract::{EndpointSnapshot, Plan, Role, SendBegin, Step, validate};
 use switchyard_router::api::{Defaults, PromptTokenizer, Responder, Shape, parse_completion};
-use switchyard_router::cluster::{Cluster, EndpointSpec};
+use switchyard_router::cluster::{Cluster, EndpointSpec, OutlierConfig};
 use switchyard_wire::completion::{CompletionRequest, Prompt};
 use switchyard_wire::microserving::{PrepRecvRequest, RemoteSendRequest, StartGenerateRequest};
 use switchyard_wire::sse::parse_chunks;
@@ -81,6 +81,8 @@ fn parse_and_inject(c: &mut Criterion) {
     let defaults = Defaults {
         model: "m",
         max_tokens: 16,
+        context_length: 32768,
+        max_prompt_tokens: 32767,
     };
     let mut group = c.benchmark_group("parse+inject");
     for (format, make) in [
@@ -117,7 +119,7 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             num_gpus: 1,
         })
         .collect();
-    let cluster = Cluster::new(specs);
+    let cluster = Cluster::new(specs, OutlierConfig::default());
     for id in 0..8 {
         cluster.set_health(id, true);
     }

@@ -35,7 +35,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -73,9 +73,33 @@ pub struct AppState {
     /// The live policies; each request is planned by the one it selects.
     pub policies: Arc<PolicyRegistry>,
     pub admin: AdminAccess,
+    /// The request headers policies see (lower-case names).
+    pub forward_headers: Vec<String>,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
+    pub limits: RequestLimits,
+    /// Model names served besides those the endpoints list: `--model` and the names mapped to
+    /// policies.
+    pub models: Vec<String>,
     next_id: AtomicU64,
+}
+
+/// How long a request may be, in tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RequestLimits {
+    /// Prompt plus completion tokens the model holds.
+    pub context_length: u32,
+    /// The longest prompt accepted.
+    pub max_prompt_tokens: u32,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            context_length: crate::config::DEFAULT_CONTEXT_LENGTH,
+            max_prompt_tokens: crate::config::DEFAULT_CONTEXT_LENGTH - 1,
+        }
+    }
 }
 
 impl AppState {
@@ -94,8 +118,13 @@ impl AppState {
             model,
             policies,
             admin: AdminAccess::default(),
+            forward_headers: crate::config::DEFAULT_FORWARD_HEADERS
+                .map(str::to_owned)
+                .to_vec(),
             max_body_bytes,
             default_max_tokens,
+            limits: RequestLimits::default(),
+            models: Vec::new(),
             next_id: AtomicU64::new(1),
         }
     }
@@ -106,7 +135,33 @@ impl AppState {
         self
     }
 
-    /// The endpoints are ready (the policy was loaded before the state existed).
+    /// How long requests may be.
+    pub fn with_limits(mut self, limits: RequestLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Model names served besides those the endpoints list.
+    pub fn with_models(mut self, models: Vec<String>) -> Self {
+        self.models = models;
+        self
+    }
+
+    /// Whether the router serves `model`: the served name, a name mapped to a policy, or one
+    /// an endpoint lists at `/v1/models`.
+    pub fn serves(&self, model: &str) -> bool {
+        model == self.model
+            || self.models.iter().any(|m| m == model)
+            || self.router.executor().cluster().serves(model)
+    }
+
+    /// Which request headers policies see.
+    pub fn with_forward_headers(mut self, names: Vec<String>) -> Self {
+        self.forward_headers = names;
+        self
+    }
+
+    /// Enough endpoints are healthy (the policy was loaded before the state existed).
     pub fn is_ready(&self) -> bool {
         self.router.executor().cluster().is_ready()
     }
@@ -120,6 +175,10 @@ pub struct AdminAccess {
     /// `/admin/*` has a listener of its own ([`serve_admin`]); the main port then answers 404.
     pub separate_port: bool,
 }
+
+/// The address a request's connection came from, in its extensions.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub SocketAddr);
 
 /// How long open connections may take to finish after shutdown begins.
 const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
@@ -169,7 +228,8 @@ where
         };
         let _ = stream.set_nodelay(true);
         let state = state.clone();
-        let service = hyper::service::service_fn(move |req| {
+        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+            req.extensions_mut().insert(Peer(peer));
             let state = state.clone();
             async move { Ok::<_, Infallible>(handler(state, req).await) }
         });
@@ -193,8 +253,32 @@ where
     Ok(())
 }
 
-/// Route one request.
+/// Route one request. Every response carries `x-request-id`: the client's, when it sent a
+/// usable one, else one made up here, so a client and the router's log can name the request.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+    let request_id = request_id(req.headers());
+    let mut response = route(state, req).await;
+    response.headers_mut().insert(REQUEST_ID, request_id);
+    response
+}
+
+const REQUEST_ID: http::HeaderName = http::HeaderName::from_static("x-request-id");
+
+/// The client's `x-request-id` when it is short printable text, else a fresh one.
+fn request_id(headers: &HeaderMap) -> http::HeaderValue {
+    headers
+        .get(&REQUEST_ID)
+        .filter(|v| {
+            !v.is_empty() && v.len() <= 128 && v.as_bytes().iter().all(u8::is_ascii_graphic)
+        })
+        .cloned()
+        .unwrap_or_else(|| {
+            http::HeaderValue::from_str(&format!("{:032x}", rand::random::<u128>()))
+                .expect("hex digits make a header value")
+        })
+}
+
+async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
     if req.uri().path().starts_with("/admin/") && !state.admin.separate_port {
         return admin::handle(state, req).await;
     }
@@ -217,6 +301,10 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Bo
     }
 }
 
+/// Bytes of an oversized body read and thrown away before answering 413: a client still
+/// sending when the connection closes sees a reset, not the answer. Larger bodies are cut off.
+const DRAIN_OVERSIZE_BYTES: u64 = 1 << 20;
+
 /// Read at most `limit` bytes of body.
 async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
     let declared = headers
@@ -224,14 +312,32 @@ async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
+        drain(body, limit as u64 + DRAIN_OVERSIZE_BYTES).await;
         return Err(ApiError::BodyTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ApiError::BodyTooLarge { limit })
+    let mut body = body;
+    let mut collected = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
+        if let Some(data) = frame.data_ref() {
+            if collected.len() + data.len() > limit {
+                drain(body, DRAIN_OVERSIZE_BYTES).await;
+                return Err(ApiError::BodyTooLarge { limit });
+            }
+            collected.extend_from_slice(data);
         }
-        Err(e) => Err(ApiError::BodyRead(e.to_string())),
+    }
+    Ok(Bytes::from(collected))
+}
+
+/// Read and discard up to `max` more bytes of `body`.
+async fn drain(mut body: Incoming, max: u64) {
+    let mut read = 0u64;
+    while read <= max {
+        match body.frame().await {
+            Some(Ok(frame)) => read += frame.data_ref().map_or(0, |d| d.len() as u64),
+            _ => return,
+        }
     }
 }
 
@@ -243,18 +349,22 @@ async fn generate(
     body: Incoming,
 ) -> Response<Body> {
     let arrived = Instant::now();
-    let parsed = match read_body(body, headers, state.max_body_bytes)
-        .await
-        .and_then(|bytes| parse(&state, shape, &bytes))
-    {
+    let parsed = match read_body(body, headers, state.max_body_bytes).await {
+        Ok(bytes) => parse(&state, shape, bytes).await,
+        Err(e) => Err(e),
+    };
+    let parsed = match parsed {
         Ok(p) => p,
         Err(e) => return reject(&state, shape, &e),
     };
+    if !state.serves(&parsed.model) {
+        return reject(&state, shape, &ApiError::ModelNotFound(parsed.model));
+    }
     if !state.is_ready() {
         return reject(
             &state,
             shape,
-            &ApiError::NotReady("the endpoints are not ready yet"),
+            &ApiError::NotReady("too few endpoints are healthy"),
         );
     }
     let selection = match state
@@ -294,7 +404,7 @@ async fn generate(
         stream,
         model: parsed.model,
         user: parsed.user,
-        headers: x_headers(headers),
+        headers: forwarded_headers(headers, &state.forward_headers),
         template: parsed.template,
         arrived,
     };
@@ -318,10 +428,31 @@ async fn generate(
     collect(state, responder, first, routing, arrived).await
 }
 
-fn parse(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+/// Bodies above this are parsed (and their prompts tokenized) on the blocking pool: a
+/// megabyte of text takes the tokenizer hundreds of milliseconds, which must not hold up the
+/// async worker every other request on it shares.
+const PARSE_INLINE_BYTES: usize = 16 << 10;
+
+async fn parse(
+    state: &Arc<AppState>,
+    shape: Shape,
+    body: Bytes,
+) -> Result<ParsedRequest, ApiError> {
+    if body.len() <= PARSE_INLINE_BYTES {
+        return parse_now(state, shape, &body);
+    }
+    let state = Arc::clone(state);
+    tokio::task::spawn_blocking(move || parse_now(&state, shape, &body))
+        .await
+        .unwrap_or_else(|e| Err(ApiError::Tokenize(format!("the parse was cancelled: {e}"))))
+}
+
+fn parse_now(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let defaults = Defaults {
         model: &state.model,
         max_tokens: state.default_max_tokens,
+        context_length: state.limits.context_length,
+        max_prompt_tokens: state.limits.max_prompt_tokens,
     };
     match shape {
         Shape::Completion => openai::parse_completion(body, &state.tokenizer, defaults),
@@ -420,16 +551,16 @@ fn policy_header(headers: &HeaderMap) -> Option<String> {
         .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
 }
 
-/// The `x-*` headers a policy may route on.
-fn x_headers(headers: &HeaderMap) -> Vec<(String, String)> {
-    headers
+/// The headers a policy may route on: those the operator allowed (`--forward-header`), with
+/// text values. A client's other headers (cookies, tokens) never reach a policy.
+fn forwarded_headers(headers: &HeaderMap, allowed: &[String]) -> Vec<(String, String)> {
+    allowed
         .iter()
-        .filter(|(name, _)| name.as_str().starts_with("x-"))
-        .filter_map(|(name, value)| {
-            value
-                .to_str()
-                .ok()
-                .map(|v| (name.as_str().to_owned(), v.to_owned()))
+        .flat_map(|name| {
+            headers
+                .get_all(name.as_str())
+                .iter()
+                .filter_map(move |value| value.to_str().ok().map(|v| (name.clone(), v.to_owned())))
         })
         .collect()
 }
@@ -443,4 +574,28 @@ fn unix_now() -> u64 {
 /// Bind `addr` (port 0 picks a free one).
 pub async fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_usable_client_request_id_is_kept_and_anything_else_replaced() {
+        let with = |value: &[u8]| {
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                REQUEST_ID,
+                http::HeaderValue::from_bytes(value).expect("a header value"),
+            );
+            request_id(&headers)
+        };
+        assert_eq!(with(b"trace-42"), "trace-42");
+        for bad in [&b""[..], b"has space", &[b'a'; 129]] {
+            let replaced = with(bad);
+            assert_ne!(replaced.as_bytes(), bad);
+            assert_eq!(replaced.len(), 32, "a fresh id: {replaced:?}");
+        }
+        assert_eq!(request_id(&HeaderMap::new()).len(), 32);
+    }
 }

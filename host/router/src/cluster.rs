@@ -1,26 +1,44 @@
-//! Endpoints: roles, device ranks, health and load, and the snapshot given to policies.
+//! Endpoints: roles, device ranks, health and load, the snapshot given to policies, and the
+//! live list itself: endpoints are added, drained and removed while the router serves.
 //!
 //! ```text
-//! Cluster::new(Vec<EndpointSpec>)      ids in order, device ranks = prefix sums of GPUs (as MLC)
+//! Cluster::new(Vec<EndpointSpec>, OutlierConfig)   ids in order, device ranks = prefix sums of GPUs (as MLC)
 //!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
+//!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
 //!   mark_unhealthy(id) / set_health(id, ok) / set_kv_usage(id, usage)
+//!   add(spec, owner) / drain(id) / remove(id)      the live list
 //!   url(id) / device_rank(id) / is_ready()
 //! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness + KV usage probes
 //! ```
+//!
+//! An endpoint is healthy in the snapshot when its readiness probe answers, it is not ejected,
+//! draining or removed; plans may name only healthy endpoints. Ids are positions in the list
+//! and are never reused: a removed endpoint stays in the snapshot as a tombstone (unhealthy,
+//! `removed`), so `snapshot[id].id == id` holds for every policy. A new endpoint's device rank
+//! follows MLC's prefix-sum rule over the whole list.
 
 mod health;
 mod inflight;
+mod outlier;
 
+use std::fmt::Display;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
-pub use health::{ProbeConfig, spawn_probes};
+use parking_lot::{Mutex, RwLock};
+use tokio::time::Instant;
+
+pub use health::{ProbeConfig, spawn_probe, spawn_probes};
 pub use inflight::InFlight;
-use switchyard_contract::{EndpointSnapshot, Role};
+pub use outlier::{OutlierConfig, OutlierView};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
+
+use outlier::Outlier;
 
 /// An endpoint as the operator configured it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct EndpointSpec {
     /// Base URL, e.g. `http://127.0.0.1:8081` (no trailing slash needed).
     pub url: String,
@@ -35,36 +53,133 @@ fn one() -> u32 {
     1
 }
 
+impl EndpointSpec {
+    /// An `http(s)://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
+    pub fn check(&self) -> Result<(), String> {
+        let url = reqwest::Url::parse(&self.url).map_err(|e| e.to_string())?;
+        if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
+            return Err("expected http://HOST:PORT".into());
+        }
+        if self.num_gpus == 0 {
+            return Err("num_gpus must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    fn base_url(&self) -> String {
+        self.url.trim_end_matches('/').to_owned()
+    }
+}
+
+/// Who put an endpoint in the list: reconciling the config file only ever removes what the
+/// file added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Owner {
+    /// The command line or the `--config` file.
+    Static,
+    /// `POST /admin/endpoints`.
+    Admin,
+}
+
+/// Where an endpoint is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Serving,
+    /// No new request; those in flight finish.
+    Draining,
+    /// Gone; its id is never reused.
+    Removed,
+}
+
 /// The live state of one endpoint.
 #[derive(Debug)]
 pub(crate) struct EndpointState {
     id: u32,
-    url: String,
+    url: Arc<str>,
     role: Role,
     device_rank: u32,
-    healthy: AtomicBool,
-    /// Set once the first readiness probe succeeded: `/health` stays 503 until every
-    /// endpoint has been ready once.
-    ever_ready: AtomicBool,
+    num_gpus: u32,
+    owner: Owner,
+    phase: Mutex<Phase>,
+    /// The readiness probe answers (and no call failed to connect since).
+    ready: AtomicBool,
     in_flight: AtomicU32,
     /// The engine's KV pool usage as `f32` bits; [`NO_KV_USAGE`] when unknown.
     kv_usage: AtomicU32,
+    outlier: Mutex<Outlier>,
+    /// The model ids its `/v1/models` last listed.
+    models: RwLock<Vec<String>>,
 }
 
 /// `kv_usage` bits meaning "unknown": a NaN, which no measured usage in `[0, 1]` can be.
 const NO_KV_USAGE: u32 = u32::MAX;
 
 impl EndpointState {
+    fn new(id: u32, spec: &EndpointSpec, device_rank: u32, owner: Owner) -> Self {
+        EndpointState {
+            id,
+            url: spec.base_url().into(),
+            role: spec.role,
+            device_rank,
+            num_gpus: spec.num_gpus,
+            owner,
+            phase: Mutex::new(Phase::Serving),
+            ready: AtomicBool::new(false),
+            in_flight: AtomicU32::new(0),
+            kv_usage: AtomicU32::new(NO_KV_USAGE),
+            outlier: Mutex::new(Outlier::default()),
+            models: RwLock::new(Vec::new()),
+        }
+    }
+
     fn kv_usage(&self) -> Option<f32> {
         let bits = self.kv_usage.load(Ordering::Acquire);
         (bits != NO_KV_USAGE).then(|| f32::from_bits(bits))
+    }
+
+    fn phase(&self) -> Phase {
+        *self.phase.lock()
+    }
+
+    pub(crate) fn is_removed(&self) -> bool {
+        self.phase() == Phase::Removed
+    }
+
+    fn health(&self, now: Instant) -> Health {
+        match self.phase() {
+            Phase::Removed => Health::Removed,
+            Phase::Draining => Health::Draining,
+            Phase::Serving if self.outlier.lock().is_ejected(now) => Health::Ejected,
+            Phase::Serving if self.ready.load(Ordering::Acquire) => Health::Healthy,
+            Phase::Serving => Health::NotReady,
+        }
     }
 }
 
 /// Every endpoint the router routes to, by id.
 #[derive(Debug)]
 pub struct Cluster {
-    endpoints: Vec<Arc<EndpointState>>,
+    endpoints: RwLock<Vec<Arc<EndpointState>>>,
+    outlier: OutlierConfig,
+    /// Healthy endpoints the router needs to call itself ready.
+    min_healthy: usize,
+}
+
+/// What `/health` says: whether the router can serve, and which endpoints are down.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Readiness {
+    pub ready: bool,
+    pub healthy: usize,
+    pub min_healthy: usize,
+    pub down: Vec<Down>,
+}
+
+/// An endpoint plans may not name, and why (removed ones are not listed).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Down {
+    pub id: u32,
+    pub health: Health,
 }
 
 /// The row `/admin/endpoints` shows for an endpoint.
@@ -74,53 +189,153 @@ pub struct EndpointStatus {
     pub url: String,
     pub role: Role,
     pub device_rank: u32,
+    pub num_gpus: u32,
+    pub owner: Owner,
     pub healthy: bool,
+    pub health: Health,
     pub in_flight: u32,
     pub kv_usage: Option<f32>,
+    pub outlier: OutlierView,
+}
+
+/// Why a change to the live list was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("endpoint {0} does not exist")]
+    Unknown(u32),
+    #[error("endpoint {0} was removed")]
+    Removed(u32),
+    #[error("endpoint {id} has {in_flight} legs in flight: drain it and wait until none are left")]
+    Busy { id: u32, in_flight: u32 },
+    #[error("{url} is already endpoint {id}")]
+    Duplicate { url: String, id: u32 },
+    #[error("{url:?}: {reason}")]
+    Invalid { url: String, reason: String },
 }
 
 impl Cluster {
     /// Endpoints start unhealthy until a probe (or [`Cluster::set_health`]) says otherwise.
-    pub fn new(specs: Vec<EndpointSpec>) -> Self {
-        let mut rank = 0u32;
-        let endpoints = specs
-            .into_iter()
-            .enumerate()
-            .map(|(id, spec)| {
-                let device_rank = rank;
-                rank = rank.saturating_add(spec.num_gpus);
-                Arc::new(EndpointState {
-                    id: id as u32,
-                    url: spec.url.trim_end_matches('/').to_owned(),
-                    role: spec.role,
-                    device_rank,
-                    healthy: AtomicBool::new(false),
-                    ever_ready: AtomicBool::new(false),
-                    in_flight: AtomicU32::new(0),
-                    kv_usage: AtomicU32::new(NO_KV_USAGE),
-                })
-            })
-            .collect();
-        Cluster { endpoints }
+    pub fn new(specs: Vec<EndpointSpec>, outlier: OutlierConfig) -> Self {
+        let cluster = Cluster {
+            endpoints: RwLock::new(Vec::new()),
+            outlier,
+            min_healthy: 1,
+        };
+        for spec in &specs {
+            cluster.push(spec, Owner::Static);
+        }
+        cluster
     }
 
+    /// Ready once at least `n` endpoints are healthy (default 1).
+    pub fn with_min_healthy(mut self, n: usize) -> Self {
+        self.min_healthy = n;
+        self
+    }
+
+    /// Endpoints ever listed, removed ones included: ids are `0..len()`.
     pub fn len(&self) -> usize {
-        self.endpoints.len()
+        self.endpoints.read().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.endpoints.is_empty()
+        self.len() == 0
+    }
+
+    /// Add an endpoint at the end of the list; its id and device rank. It starts unhealthy: a
+    /// probe (see [`spawn_probe`]) admits it.
+    pub fn add(&self, spec: &EndpointSpec, owner: Owner) -> Result<u32, EndpointError> {
+        spec.check().map_err(|reason| EndpointError::Invalid {
+            url: spec.url.clone(),
+            reason,
+        })?;
+        let url = spec.base_url();
+        if let Some(e) = self
+            .endpoints
+            .read()
+            .iter()
+            .find(|e| !e.is_removed() && *e.url == *url)
+        {
+            return Err(EndpointError::Duplicate { url, id: e.id });
+        }
+        let id = self.push(spec, owner);
+        tracing::info!(endpoint = id, %url, ?owner, "endpoint added");
+        Ok(id)
+    }
+
+    fn push(&self, spec: &EndpointSpec, owner: Owner) -> u32 {
+        let mut endpoints = self.endpoints.write();
+        let id = endpoints.len() as u32;
+        // MLC's rule: a device rank is the sum of the GPUs of every endpoint before it.
+        let device_rank = endpoints
+            .last()
+            .map_or(0, |e| e.device_rank.saturating_add(e.num_gpus));
+        endpoints.push(Arc::new(EndpointState::new(id, spec, device_rank, owner)));
+        id
+    }
+
+    /// Take endpoint `id` out of new plans; what is in flight on it finishes.
+    pub fn drain(&self, id: u32) -> Result<(), EndpointError> {
+        let e = self.endpoint(id).ok_or(EndpointError::Unknown(id))?;
+        let mut phase = e.phase.lock();
+        match *phase {
+            Phase::Removed => Err(EndpointError::Removed(id)),
+            Phase::Draining => Ok(()),
+            Phase::Serving => {
+                *phase = Phase::Draining;
+                tracing::info!(endpoint = id, url = %e.url, "endpoint draining");
+                Ok(())
+            }
+        }
+    }
+
+    /// Remove endpoint `id`: refused while legs are in flight on it, which draining it first
+    /// lets finish. Its id stays taken.
+    pub fn remove(&self, id: u32) -> Result<(), EndpointError> {
+        let e = self.endpoint(id).ok_or(EndpointError::Unknown(id))?;
+        let mut phase = e.phase.lock();
+        if *phase == Phase::Removed {
+            return Err(EndpointError::Removed(id));
+        }
+        let in_flight = e.in_flight.load(Ordering::Acquire);
+        if in_flight > 0 {
+            return Err(EndpointError::Busy { id, in_flight });
+        }
+        *phase = Phase::Removed;
+        tracing::info!(endpoint = id, url = %e.url, "endpoint removed");
+        Ok(())
+    }
+
+    /// Ids and specs of the endpoints `owner` put in the list and that are not removed.
+    pub fn owned_by(&self, owner: Owner) -> Vec<(u32, EndpointSpec)> {
+        self.endpoints
+            .read()
+            .iter()
+            .filter(|e| e.owner == owner && !e.is_removed())
+            .map(|e| {
+                (
+                    e.id,
+                    EndpointSpec {
+                        url: e.url.to_string(),
+                        role: e.role,
+                        num_gpus: e.num_gpus,
+                    },
+                )
+            })
+            .collect()
     }
 
     /// What a policy sees, ordered by id.
     pub fn snapshot(&self) -> Vec<EndpointSnapshot> {
+        let now = Instant::now();
         self.endpoints
+            .read()
             .iter()
             .map(|e| EndpointSnapshot {
                 id: e.id,
                 role: e.role,
                 device_rank: e.device_rank,
-                healthy: e.healthy.load(Ordering::Acquire),
+                health: e.health(now),
                 in_flight: e.in_flight.load(Ordering::Acquire),
                 kv_usage: e.kv_usage(),
             })
@@ -129,23 +344,59 @@ impl Cluster {
 
     /// What `/admin/endpoints` shows.
     pub fn status(&self) -> Vec<EndpointStatus> {
+        let now = Instant::now();
         self.endpoints
+            .read()
             .iter()
-            .map(|e| EndpointStatus {
-                id: e.id,
-                url: e.url.clone(),
-                role: e.role,
-                device_rank: e.device_rank,
-                healthy: e.healthy.load(Ordering::Acquire),
-                in_flight: e.in_flight.load(Ordering::Acquire),
-                kv_usage: e.kv_usage(),
+            .map(|e| {
+                let health = e.health(now);
+                EndpointStatus {
+                    id: e.id,
+                    url: e.url.to_string(),
+                    role: e.role,
+                    device_rank: e.device_rank,
+                    num_gpus: e.num_gpus,
+                    owner: e.owner,
+                    healthy: health.is_healthy(),
+                    health,
+                    in_flight: e.in_flight.load(Ordering::Acquire),
+                    kv_usage: e.kv_usage(),
+                    outlier: e.outlier.lock().view(now),
+                }
             })
             .collect()
     }
 
+    /// A call to the endpoint succeeded.
+    pub fn record_success(&self, id: u32) {
+        if let Some(e) = self.endpoint(id) {
+            e.outlier.lock().success(Instant::now());
+        }
+    }
+
+    /// A call to the endpoint failed of the endpoint's own making (never a client's 4xx);
+    /// enough of these in a row eject it.
+    pub fn record_failure(&self, id: u32, why: &dyn Display) {
+        let Some(e) = self.endpoint(id) else { return };
+        let ejected = e
+            .outlier
+            .lock()
+            .failure(&self.outlier, Instant::now(), why.to_string());
+        if let Some(ejected) = ejected {
+            tracing::warn!(
+                endpoint = id,
+                url = %e.url,
+                failures = ejected.failures,
+                ejected_for = ?ejected.duration,
+                last = %why,
+                "endpoint ejected"
+            );
+        }
+    }
+
     /// The endpoint's base URL; `None` for an id out of range.
-    pub fn url(&self, id: u32) -> Option<&str> {
-        self.endpoint(id).map(|e| e.url.as_str())
+    pub fn url(&self, id: u32) -> Option<Arc<str>> {
+        self.endpoint(id).map(|e| Arc::clone(&e.url))
     }
 
     pub fn device_rank(&self, id: u32) -> Option<u32> {
@@ -154,13 +405,13 @@ impl Cluster {
 
     /// Count one leg in flight on `id` until the guard drops. `None` for an id out of range.
     pub fn in_flight(&self, id: u32) -> Option<InFlight> {
-        self.endpoint(id).map(|e| InFlight::new(e.clone()))
+        self.endpoint(id).map(InFlight::new)
     }
 
     /// A call to the endpoint failed in a way that says it is down; the probe brings it back.
     pub fn mark_unhealthy(&self, id: u32) {
         if let Some(e) = self.endpoint(id)
-            && e.healthy.swap(false, Ordering::AcqRel)
+            && e.ready.swap(false, Ordering::AcqRel)
         {
             tracing::warn!(endpoint = id, url = %e.url, "endpoint marked unhealthy");
         }
@@ -168,10 +419,7 @@ impl Cluster {
 
     pub fn set_health(&self, id: u32, healthy: bool) {
         if let Some(e) = self.endpoint(id) {
-            let was = e.healthy.swap(healthy, Ordering::AcqRel);
-            if healthy {
-                e.ever_ready.store(true, Ordering::Release);
-            }
+            let was = e.ready.swap(healthy, Ordering::AcqRel);
             if was != healthy {
                 tracing::info!(endpoint = id, url = %e.url, healthy, "endpoint health changed");
             }
@@ -187,26 +435,56 @@ impl Cluster {
         }
     }
 
-    /// Every endpoint has been ready once and at least one is healthy now.
-    pub fn is_ready(&self) -> bool {
-        !self.endpoints.is_empty()
-            && self
-                .endpoints
-                .iter()
-                .all(|e| e.ever_ready.load(Ordering::Acquire))
-            && self
-                .endpoints
-                .iter()
-                .any(|e| e.healthy.load(Ordering::Acquire))
+    /// The model ids endpoint `id` lists at `/v1/models`, as its probe last read them.
+    pub fn set_models(&self, id: u32, models: Vec<String>) {
+        if let Some(e) = self.endpoint(id) {
+            *e.models.write() = models;
+        }
     }
 
-    fn endpoint(&self, id: u32) -> Option<&Arc<EndpointState>> {
-        self.endpoints.get(id as usize)
+    /// Whether any endpoint still in the list lists `model` at `/v1/models`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.endpoints
+            .read()
+            .iter()
+            .filter(|e| !e.is_removed())
+            .any(|e| e.models.read().iter().any(|m| m == model))
+    }
+
+    /// Whether enough endpoints are healthy to serve, and which are not.
+    pub fn readiness(&self) -> Readiness {
+        let now = Instant::now();
+        let mut healthy = 0;
+        let mut down = Vec::new();
+        for e in self.endpoints.read().iter() {
+            match e.health(now) {
+                Health::Healthy => healthy += 1,
+                Health::Removed => {}
+                health => down.push(Down { id: e.id, health }),
+            }
+        }
+        Readiness {
+            ready: healthy >= self.min_healthy,
+            healthy,
+            min_healthy: self.min_healthy,
+            down,
+        }
+    }
+
+    /// At least `min_healthy` endpoints are healthy now.
+    pub fn is_ready(&self) -> bool {
+        self.readiness().ready
+    }
+
+    pub(crate) fn endpoint(&self, id: u32) -> Option<Arc<EndpointState>> {
+        self.endpoints.read().get(id as usize).cloned()
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
 
     fn spec(url: &str, num_gpus: u32) -> EndpointSpec {
@@ -219,20 +497,26 @@ mod tests {
 
     #[test]
     fn device_ranks_are_prefix_sums_of_gpus() {
-        let cluster = Cluster::new(vec![
-            spec("http://a/", 4),
-            spec("http://b", 2),
-            spec("http://c", 1),
-        ]);
+        let cluster = Cluster::new(
+            vec![
+                spec("http://a/", 4),
+                spec("http://b", 2),
+                spec("http://c", 1),
+            ],
+            OutlierConfig::default(),
+        );
         let ranks: Vec<_> = cluster.snapshot().iter().map(|e| e.device_rank).collect();
         assert_eq!(ranks, [0, 4, 6]);
-        assert_eq!(cluster.url(0), Some("http://a"));
+        assert_eq!(cluster.url(0).as_deref(), Some("http://a"));
         assert_eq!(cluster.url(3), None);
     }
 
     #[test]
     fn in_flight_guards_count_until_dropped() {
-        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
         let a = cluster.in_flight(1).expect("id in range");
         let b = cluster.in_flight(1).expect("id in range");
         assert_eq!(cluster.snapshot()[1].in_flight, 2);
@@ -245,7 +529,10 @@ mod tests {
 
     #[test]
     fn kv_usage_is_unknown_until_reported_and_clamped() {
-        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
         assert_eq!(cluster.snapshot()[0].kv_usage, None);
         cluster.set_kv_usage(0, Some(0.25));
         cluster.set_kv_usage(1, Some(1.5));
@@ -257,17 +544,136 @@ mod tests {
     }
 
     #[test]
-    fn ready_once_every_endpoint_answered_and_one_is_healthy() {
-        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)]);
-        assert!(!cluster.is_ready());
-        cluster.set_health(0, true);
-        assert!(!cluster.is_ready());
+    fn ready_with_enough_healthy_endpoints_whichever_they_are() {
+        let specs = || {
+            vec![
+                spec("http://a", 1),
+                spec("http://b", 1),
+                spec("http://c", 1),
+            ]
+        };
+        let cluster = Cluster::new(specs(), OutlierConfig::default());
+        assert!(!cluster.is_ready(), "nothing has answered yet");
+        // One of three answers: that is enough by default, the others are reported down.
         cluster.set_health(1, true);
-        assert!(cluster.is_ready());
-        cluster.mark_unhealthy(0);
-        assert!(cluster.is_ready());
-        assert!(!cluster.snapshot()[0].healthy);
+        let readiness = cluster.readiness();
+        assert!(readiness.ready);
+        assert_eq!(readiness.healthy, 1);
+        let down: Vec<_> = readiness.down.iter().map(|d| (d.id, d.health)).collect();
+        assert_eq!(down, [(0, Health::NotReady), (2, Health::NotReady)]);
         cluster.mark_unhealthy(1);
         assert!(!cluster.is_ready());
+        assert_eq!(cluster.snapshot()[1].health, Health::NotReady);
+
+        let two = Cluster::new(specs(), OutlierConfig::default()).with_min_healthy(2);
+        two.set_health(0, true);
+        assert!(!two.is_ready());
+        two.set_health(2, true);
+        assert!(two.is_ready());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn consecutive_failures_eject_until_the_time_is_up_and_successes_reset() {
+        let config = OutlierConfig {
+            consecutive_failures: 2,
+            base_ejection: Duration::from_secs(1),
+            max_ejection: Duration::from_secs(10),
+        };
+        let cluster = Cluster::new(vec![spec("http://a", 1), spec("http://b", 1)], config);
+        cluster.set_health(0, true);
+        cluster.set_health(1, true);
+        cluster.record_failure(0, &"HTTP 500");
+        cluster.record_success(0);
+        cluster.record_failure(0, &"HTTP 500");
+        assert_eq!(cluster.snapshot()[0].health, Health::Healthy);
+        cluster.record_failure(0, &"timed out");
+        assert_eq!(cluster.snapshot()[0].health, Health::Ejected);
+        assert_eq!(cluster.snapshot()[1].health, Health::Healthy);
+        let status = &cluster.status()[0];
+        assert!(!status.healthy);
+        assert_eq!(status.outlier.ejections, 1);
+        assert_eq!(status.outlier.last_failure.as_deref(), Some("timed out"));
+        assert_eq!(status.outlier.ejected_for_ms, Some(1000));
+
+        tokio::time::advance(Duration::from_secs(1)).await;
+        // On trial: healthy again, and one failure ejects it for twice as long.
+        assert_eq!(cluster.snapshot()[0].health, Health::Healthy);
+        cluster.record_failure(0, &"HTTP 503");
+        assert_eq!(cluster.status()[0].outlier.ejected_for_ms, Some(2000));
+        let ejections: Vec<_> = cluster
+            .status()
+            .iter()
+            .map(|e| e.outlier.ejections)
+            .collect();
+        assert_eq!(ejections, [2, 0]);
+        // An ejected endpoint whose probe fails stays out after the ejection too.
+        cluster.mark_unhealthy(0);
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(cluster.snapshot()[0].health, Health::NotReady);
+    }
+
+    #[test]
+    fn endpoints_join_drain_and_leave_and_ids_are_never_reused() {
+        let cluster = Cluster::new(
+            vec![spec("http://a", 2), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
+        let added = cluster
+            .add(&spec("http://c/", 4), Owner::Admin)
+            .expect("a new URL");
+        assert_eq!(added, 2);
+        assert_eq!(
+            cluster.device_rank(2),
+            Some(3),
+            "the prefix sum of the GPUs before it"
+        );
+        assert!(matches!(
+            cluster.add(&spec("http://c", 1), Owner::Admin),
+            Err(EndpointError::Duplicate { id: 2, .. })
+        ));
+        assert!(matches!(
+            cluster.add(&spec("ftp://d", 1), Owner::Admin),
+            Err(EndpointError::Invalid { .. })
+        ));
+        for id in 0..3 {
+            cluster.set_health(id, true);
+        }
+
+        // Draining: out of new plans at once, busy until its legs finish.
+        let leg = cluster.in_flight(1).expect("exists");
+        cluster.drain(1).expect("drains");
+        assert_eq!(cluster.snapshot()[1].health, Health::Draining);
+        assert!(matches!(
+            cluster.remove(1),
+            Err(EndpointError::Busy {
+                id: 1,
+                in_flight: 1
+            })
+        ));
+        drop(leg);
+        cluster.remove(1).expect("idle now");
+        assert!(matches!(cluster.drain(1), Err(EndpointError::Removed(1))));
+        assert!(matches!(cluster.remove(7), Err(EndpointError::Unknown(7))));
+
+        // A tombstone keeps its place: ids stay positions, and a new endpoint gets a new id
+        // (even at a removed one's URL) and the next device rank.
+        let snapshot = cluster.snapshot();
+        assert_eq!(snapshot.len(), 3);
+        assert_eq!(snapshot[1].health, Health::Removed);
+        assert!(snapshot.iter().enumerate().all(|(i, e)| e.id == i as u32));
+        assert_eq!(cluster.add(&spec("http://b", 1), Owner::Admin), Ok(3));
+        assert_eq!(cluster.device_rank(3), Some(7));
+        let readiness = cluster.readiness();
+        assert_eq!(readiness.healthy, 2);
+        assert!(
+            readiness.down.iter().all(|d| d.id != 1),
+            "removed ones are not down"
+        );
+        let owned: Vec<u32> = cluster
+            .owned_by(Owner::Static)
+            .iter()
+            .map(|(id, _)| *id)
+            .collect();
+        assert_eq!(owned, [0]);
     }
 }

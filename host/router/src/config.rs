@@ -11,6 +11,7 @@
 //!                                             # (other policies: plugins/<name>.json)
 //! fallback_policy = "round-robin"             # plans a faulting policy's requests ("none": off)
 //! policy_header = true                        # x-switchyard-policy may select a policy
+//! forward_headers = ["x-priority"]           # request headers policies may route on
 //! quarantine_faults = 5                       # faults within the window that quarantine
 //! quarantine_window_ms = 30000
 //! admin_token = "s3cret"                      # /admin/* then needs `Authorization: Bearer …`
@@ -18,8 +19,20 @@
 //! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json
 //! model = "llama"                              # name reported by /v1/models
 //! max_attempts = 3
+//! min_healthy_endpoints = 1                   # healthy endpoints needed to be ready
 //! max_body_bytes = 33554432
 //! default_max_tokens = 256
+//! context_length = 32768                      # prompt + completion tokens the model holds
+//! max_prompt_tokens = 32767                   # default: context_length - 1
+//! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
+//! connect_timeout = "2s"                      # TCP connect to an engine
+//! call_timeout = "120s"                       # a prep_recv or remote_send, a stream's headers
+//! stream_idle_timeout = "60s"                 # longest gap between two chunks of a stream
+//! outlier_failures = 3                        # consecutive failures that eject (0: off)
+//! outlier_base_ejection = "1s"                # doubled for each ejection in a row
+//! outlier_max_ejection = "30s"
+//! retry_budget_ratio = 0.2                    # retries per request over the last 10 s
+//! retry_budget_min_per_sec = 10               # plus this many per second
 //!
 //! [[endpoints]]
 //! url = "http://127.0.0.1:8081"
@@ -41,8 +54,10 @@ use std::time::Duration;
 use switchyard_contract::Role;
 use switchyard_policy_host::QuarantineRule;
 
-use crate::cluster::EndpointSpec;
-use crate::{RetryPolicy, RetryPolicyError};
+use crate::api::RequestLimits;
+use crate::cluster::{EndpointSpec, OutlierConfig};
+use crate::microserving::Timeouts;
+use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
 
 /// `switchyard serve` flags: where the engines are, and how the router runs.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -90,6 +105,10 @@ pub struct RouterArgs {
     /// Ignore the `x-switchyard-policy` request header (clients cannot pick a policy).
     #[arg(long)]
     pub no_policy_header: bool,
+    /// A request header policies may route on (repeatable; names are case-insensitive). No
+    /// other header reaches a policy [default: x-priority].
+    #[arg(long = "forward-header", value_name = "NAME")]
+    pub forward_headers: Vec<String>,
     /// Faults (trap, deadline, memory cap, invalid plan) within --quarantine-window-ms that
     /// quarantine a policy version.
     #[arg(long)]
@@ -115,9 +134,58 @@ pub struct RouterArgs {
     /// Largest accepted request body; larger ones get 413.
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
-    /// `max_tokens` for requests that give none.
+    /// `max_tokens` for requests that give none (less when the context leaves less room).
     #[arg(long)]
     pub default_max_tokens: Option<u32>,
+    /// Prompt plus completion tokens the model holds: a request whose prompt and `max_tokens`
+    /// do not fit is refused with 400, never cut short [default: 32768, the reference engine's].
+    #[arg(long)]
+    pub context_length: Option<u32>,
+    /// The longest prompt accepted, in tokens [default: --context-length - 1].
+    #[arg(long)]
+    pub max_prompt_tokens: Option<u32>,
+    /// Longest time from a request's arrival to the end of its response, over every attempt;
+    /// a stream still open then ends with an error event [default: 10m].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub request_timeout: Option<Duration>,
+    /// Longest wait for a TCP connection to an engine [default: 2s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub connect_timeout: Option<Duration>,
+    /// Longest wait for a whole prep_recv or remote_send (prep_recv may wait for free KV
+    /// pages, remote_send includes the prefill), and for a generation's response headers
+    /// [default: 120s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub call_timeout: Option<Duration>,
+    /// Longest gap between two chunks of a generation before it counts as stalled: the request
+    /// continues elsewhere and the engine is blamed [default: 60s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub stream_idle_timeout: Option<Duration>,
+    /// Healthy endpoints the router needs to report ready (`/health` 200) and serve; requests
+    /// are planned over the healthy ones, so one engine down never stops the others
+    /// [default: 1].
+    #[arg(long)]
+    pub min_healthy_endpoints: Option<usize>,
+    /// Consecutive failures of an endpoint's own making (refused connections, timeouts, 5xx,
+    /// broken or stalled streams; never a client's 4xx) that eject it from routing for a while;
+    /// 0 turns ejection off [default: 3].
+    #[arg(long)]
+    pub outlier_failures: Option<u32>,
+    /// How long an endpoint's first ejection lasts; each further ejection in a row doubles it.
+    /// It comes back on trial once the time is up and its readiness probe answers [default: 1s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub outlier_base_ejection: Option<Duration>,
+    /// The longest an ejection lasts [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub outlier_max_ejection: Option<Duration>,
+    /// Retries (attempts after an engine failure) the whole router may make per client request
+    /// over the last 10 s; past it, failing requests fail at once instead of retrying
+    /// [default: 0.2].
+    #[arg(long)]
+    pub retry_budget_ratio: Option<f64>,
+    /// Retries per second allowed on top of --retry-budget-ratio, so a quiet router still
+    /// retries [default: 10].
+    #[arg(long)]
+    pub retry_budget_min_per_sec: Option<u32>,
 }
 
 /// The validated configuration.
@@ -125,6 +193,9 @@ pub struct RouterArgs {
 pub struct Config {
     pub listen: SocketAddr,
     pub endpoints: Vec<EndpointSpec>,
+    /// The `--config` file whose `[[endpoints]]` a SIGHUP re-reads; `None` when there is no
+    /// file or `--endpoint` flags replace its endpoints.
+    pub endpoints_file: Option<PathBuf>,
     /// The default policy.
     pub policy_name: String,
     pub policy_path: PathBuf,
@@ -135,9 +206,16 @@ pub struct Config {
     pub admin: AdminSettings,
     pub model_dir: Option<PathBuf>,
     pub model: String,
-    pub retry: RetryPolicy,
+    /// Retries, the retry budget and the request deadline.
+    pub routing: RouterConfig,
+    /// Healthy endpoints needed to be ready.
+    pub min_healthy_endpoints: usize,
+    /// How long the router waits on engines.
+    pub timeouts: Timeouts,
+    pub outlier: OutlierConfig,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
+    pub limits: RequestLimits,
 }
 
 /// How requests find their policy, and what happens when it faults.
@@ -148,6 +226,8 @@ pub struct PolicySettings {
     pub models: BTreeMap<String, String>,
     /// Whether `x-switchyard-policy` may select a policy.
     pub header: bool,
+    /// The request headers policies see (lower-case names).
+    pub forward_headers: Vec<String>,
     pub quarantine: QuarantineRule,
 }
 
@@ -202,12 +282,26 @@ pub enum ConfigError {
     AdminPort(u16),
     #[error("--model-dir {}: {reason}", path.display())]
     ModelDir { path: PathBuf, reason: String },
+    #[error("--forward-header {0:?} is not a header name")]
+    ForwardHeader(String),
     #[error("--max-attempts: {0}")]
     Retry(#[from] RetryPolicyError),
     #[error("--max-body-bytes must be at least 1")]
     BodyLimit,
     #[error("--default-max-tokens must be at least 1")]
     DefaultMaxTokens,
+    #[error("--context-length must be at least 2, and --max-prompt-tokens from 1 to below it")]
+    Lengths,
+    #[error("--{0} must be longer than zero")]
+    ZeroTimeout(&'static str),
+    #[error("--min-healthy-endpoints {wanted} is more than the {endpoints} endpoints configured")]
+    MinHealthy { wanted: usize, endpoints: usize },
+    #[error(
+        "--outlier-base-ejection {base:?} must be longer than zero and at most --outlier-max-ejection {max:?}"
+    )]
+    Ejection { base: Duration, max: Duration },
+    #[error("--retry-budget-ratio {0} must be a number from 0 to 100")]
+    RetryBudgetRatio(f64),
 }
 
 /// The TOML file, every key optional.
@@ -221,6 +315,7 @@ struct FileConfig {
     policy_config: Option<toml::Value>,
     fallback_policy: Option<String>,
     policy_header: Option<bool>,
+    forward_headers: Option<Vec<String>>,
     #[serde(default)]
     model_policies: BTreeMap<String, String>,
     quarantine_faults: Option<u32>,
@@ -232,8 +327,38 @@ struct FileConfig {
     max_attempts: Option<u32>,
     max_body_bytes: Option<usize>,
     default_max_tokens: Option<u32>,
+    context_length: Option<u32>,
+    max_prompt_tokens: Option<u32>,
+    request_timeout: Option<TextDuration>,
+    min_healthy_endpoints: Option<usize>,
+    connect_timeout: Option<TextDuration>,
+    call_timeout: Option<TextDuration>,
+    stream_idle_timeout: Option<TextDuration>,
+    outlier_failures: Option<u32>,
+    outlier_base_ejection: Option<TextDuration>,
+    outlier_max_ejection: Option<TextDuration>,
+    retry_budget_ratio: Option<f64>,
+    retry_budget_min_per_sec: Option<u32>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
+}
+
+/// A duration in the TOML file, written as the flags take it: `"500ms"`, `"30s"`, `"10m"`.
+#[derive(Debug, Clone, Copy)]
+struct TextDuration(Duration);
+
+impl<'de> serde::Deserialize<'de> for TextDuration {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(d)?;
+        humantime::parse_duration(&text)
+            .map(TextDuration)
+            .map_err(|e| serde::de::Error::custom(format!("{text:?} is not a duration: {e}")))
+    }
+}
+
+/// The flag's value, else the file's, else `default`.
+fn duration(flag: Option<Duration>, file: Option<TextDuration>, default: Duration) -> Duration {
+    flag.or(file.map(|d| d.0)).unwrap_or(default)
 }
 
 pub const DEFAULT_PORT: u16 = 8000;
@@ -243,7 +368,11 @@ pub const DEFAULT_FALLBACK_POLICY: &str = "round-robin";
 pub const NO_FALLBACK: &str = "none";
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
 pub const DEFAULT_MAX_TOKENS: u32 = 256;
+/// The reference engine's: 2048 KV pages of 16 positions.
+pub const DEFAULT_CONTEXT_LENGTH: u32 = 32768;
 pub const DEFAULT_MODEL: &str = "switchyard-reference";
+/// The request headers policies see unless configured otherwise.
+pub const DEFAULT_FORWARD_HEADERS: [&str; 1] = ["x-priority"];
 
 impl Config {
     /// Parse and validate `args` (and the file it names).
@@ -284,6 +413,7 @@ impl Config {
         let policy_keys = PolicyKeys {
             fallback: file.fallback_policy,
             header: file.policy_header,
+            forward_headers: file.forward_headers,
             models: file.model_policies,
             faults: file.quarantine_faults,
             window_ms: file.quarantine_window_ms,
@@ -336,9 +466,103 @@ impl Config {
         if default_max_tokens == 0 {
             return Err(ConfigError::DefaultMaxTokens);
         }
+        let r = &args.router;
+        let context_length = r
+            .context_length
+            .or(file.context_length)
+            .unwrap_or(DEFAULT_CONTEXT_LENGTH);
+        let max_prompt_tokens = r
+            .max_prompt_tokens
+            .or(file.max_prompt_tokens)
+            .unwrap_or(context_length.saturating_sub(1));
+        if context_length < 2 || max_prompt_tokens == 0 || max_prompt_tokens >= context_length {
+            return Err(ConfigError::Lengths);
+        }
+        let limits = RequestLimits {
+            context_length,
+            max_prompt_tokens,
+        };
+        let request_timeout = duration(
+            r.request_timeout,
+            file.request_timeout,
+            crate::DEFAULT_REQUEST_TIMEOUT,
+        );
+        let default_timeouts = Timeouts::default();
+        let timeouts = Timeouts {
+            connect: duration(
+                r.connect_timeout,
+                file.connect_timeout,
+                default_timeouts.connect,
+            ),
+            call: duration(r.call_timeout, file.call_timeout, default_timeouts.call),
+            stream_idle: duration(
+                r.stream_idle_timeout,
+                file.stream_idle_timeout,
+                default_timeouts.stream_idle,
+            ),
+            ..default_timeouts
+        };
+        for (flag, value) in [
+            ("request-timeout", request_timeout),
+            ("connect-timeout", timeouts.connect),
+            ("call-timeout", timeouts.call),
+            ("stream-idle-timeout", timeouts.stream_idle),
+        ] {
+            if value.is_zero() {
+                return Err(ConfigError::ZeroTimeout(flag));
+            }
+        }
+        let min_healthy_endpoints = r
+            .min_healthy_endpoints
+            .or(file.min_healthy_endpoints)
+            .unwrap_or(1);
+        if min_healthy_endpoints > endpoints.len() {
+            return Err(ConfigError::MinHealthy {
+                wanted: min_healthy_endpoints,
+                endpoints: endpoints.len(),
+            });
+        }
+        let budget_defaults = RetryBudgetConfig::default();
+        let retry_budget = RetryBudgetConfig {
+            ratio: r
+                .retry_budget_ratio
+                .or(file.retry_budget_ratio)
+                .unwrap_or(budget_defaults.ratio),
+            min_per_sec: r
+                .retry_budget_min_per_sec
+                .or(file.retry_budget_min_per_sec)
+                .unwrap_or(budget_defaults.min_per_sec),
+        };
+        if !(0.0..=100.0).contains(&retry_budget.ratio) {
+            return Err(ConfigError::RetryBudgetRatio(retry_budget.ratio));
+        }
+        let outlier_defaults = OutlierConfig::default();
+        let outlier = OutlierConfig {
+            consecutive_failures: r
+                .outlier_failures
+                .or(file.outlier_failures)
+                .unwrap_or(outlier_defaults.consecutive_failures),
+            base_ejection: duration(
+                r.outlier_base_ejection,
+                file.outlier_base_ejection,
+                outlier_defaults.base_ejection,
+            ),
+            max_ejection: duration(
+                r.outlier_max_ejection,
+                file.outlier_max_ejection,
+                outlier_defaults.max_ejection,
+            ),
+        };
+        if outlier.base_ejection.is_zero() || outlier.base_ejection > outlier.max_ejection {
+            return Err(ConfigError::Ejection {
+                base: outlier.base_ejection,
+                max: outlier.max_ejection,
+            });
+        }
         Ok(Config {
             listen: SocketAddr::new(host, port),
             endpoints,
+            endpoints_file: args.config.clone().filter(|_| args.endpoints.is_empty()),
             policy_name,
             policy_path,
             policy_config,
@@ -347,11 +571,29 @@ impl Config {
             admin,
             model_dir,
             model,
-            retry,
+            routing: RouterConfig {
+                retry,
+                retry_budget,
+                request_timeout,
+            },
+            min_healthy_endpoints,
+            timeouts,
+            outlier,
             max_body_bytes,
             default_max_tokens,
+            limits,
         })
     }
+}
+
+/// The `[[endpoints]]` of the config file at `path`, checked as at startup: what a SIGHUP
+/// reconciles the live list with.
+pub fn endpoints_in_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError> {
+    let args = ServeArgs {
+        config: Some(path.to_owned()),
+        ..ServeArgs::default()
+    };
+    endpoints(&args, read_file(path)?.endpoints)
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -403,18 +645,11 @@ fn endpoints(
         return Err(ConfigError::NoEndpoints);
     }
     for (index, spec) in specs.iter().enumerate() {
-        let bad = |reason: &str| ConfigError::BadEndpoint {
+        spec.check().map_err(|reason| ConfigError::BadEndpoint {
             index,
             url: spec.url.clone(),
-            reason: reason.to_owned(),
-        };
-        let url = reqwest::Url::parse(&spec.url).map_err(|e| bad(&e.to_string()))?;
-        if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
-            return Err(bad("expected http://HOST:PORT"));
-        }
-        if spec.num_gpus == 0 {
-            return Err(bad("num_gpus must be at least 1"));
-        }
+            reason,
+        })?;
     }
     Ok(specs)
 }
@@ -445,6 +680,7 @@ fn existing_policy(plugins: &Path, name: &str) -> Result<PathBuf, String> {
 struct PolicyKeys {
     fallback: Option<String>,
     header: Option<bool>,
+    forward_headers: Option<Vec<String>>,
     models: BTreeMap<String, String>,
     faults: Option<u32>,
     window_ms: Option<u64>,
@@ -488,10 +724,24 @@ fn policy_settings(
     if faults == 0 || window_ms == 0 {
         return Err(ConfigError::Quarantine);
     }
+    let forward_headers = if args.forward_headers.is_empty() {
+        file.forward_headers
+            .unwrap_or_else(|| DEFAULT_FORWARD_HEADERS.map(str::to_owned).to_vec())
+    } else {
+        args.forward_headers.clone()
+    };
+    let forward_headers = forward_headers
+        .into_iter()
+        .map(|name| match http::HeaderName::from_bytes(name.as_bytes()) {
+            Ok(header) => Ok(header.as_str().to_owned()),
+            Err(_) => Err(ConfigError::ForwardHeader(name)),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(PolicySettings {
         fallback,
         models: file.models,
         header: !args.no_policy_header && file.header.unwrap_or(true),
+        forward_headers,
         quarantine: QuarantineRule {
             faults,
             window: Duration::from_millis(window_ms),
@@ -558,7 +808,80 @@ mod tests {
         assert_eq!(config.endpoints.len(), 2);
         assert_eq!(config.policy_path, dir.path().join("disagg.wasm"));
         assert_eq!(config.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
-        assert_eq!(config.retry.max_attempts(), 3);
+        assert_eq!(config.routing, RouterConfig::default());
+        assert_eq!(config.timeouts, Timeouts::default());
+        assert_eq!(config.outlier, OutlierConfig::default());
+    }
+
+    #[test]
+    fn fault_settings_come_from_flags_over_the_file_and_are_checked() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "plugins = {:?}\nrequest_timeout = \"90s\"\noutlier_failures = 5\n\
+                 outlier_base_ejection = \"250ms\"\noutlier_max_ejection = \"1m\"\n\
+                 retry_budget_ratio = 0.5\nretry_budget_min_per_sec = 2\n\
+                 [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+                dir.path()
+            ),
+        )
+        .expect("write");
+        let mut a = ServeArgs {
+            config: Some(file.clone()),
+            ..ServeArgs::default()
+        };
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.routing.request_timeout, Duration::from_secs(90));
+        assert_eq!(
+            config.outlier,
+            OutlierConfig {
+                consecutive_failures: 5,
+                base_ejection: Duration::from_millis(250),
+                max_ejection: Duration::from_secs(60),
+            }
+        );
+        assert_eq!(
+            config.routing.retry_budget,
+            RetryBudgetConfig {
+                ratio: 0.5,
+                min_per_sec: 2
+            }
+        );
+        a.router.request_timeout = Some(Duration::from_secs(5));
+        a.router.outlier_failures = Some(0);
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.routing.request_timeout, Duration::from_secs(5));
+        assert_eq!(config.outlier.consecutive_failures, 0);
+
+        a.router.outlier_base_ejection = Some(Duration::from_secs(120));
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::Ejection { .. })
+        ));
+        a.router.outlier_base_ejection = None;
+        a.router.retry_budget_ratio = Some(-1.0);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::RetryBudgetRatio(_))
+        ));
+        a.router.retry_budget_ratio = None;
+        a.router.request_timeout = Some(Duration::ZERO);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::ZeroTimeout("request-timeout"))
+        ));
+        a.router.request_timeout = None;
+        a.router.stream_idle_timeout = Some(Duration::from_millis(1500));
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.timeouts.stream_idle, Duration::from_millis(1500));
+        assert_eq!(config.timeouts.call, Timeouts::default().call);
+        std::fs::write(&file, "request_timeout = \"soon\"\n").expect("write");
+        let error = Config::from_args(&a)
+            .expect_err("not a duration")
+            .to_string();
+        assert!(error.contains("\"soon\" is not a duration"), "{error}");
     }
 
     #[test]
@@ -612,6 +935,7 @@ mod tests {
             Some(DEFAULT_FALLBACK_POLICY)
         );
         assert!(config.policies.header);
+        assert_eq!(config.policies.forward_headers, ["x-priority"]);
         assert_eq!(config.policies.quarantine, QuarantineRule::default());
         assert_eq!(config.admin, AdminSettings::default());
 
@@ -620,7 +944,9 @@ mod tests {
         a.router.no_policy_header = true;
         a.router.admin_token = Some("s3cret".into());
         a.router.admin_port = Some(9001);
+        a.router.forward_headers = vec!["X-Tenant".into(), "x-priority".into()];
         let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.policies.forward_headers, ["x-tenant", "x-priority"]);
         assert_eq!(config.policies.fallback, None);
         assert!(!config.policies.header);
         assert_eq!(config.admin.token.as_deref(), Some("s3cret"));
@@ -649,6 +975,10 @@ mod tests {
         assert!(matches!(
             refused(&|a| a.router.quarantine_faults = Some(0)),
             ConfigError::Quarantine
+        ));
+        assert!(matches!(
+            refused(&|a| a.router.forward_headers = vec!["bad header".into()]),
+            ConfigError::ForwardHeader(_)
         ));
     }
 
@@ -713,5 +1043,28 @@ mod tests {
             config.policy_config.as_deref(),
             Some(r#"{"pd_balance_factor":0.1}"#)
         );
+    }
+
+    #[test]
+    fn an_unknown_key_anywhere_in_the_file_is_an_error_that_names_it() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        let args = ServeArgs {
+            config: Some(file.clone()),
+            ..ServeArgs::default()
+        };
+        for (text, key) in [
+            ("prot = 9000\n", "prot"),
+            (
+                "[[endpoints]]\nurl = \"http://127.0.0.1:1\"\nnum_gpu = 2\n",
+                "num_gpu",
+            ),
+        ] {
+            std::fs::write(&file, format!("plugins = {:?}\n{text}", dir.path())).expect("write");
+            let error = Config::from_args(&args)
+                .expect_err("unknown key")
+                .to_string();
+            assert!(error.contains(key), "{error}");
+        }
     }
 }

@@ -28,5 +28,6 @@ mod router;
 pub mod serve;
 
 pub use router::{
-    RetryPolicy, RetryPolicyError, RouteError, RouteRequest, Router, Routing, Summary,
+    DEFAULT_REQUEST_TIMEOUT, RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouteError,
+    RouteRequest, Router, RouterConfig, Routing, Summary,
 };

@@ -7,6 +7,7 @@
 //!   remote_send(url, &RemoteSendRequest)    -> ()
 //!   start_generate(url, &StartGenerateRequest) -> ChunkStream   (SSE, or one JSON as one chunk)
 //!   forward(url, &CompletionRequest)        -> ChunkStream
+//!   release(url, &StartGenerateRequest)     -> Release          (frees a prep_recv reservation)
 //!   ready(url)                              -> bool             (GET /v1/models == 200)
 //!   metrics(url)                            -> Option<String>   (GET /metrics, Prometheus text)
 //! ```
@@ -19,7 +20,7 @@ mod tests;
 
 use std::time::Duration;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_wire::completion::{CompletionRequest, CompletionResponse};
@@ -34,6 +35,12 @@ use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
 /// without bound.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
+
+/// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
+const MAX_PROBE_BYTES: usize = 256 << 10;
+
+/// How long an idle pooled connection to an engine is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// How long the router waits on an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,30 +68,27 @@ impl Default for Timeouts {
     }
 }
 
-/// Why one call to an engine failed.
+/// Why one call to an engine failed. The messages name no URL: they reach clients (whose
+/// error bodies name endpoints by id) and the log alike.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
     /// The HTTP client itself could not be set up (at startup, before any engine is called).
     #[error("cannot build the HTTP client for engines: {reason}")]
     Build { reason: String },
-    #[error("cannot reach {url}: {reason}")]
-    Connect { url: String, reason: String },
-    #[error("{url} did not answer within {after:?}")]
-    Timeout { url: String, after: Duration },
-    #[error("{url} answered HTTP {status}: {body}")]
-    Status {
-        url: String,
-        status: u16,
-        body: String,
-    },
-    #[error("{url} sent an answer that does not parse: {reason}")]
-    Decode { url: String, reason: String },
-    #[error("{url}: {source}")]
-    Stream {
-        url: String,
-        #[source]
-        source: SseError,
-    },
+    /// Refused: nothing listens there (a sign the engine is down).
+    #[error("cannot connect: {reason}")]
+    Connect { reason: String },
+    /// The connection closed or reset before an answer started: the engine went away mid-call.
+    #[error("the connection closed before an answer: {reason}")]
+    Closed { reason: String },
+    #[error("no answer within {after:?}")]
+    Timeout { after: Duration },
+    #[error("answered HTTP {status}: {body}")]
+    Status { status: u16, body: String },
+    #[error("sent an answer that does not parse: {reason}")]
+    Decode { reason: String },
+    #[error(transparent)]
+    Stream(#[from] SseError),
 }
 
 impl CallError {
@@ -100,6 +104,21 @@ impl CallError {
     }
 }
 
+/// How one try to free a decode engine's prep_recv reservation ended (see
+/// [`EngineClient::release`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Release {
+    /// The engine took the reservation over and saw the connection close: it is freed.
+    Freed,
+    /// Nothing left to do: the engine no longer holds it (it said so, or its process is gone
+    /// and with it the reservation), or the release was sent and the engine frees it when it
+    /// runs it.
+    Gone(String),
+    /// Refused for now, or never sent: the engine is busy with the reservation (a transfer is
+    /// still writing it), failing, or could not be connected to; try again later.
+    Later(String),
+}
+
 /// One HTTP client shared by every call to every engine (connections are pooled per host).
 #[derive(Debug, Clone)]
 pub struct EngineClient {
@@ -111,7 +130,9 @@ impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Result<Self, CallError> {
         let http = reqwest::Client::builder()
             .connect_timeout(timeouts.connect)
-            .pool_idle_timeout(Duration::from_secs(90))
+            // Below common engine keep-alive timeouts (uvicorn closes idle connections after
+            // 5 s), so a request is not sent on a connection the engine is closing.
+            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
             .tcp_nodelay(true)
             .build()
             .map_err(|e| CallError::Build {
@@ -160,22 +181,75 @@ impl EngineClient {
         self.generate(base, "/v1/completions", body).await
     }
 
-    /// Readiness: `GET /v1/models` answers 200.
-    pub async fn ready(&self, base: &str) -> bool {
-        let url = format!("{base}/v1/models");
-        matches!(
-            self.http.get(&url).timeout(self.timeouts.probe).send().await,
-            Ok(r) if r.status() == reqwest::StatusCode::OK
-        )
+    /// Free the reservation a successful prep_recv made for `body.common.user`, the one way
+    /// the microserving protocol offers: start generating from it and hang up at once. Both
+    /// an MLC engine and the reference engine abort a generation whose client is gone, and
+    /// aborting frees its KV. Only for an id whose prep_recv answered: an MLC engine crashes on
+    /// a start_generate for an id it never prepared.
+    pub async fn release(&self, base: &str, body: &StartGenerateRequest) -> Release {
+        let url = format!("{base}/microserving/start_generate");
+        let sent = self
+            .http
+            .post(&url)
+            .json(body)
+            .timeout(self.timeouts.call)
+            .send()
+            .await;
+        match sent {
+            // Dropping the response closes the connection before the generation ends.
+            Ok(response) if response.status().is_success() => Release::Freed,
+            // A transfer into the reservation is still being written (reference engine).
+            Ok(response) if response.status() == reqwest::StatusCode::CONFLICT => {
+                Release::Later("a KV transfer into it is still under way".into())
+            }
+            Ok(response) if response.status().is_client_error() => {
+                Release::Gone(format!("the engine answered HTTP {}", response.status()))
+            }
+            Ok(response) => {
+                Release::Later(format!("the engine answered HTTP {}", response.status()))
+            }
+            // Not even connected: the request never left, so it is safe to send again.
+            Err(e) if e.is_connect() && e.is_timeout() => Release::Later(reason(e)),
+            // Refused: the engine process is gone, and its reservations with it.
+            Err(e) if e.is_connect() => Release::Gone(reason(e)),
+            // Sent, but no answer came (a frozen engine): the engine runs it when it can, sees
+            // the connection gone and aborts, which frees the pages. Sending it again could
+            // reach an MLC engine for an id it no longer holds, which it does not survive.
+            Err(e) => Release::Gone(format!("sent, answer lost: {}", reason(e))),
+        }
+    }
+
+    /// Readiness: `GET /v1/models` answers 200; `Some` with the ids of the models it serves
+    /// (none when the list does not parse).
+    pub async fn ready(&self, base: &str) -> Option<Vec<String>> {
+        #[derive(serde::Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let body = self.probe(&format!("{base}/v1/models")).await?;
+        let ids = serde_json::from_slice::<Models>(&body)
+            .map(|m| m.data.into_iter().map(|m| m.id).collect())
+            .unwrap_or_default();
+        Some(ids)
     }
 
     /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
     /// answer within the probe timeout.
     pub async fn metrics(&self, base: &str) -> Option<String> {
-        let url = format!("{base}/metrics");
+        let body = self.probe(&format!("{base}/metrics")).await?;
+        String::from_utf8(body.to_vec()).ok()
+    }
+
+    /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
+    /// probe timeout.
+    async fn probe(&self, url: &str) -> Option<bytes::Bytes> {
         let response = self
             .http
-            .get(&url)
+            .get(url)
             .timeout(self.timeouts.probe)
             .send()
             .await
@@ -183,7 +257,9 @@ impl EngineClient {
         if response.status() != reqwest::StatusCode::OK {
             return None;
         }
-        response.text().await.ok()
+        read_capped(response, self.timeouts.probe, MAX_PROBE_BYTES)
+            .await
+            .ok()
     }
 
     async fn send<B: Serialize>(
@@ -192,25 +268,32 @@ impl EngineClient {
         body: &B,
         timeout: Option<Duration>,
     ) -> Result<reqwest::Response, CallError> {
-        let mut request = self.http.post(url).json(body);
-        if let Some(t) = timeout {
-            request = request.timeout(t);
-        }
-        let response = request
-            .send()
-            .await
-            .map_err(|e| classify(url, &e, self.timeouts.call))?;
+        let send = || {
+            let request = self.http.post(url).json(body);
+            match timeout {
+                Some(t) => request.timeout(t).send(),
+                None => request.send(),
+            }
+        };
+        let response = match send().await.map_err(|e| classify(e, self.timeouts.call)) {
+            // The engine closed a pooled connection just as the request went out (its
+            // keep-alive ran out): once more, on a fresh connection, without blaming it.
+            Err(CallError::Closed { reason }) => {
+                tracing::debug!(%url, %reason, "connection closed before an answer; sending again");
+                send().await.map_err(|e| classify(e, self.timeouts.call))
+            }
+            answer => answer,
+        }?;
         let status = response.status();
         if status.is_success() {
             return Ok(response);
         }
         // The body only explains the status: a cut or oversized one still yields the status.
-        let body = read_capped(url, response, self.timeouts.call)
+        let body = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES)
             .await
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
             .unwrap_or_default();
         Err(CallError::Status {
-            url: url.to_owned(),
             status: status.as_u16(),
             body: truncate(body, 512),
         })
@@ -224,9 +307,8 @@ impl EngineClient {
     ) -> Result<R, CallError> {
         let url = format!("{base}{path}");
         let response = self.send(&url, body, Some(self.timeouts.call)).await?;
-        let bytes = read_capped(&url, response, self.timeouts.call).await?;
+        let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
-            url,
             reason: e.to_string(),
         })
     }
@@ -243,7 +325,6 @@ impl EngineClient {
         let response = tokio::time::timeout(self.timeouts.call, self.send(&url, body, None))
             .await
             .map_err(|_| CallError::Timeout {
-                url: url.clone(),
                 after: self.timeouts.call,
             })??;
         let is_sse = response
@@ -252,34 +333,33 @@ impl EngineClient {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let bytes = read_capped(&url, response, self.timeouts.call).await?;
+            let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
             let one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
-                    url,
                     reason: e.to_string(),
                 })?;
             return Ok(single_chunk(one));
         }
+        let bytes = response.bytes_stream().map_err(reqwest::Error::without_url);
         Ok(with_idle_timeout(
-            parse_chunks(response.bytes_stream()),
+            parse_chunks(bytes),
             self.timeouts.stream_idle,
         ))
     }
 }
 
-/// A whole non-streamed answer, at most [`MAX_ANSWER_BYTES`], within `within`.
+/// A whole non-streamed answer, at most `cap` bytes, within `within`.
 async fn read_capped(
-    url: &str,
     mut response: reqwest::Response,
     within: Duration,
+    cap: usize,
 ) -> Result<bytes::Bytes, CallError> {
     let read = async {
         let mut body = Vec::new();
-        while let Some(chunk) = response.chunk().await.map_err(|e| broken_answer(url, &e))? {
-            if body.len() + chunk.len() > MAX_ANSWER_BYTES {
+        while let Some(chunk) = response.chunk().await.map_err(broken_answer)? {
+            if body.len() + chunk.len() > cap {
                 return Err(CallError::Decode {
-                    url: url.to_owned(),
-                    reason: format!("the answer is over {MAX_ANSWER_BYTES} bytes"),
+                    reason: format!("the answer is over {cap} bytes"),
                 });
             }
             body.extend_from_slice(&chunk);
@@ -288,20 +368,19 @@ async fn read_capped(
     };
     tokio::time::timeout(within, read)
         .await
-        .map_err(|_| CallError::Timeout {
-            url: url.to_owned(),
-            after: within,
-        })?
+        .map_err(|_| CallError::Timeout { after: within })?
 }
 
 /// An answer that started and then broke off: the engine is up (it answered), so this is a
 /// failed call to retry, not a sign the endpoint is down, and not a malformed answer either
 /// (reqwest reports body failures as "decode" errors).
-fn broken_answer(url: &str, e: &reqwest::Error) -> CallError {
-    CallError::Stream {
-        url: url.to_owned(),
-        source: SseError::Transport(error_chain(e)),
-    }
+fn broken_answer(e: reqwest::Error) -> CallError {
+    CallError::Stream(SseError::Transport(reason(e)))
+}
+
+/// A reqwest error's message and causes, without the URL reqwest puts in it.
+fn reason(e: reqwest::Error) -> String {
+    error_chain(&e.without_url())
 }
 
 /// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:
@@ -322,29 +401,17 @@ fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
     )
 }
 
-fn classify(url: &str, e: &reqwest::Error, after: Duration) -> CallError {
+fn classify(e: reqwest::Error, after: Duration) -> CallError {
     if e.is_timeout() {
-        CallError::Timeout {
-            url: url.to_owned(),
-            after,
-        }
+        CallError::Timeout { after }
     } else if e.is_connect() {
-        CallError::Connect {
-            url: url.to_owned(),
-            reason: e.to_string(),
-        }
+        CallError::Connect { reason: reason(e) }
     } else if e.is_decode() {
-        CallError::Decode {
-            url: url.to_owned(),
-            reason: e.to_string(),
-        }
+        CallError::Decode { reason: reason(e) }
     } else {
-        // A reset or an early close before any answer: the engine went away mid-call. (Once
-        // an answer has started, a break is `broken_answer`'s, not this.)
-        CallError::Connect {
-            url: url.to_owned(),
-            reason: error_chain(e),
-        }
+        // Reset or closed before any answer. (Once an answer has started, a break is
+        // `broken_answer`'s, not this.)
+        CallError::Closed { reason: reason(e) }
     }
 }
 

@@ -16,9 +16,14 @@
 //!   token ids of the text already delivered (re-tokenized with the serving tokenizer), its
 //!   `max_tokens` is what is left, and the client sees one seamless stream whose final usage
 //!   counts the original prompt and every delivered token.
-//! - **The budget** counts attempts that made no progress; an attempt that delivered text
+//! - **The attempt cap** counts attempts that made no progress; an attempt that delivered text
 //!   resets the backoff and does not count, so the loop is bounded by
 //!   `max_attempts + max_tokens` attempts.
+//! - **The retry budget** ([`budget`]) is the router's, not the request's: every attempt after
+//!   an engine failure (with or without progress) draws on it, and a request that finds it
+//!   spent fails at once. Continuations after a preemption never draw on it.
+//! - **The request deadline** (`request_timeout`, from arrival) bounds all attempts together:
+//!   an engine that streams one token a minute cannot keep a request alive for hours.
 //! - Every attempt has its own upstream id (`<request id>-<attempt>`) on all of its legs.
 //! - The client going away drops the attempt in flight, which closes every upstream
 //!   connection (engines abort a request whose connection closes).
@@ -44,6 +49,33 @@ use crate::microserving::CallError;
 use crate::plan::{
     AttemptId, Delivered, Event, ExecError, Execute, Executor, RelayEnd, StepKind, relay,
 };
+
+mod budget;
+
+pub use budget::{RetryBudget, RetryBudgetConfig};
+
+/// How requests are retried and bounded, router-wide.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RouterConfig {
+    pub retry: RetryPolicy,
+    pub retry_budget: RetryBudgetConfig,
+    /// From arrival to the end of the response, over every attempt.
+    pub request_timeout: Duration,
+}
+
+/// `request_timeout`'s default: long enough for thousands of tokens on a slow engine, short
+/// enough that a stuck request is gone within minutes.
+pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        RouterConfig {
+            retry: RetryPolicy::default(),
+            retry_budget: RetryBudgetConfig::default(),
+            request_timeout: DEFAULT_REQUEST_TIMEOUT,
+        }
+    }
+}
 
 /// Why a retry policy is not valid.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -121,10 +153,37 @@ pub enum RouteError {
     InvalidPlan(PlanError),
     #[error("gave up after {attempts} failed attempts; last: {last}")]
     Exhausted { attempts: u32, last: ExecError },
+    #[error(
+        "not retried: the router's retry budget is spent (too many engine failures); last: {last}"
+    )]
+    RetryBudget { last: ExecError },
+    #[error("the request did not finish within {0:?} (request timeout)")]
+    Deadline(Duration),
     #[error(transparent)]
     Engine(ExecError),
     #[error("cannot tokenize the delivered text to continue: {0}")]
     Tokenize(String),
+}
+
+impl RouteError {
+    /// The engine failure behind this error, if an engine failed.
+    pub fn engine_failure(&self) -> Option<&ExecError> {
+        match self {
+            RouteError::Exhausted { last, .. } | RouteError::RetryBudget { last } => Some(last),
+            RouteError::Engine(e) => Some(e),
+            _ => None,
+        }
+    }
+
+    /// Whether the request itself is at fault: an engine refused it (4xx) or the policy
+    /// rejected it.
+    pub fn is_clients(&self) -> bool {
+        match self {
+            RouteError::Policy(TranslateError::Rejected { .. }) => true,
+            RouteError::Engine(e) => e.is_clients(),
+            _ => false,
+        }
+    }
 }
 
 impl From<PlanningError> for RouteError {
@@ -179,7 +238,8 @@ pub struct RouteRequest {
 pub struct Router<E = Executor> {
     executor: E,
     planner: Arc<dyn Planner>,
-    retry: RetryPolicy,
+    config: RouterConfig,
+    budget: RetryBudget,
     tokenizer: Arc<tokenizers::Tokenizer>,
 }
 
@@ -284,13 +344,14 @@ impl<E: Execute> Router<E> {
     pub fn new(
         executor: E,
         planner: Arc<dyn Planner>,
-        retry: RetryPolicy,
+        config: RouterConfig,
         tokenizer: Arc<tokenizers::Tokenizer>,
     ) -> Self {
         Router {
             executor,
             planner,
-            retry,
+            budget: RetryBudget::new(config.retry_budget),
+            config,
             tokenizer,
         }
     }
@@ -316,7 +377,17 @@ impl<E: Execute> Router<E> {
                 state: State::new(planner),
                 over: false,
             };
-            router.run(&request.req, &tx, &mut request.state).await;
+            router.budget.deposit();
+            let timeout = router.config.request_timeout;
+            let deadline = request.req.arrived + timeout;
+            let run = router.run(&request.req, &tx, &mut request.state);
+            if tokio::time::timeout_at(deadline, run).await.is_err() {
+                // The attempt in flight was dropped with the run: its legs are closed.
+                let (req, st) = (&request.req, &mut request.state);
+                router
+                    .fail(req, &tx, st, RouteError::Deadline(timeout))
+                    .await;
+            }
             request.over = true;
         };
         Routing {
@@ -326,7 +397,8 @@ impl<E: Execute> Router<E> {
     }
 
     async fn run(&self, req: &RouteRequest, tx: &mpsc::Sender<Event>, st: &mut State) {
-        let mut backoff = self.retry.backoff();
+        let retry = &self.config.retry;
+        let mut backoff = retry.backoff();
         let mut failures = 0u32;
         let mut last_failure = None;
         loop {
@@ -338,7 +410,7 @@ impl<E: Execute> Router<E> {
                     error,
                 }) => {
                     if progressed {
-                        backoff = self.retry.backoff();
+                        backoff = retry.backoff();
                     } else {
                         failures += 1;
                     }
@@ -346,7 +418,7 @@ impl<E: Execute> Router<E> {
                         if !error.retryable() {
                             return self.fail(req, tx, st, RouteError::Engine(error)).await;
                         }
-                        if failures >= self.retry.max_attempts {
+                        if failures >= retry.max_attempts {
                             let attempts = st.summary.attempts;
                             let e = RouteError::Exhausted {
                                 attempts,
@@ -354,18 +426,21 @@ impl<E: Execute> Router<E> {
                             };
                             return self.fail(req, tx, st, e).await;
                         }
+                        if !self.budget.try_withdraw() {
+                            let e = RouteError::RetryBudget { last: error };
+                            return self.fail(req, tx, st, e).await;
+                        }
                         tracing::info!(request = %req.request_id, %error, "retrying");
                         st.summary.retries += 1;
-                    } else if failures >= self.retry.max_attempts {
+                    } else if failures >= retry.max_attempts {
                         // Preempted again and again without delivering anything.
                         let last = ExecError {
                             endpoint: failure.endpoint,
                             step: StepKind::Relay,
                             attempt: st.summary.attempts,
-                            source: CallError::Stream {
-                                url: String::new(),
-                                source: SseError::Transport("preempted without progress".into()),
-                            },
+                            source: CallError::Stream(SseError::Transport(
+                                "preempted without progress".into(),
+                            )),
                         };
                         let attempts = st.summary.attempts;
                         return self
@@ -428,6 +503,13 @@ impl<E: Execute> Router<E> {
         let before = st.delivered.text.len();
         let ids_before = st.delivered.token_ids.as_ref().map(Vec::len);
         let end = relay(&mut generation, tx, attempt, &mut st.delivered).await;
+        match &end {
+            RelayEnd::Finished { .. } => {
+                self.executor.cluster().record_success(generation.generator)
+            }
+            RelayEnd::Failed(error) => error.record(self.executor.cluster()),
+            RelayEnd::Preempted | RelayEnd::ClientGone => {}
+        }
         let progressed = st.delivered.text.len() > before;
         if st.summary.ttft.is_none() {
             st.summary.ttft = st.delivered.first_at.map(|t| t - req.arrived);
@@ -560,7 +642,16 @@ impl<E: Execute> Router<E> {
         st: &mut State,
         error: RouteError,
     ) {
-        tracing::warn!(request = %req.request_id, %error, "request failed");
+        // Client bodies name endpoints by id; the log names the URL too.
+        let url = error
+            .engine_failure()
+            .and_then(|e| self.executor.cluster().url(e.endpoint));
+        let url = url.as_deref();
+        if error.is_clients() {
+            tracing::info!(request = %req.request_id, %error, url, "request refused");
+        } else {
+            tracing::warn!(request = %req.request_id, %error, url, "request failed");
+        }
         let tokens = match &st.delivered.token_ids {
             Some(ids) => Ok(ids.len() as u32),
             None => self.count_tokens(&st.delivered.text),
@@ -598,14 +689,13 @@ fn failure_of(error: &ExecError) -> Failure {
 }
 
 /// The usage the client sees: the original prompt, and every token delivered over all attempts.
+/// Saturating: an engine's count is not trusted to keep the sum in range.
 fn final_usage(req: &RouteRequest, earlier: u32, this_attempt: Option<u32>) -> Usage {
-    let prompt_tokens = req.prompt.len() as u32;
-    let completion_tokens = earlier + this_attempt.unwrap_or(0);
-    Usage {
+    let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
+    Usage::new(
         prompt_tokens,
-        completion_tokens,
-        total_tokens: prompt_tokens + completion_tokens,
-    }
+        earlier.saturating_add(this_attempt.unwrap_or(0)),
+    )
 }
 
 #[cfg(test)]

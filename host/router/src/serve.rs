@@ -2,11 +2,12 @@
 //!
 //! Startup order: tokenizer → policies (every `*.wasm` of the plugins directory loaded,
 //! `init`ed and checked; the default must load) → plugins watcher → cluster + health probes →
-//! bind (and the admin port, if any) → serve. `/health` turns 200 once every endpoint has
-//! answered `GET /v1/models`.
+//! bind (and the admin port, if any) → serve. `/health` turns 200 once
+//! `--min-healthy-endpoints` endpoints answer `GET /v1/models`.
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,9 +22,9 @@ use switchyard_policy_host::{
 
 use crate::Router;
 use crate::api::{self, AdminAccess, AppState, PromptTokenizer, TokenizerError};
-use crate::cluster::{Cluster, ProbeConfig, spawn_probes};
+use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::Config;
-use crate::microserving::{CallError, EngineClient, Timeouts};
+use crate::microserving::{CallError, EngineClient};
 use crate::plan::Executor;
 
 /// Why the router could not start.
@@ -155,14 +156,20 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
     let planner: Arc<dyn Planner> = policies.clone();
 
-    let cluster = Arc::new(Cluster::new(config.endpoints.clone()));
-    let client = EngineClient::new(Timeouts::default())?;
-    spawn_probes(&cluster, client.clone(), ProbeConfig::default());
+    let cluster = Arc::new(
+        Cluster::new(config.endpoints.clone(), config.outlier)
+            .with_min_healthy(config.min_healthy_endpoints),
+    );
+    let client = EngineClient::new(config.timeouts)?;
+    spawn_probes(&cluster, &client, ProbeConfig::default());
     let executor = Executor::new(cluster, client);
+    if let Some(path) = &config.endpoints_file {
+        reload_endpoints_on_sighup(path.clone(), executor.clone());
+    }
     let router = Arc::new(Router::new(
         executor,
         planner,
-        config.retry,
+        config.routing,
         tokenizer.tokenizer(),
     ));
     let state = Arc::new(
@@ -177,7 +184,10 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         .with_admin(AdminAccess {
             token: config.admin.token.clone(),
             separate_port: config.admin.listen.is_some(),
-        }),
+        })
+        .with_forward_headers(config.policies.forward_headers.clone())
+        .with_limits(config.limits)
+        .with_models(config.policies.models.keys().cloned().collect()),
     );
 
     let (listener, addr) = bind(config.listen).await?;
@@ -221,6 +231,59 @@ async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr),
     let listener = api::bind(addr).await.map_err(bind_error)?;
     let local = listener.local_addr().map_err(bind_error)?;
     Ok((listener, local))
+}
+
+/// On SIGHUP, re-read the `[[endpoints]]` of `path` and bring the live list in line with it:
+/// endpoints the file lists and the list lacks are added; endpoints the file put in and no
+/// longer lists are drained, then removed once nothing is in flight on them. Endpoints added
+/// through `/admin/endpoints` are left alone. A file that does not parse changes nothing.
+fn reload_endpoints_on_sighup(path: PathBuf, executor: Executor) {
+    use tokio::signal::unix::{SignalKind, signal};
+    let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+        tracing::warn!("cannot listen for SIGHUP: the endpoint list will not be reloaded");
+        return;
+    };
+    tokio::spawn(async move {
+        while hangups.recv().await.is_some() {
+            match crate::config::endpoints_in_file(&path) {
+                Ok(specs) => reconcile(&executor, &specs),
+                Err(e) => {
+                    tracing::warn!(file = %path.display(), error = %e, "SIGHUP: endpoints not reloaded")
+                }
+            }
+        }
+    });
+}
+
+/// Make the file's endpoints (`Owner::Static`) those of `specs`, matched by URL.
+fn reconcile(executor: &Executor, specs: &[EndpointSpec]) {
+    let cluster = executor.cluster();
+    let current = cluster.owned_by(Owner::Static);
+    let base = |url: &str| url.trim_end_matches('/').to_owned();
+    for spec in specs {
+        if !current.iter().any(|(_, c)| base(&c.url) == base(&spec.url))
+            && let Err(e) = executor.add_endpoint(spec, Owner::Static)
+        {
+            tracing::warn!(url = %spec.url, error = %e, "SIGHUP: endpoint not added");
+        }
+    }
+    for (id, old) in current {
+        if !specs.iter().any(|s| base(&s.url) == base(&old.url)) && cluster.drain(id).is_ok() {
+            tokio::spawn(remove_when_idle(Arc::clone(cluster), id));
+        }
+    }
+}
+
+/// Remove a draining endpoint once nothing is in flight on it (every request ends by its
+/// deadline, so this ends too).
+async fn remove_when_idle(cluster: Arc<Cluster>, id: u32) {
+    const POLL: Duration = Duration::from_millis(100);
+    loop {
+        match cluster.remove(id) {
+            Err(crate::cluster::EndpointError::Busy { .. }) => tokio::time::sleep(POLL).await,
+            _ => return,
+        }
+    }
 }
 
 /// Run the router until `shutdown` resolves.

@@ -20,8 +20,18 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(name = "switchyard", version, about, long_about = None)]
 struct Cli {
+    /// How logs (on stderr) are written: `text` for people, `json` (one object a line) for log
+    /// shippers. `RUST_LOG` sets what is logged [default: text].
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -44,8 +54,8 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    init_tracing();
     let cli = Cli::parse();
+    init_tracing(cli.log_format);
     let result = match cli.command {
         Command::Engine(args) => engine(args),
         Command::Bench(args) => switchyard_bench::run_blocking(args).map_err(Into::into),
@@ -117,14 +127,17 @@ fn up(args: up::UpArgs) -> anyhow::Result<()> {
 }
 
 /// Logs go to stderr so commands that print results (`policy plan`) keep stdout clean.
-fn init_tracing() {
-    tracing_subscriber::fmt()
+fn init_tracing(format: LogFormat) {
+    let logs = tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .init();
+        );
+    match format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().init(),
+    }
 }
 
 /// Resolves on SIGINT or SIGTERM.

@@ -8,7 +8,7 @@
 use std::pin::Pin;
 
 use bytes::Bytes;
-use eventsource_stream::Eventsource;
+use eventsource_stream::{EventStreamError, Eventsource};
 use futures::{Stream, StreamExt};
 
 use serde::Serialize;
@@ -45,7 +45,16 @@ pub enum SseError {
     /// The sender went quiet for longer than the reader waits between events.
     #[error("reading the stream: no chunk for {0:?}")]
     Idle(std::time::Duration),
+    /// One event grew past [`MAX_EVENT_BYTES`] without ending: a reader must not buffer a
+    /// sender's bytes without bound.
+    #[error("an event is over {MAX_EVENT_BYTES} bytes")]
+    EventTooLarge,
 }
+
+/// The largest event a reader buffers: an engine's chunks carry a few tokens of text (a few
+/// KiB with logprobs). Kept small because the event parser rescans an unfinished event as
+/// bytes arrive: the cost of a trickled event grows with the square of its size.
+pub const MAX_EVENT_BYTES: usize = 256 << 10;
 
 /// A stream of engine chunks, ending after `[DONE]`. Every one this module returns is fused.
 pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<CompletionResponse, SseError>> + Send>>;
@@ -58,7 +67,7 @@ where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {
-    let events = bytes.eventsource();
+    let events = capped(bytes, MAX_EVENT_BYTES).eventsource();
     let state = (Box::pin(events), false);
     Box::pin(
         futures::stream::unfold(state, |(mut events, done)| async move {
@@ -68,6 +77,9 @@ where
             loop {
                 match events.next().await {
                     None => return Some((Err(SseError::Truncated), (events, true))),
+                    Some(Err(EventStreamError::Transport(CappedError::TooLarge))) => {
+                        return Some((Err(SseError::EventTooLarge), (events, true)));
+                    }
                     Some(Err(e)) => {
                         return Some((Err(SseError::Transport(e.to_string())), (events, true)));
                     }
@@ -87,6 +99,49 @@ where
         })
         .fuse(),
     )
+}
+
+/// `bytes`, ending with [`SseError::EventTooLarge`] once more than `max` bytes pass without a
+/// blank line (the end of an event: `\n\n`, with or without `\r`).
+fn capped<S, E>(bytes: S, max: usize) -> impl Stream<Item = Result<Bytes, CappedError>> + Send
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let mut since_blank_line = 0usize;
+    let mut after_newline = false;
+    bytes.map(move |item| {
+        let chunk = item.map_err(|e| CappedError::Transport(e.to_string()))?;
+        for &b in chunk.iter() {
+            match b {
+                b'\n' if after_newline => since_blank_line = 0,
+                b'\n' => after_newline = true,
+                b'\r' => {}
+                _ => after_newline = false,
+            }
+            since_blank_line += 1;
+        }
+        if since_blank_line > max {
+            return Err(CappedError::TooLarge);
+        }
+        Ok(chunk)
+    })
+}
+
+/// Why [`capped`] ended a stream; becomes an [`SseError`].
+#[derive(Debug)]
+enum CappedError {
+    Transport(String),
+    TooLarge,
+}
+
+impl std::fmt::Display for CappedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            CappedError::Transport(e) => f.write_str(e),
+            CappedError::TooLarge => write!(f, "{}", SseError::EventTooLarge),
+        }
+    }
 }
 
 /// The data of an SSE stream's events; see [`data_events`].
@@ -170,6 +225,30 @@ mod tests {
         assert!(one.next().await.is_some());
         assert!(one.next().await.is_none());
         assert!(one.next().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn an_event_that_never_ends_is_refused_not_buffered() {
+        let kib = Bytes::from(vec![b'a'; 1024]);
+        let endless = futures::stream::iter(
+            std::iter::once(Bytes::from_static(b"data: {\"id\":\""))
+                .chain(std::iter::repeat_n(kib, MAX_EVENT_BYTES / 1024 + 1))
+                .map(Ok::<_, std::io::Error>),
+        );
+        let chunks: Vec<_> = parse_chunks(endless).collect().await;
+        assert!(
+            matches!(chunks.as_slice(), [Err(SseError::EventTooLarge)]),
+            "{chunks:?}"
+        );
+        // Many events, each small, add up to more than the cap: fine.
+        let many = futures::stream::iter(
+            std::iter::repeat_n("data: {\"id\":\"a\",\"choices\":[]}\r\n\r\n", 10_000)
+                .chain(std::iter::once("data: [DONE]\n\n"))
+                .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p.as_bytes()))),
+        );
+        let chunks: Vec<_> = parse_chunks(many).collect().await;
+        assert_eq!(chunks.len(), 10_000);
+        assert!(chunks.iter().all(Result::is_ok));
     }
 
     #[tokio::test]

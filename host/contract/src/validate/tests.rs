@@ -5,7 +5,7 @@
 //! run again without it. A blessing run never passes, and never runs in CI (`CI` set).
 
 use super::*;
-use crate::endpoint::{EndpointSnapshot, Role};
+use crate::endpoint::{EndpointSnapshot, Health, Role};
 use std::path::{Path, PathBuf};
 
 #[derive(serde::Deserialize)]
@@ -24,7 +24,11 @@ fn snapshot(count: u32, unhealthy: &[u32]) -> Vec<EndpointSnapshot> {
             id,
             role: Role::Any,
             device_rank: id,
-            healthy: !unhealthy.contains(&id),
+            health: if unhealthy.contains(&id) {
+                Health::NotReady
+            } else {
+                Health::Healthy
+            },
             in_flight: 0,
             kv_usage: None,
         })

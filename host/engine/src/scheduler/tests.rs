@@ -728,3 +728,41 @@ fn real_model_requests_batched_together_match_each_alone() {
     let got: Vec<_> = streams.iter_mut().map(finish).collect();
     assert_eq!(got, expected);
 }
+
+#[test]
+fn a_released_reservation_leaves_no_unchecked_page_in_the_prefix_cache() {
+    let mut core = manual(CoreConfig {
+        prefix_cache: true,
+        ..config(32)
+    });
+    let t0 = Instant::now();
+    let prompt = [b'p'; 30];
+    manual_prep(&mut core, t0, "a", request(&prompt, 4), 29);
+    // No remote_send came: the reserved slots hold nothing. A router frees them by starting
+    // the generation and hanging up at once.
+    drop(manual_start(&mut core, "a", 29).expect("accepted"));
+    core.turn(t0);
+    assert_eq!(core.metrics.requests_aborted.get(), 1);
+    assert_eq!(core.metrics.kv_pages_used.get(), 0);
+    let again = manual_prep(&mut core, t0, "b", request(&prompt, 4), 29);
+    assert_eq!(
+        again.prefix_matched_length, 0,
+        "nothing unchecked was cached"
+    );
+
+    // The same flow run to its finish does cache its pages (7 full pages inside [0, 29)).
+    let mut events = manual_start(&mut core, "b", 29).expect("accepted");
+    let mut finished = false;
+    for _ in 0..100 {
+        core.turn(t0);
+        while let Ok(event) = events.try_recv() {
+            finished |= event.finish.is_some();
+        }
+        if finished {
+            break;
+        }
+    }
+    assert!(finished, "the generation finished within 100 turns");
+    let third = manual_prep(&mut core, t0, "c", request(&prompt, 4), 29);
+    assert_eq!(third.prefix_matched_length, 28);
+}

@@ -14,3 +14,14 @@ pub(super) use generated::{Policy as Guest, PolicyImports as GuestImports, Polic
 use generated::switchyard::policy::types as wit;
 
 super::shared_with_v0_1_0!(stateless: |_| false);
+
+fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> wit::Endpoint {
+    wit::Endpoint {
+        id: e.id,
+        role: role(e.role),
+        device_rank: e.device_rank,
+        healthy: e.health.is_healthy(),
+        in_flight: e.in_flight,
+        kv_usage: e.kv_usage,
+    }
+}

@@ -1,5 +1,6 @@
 //! `switchyard:policy@0.2.0` (`wit/policy.wit`), the newest contract: 0.1.0 plus a policy's
-//! declaration of whether it keeps state between calls (`policy-info.state`).
+//! declaration of whether it keeps state between calls (`policy-info.state`) and why an
+//! endpoint is down (`endpoint.down-reason`).
 
 mod generated {
     wasmtime::component::bindgen!({
@@ -13,3 +14,22 @@ pub(super) use generated::{Policy as Guest, PolicyImports as GuestImports, Polic
 use generated::switchyard::policy::types as wit;
 
 super::shared_with_v0_1_0!(stateless: |info| info.state == wit::State::Stateless);
+
+fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> wit::Endpoint {
+    use switchyard_contract::Health;
+    wit::Endpoint {
+        id: e.id,
+        role: role(e.role),
+        device_rank: e.device_rank,
+        healthy: e.health.is_healthy(),
+        down_reason: match e.health {
+            Health::Healthy => None,
+            Health::NotReady => Some(wit::DownReason::NotReady),
+            Health::Ejected => Some(wit::DownReason::Ejected),
+            Health::Draining => Some(wit::DownReason::Draining),
+            Health::Removed => Some(wit::DownReason::Removed),
+        },
+        in_flight: e.in_flight,
+        kv_usage: e.kv_usage,
+    }
+}

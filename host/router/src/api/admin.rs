@@ -1,9 +1,13 @@
 //! `/health`, `/metrics`, `/v1/models` and the operator routes under `/admin/*`:
-//! `GET /admin/endpoints`, `GET /admin/policies`, `POST /admin/policies/{name}/reload`.
+//! `GET /admin/policies`, `POST /admin/policies/{name}/reload`, and the live endpoint list:
+//! `GET /admin/endpoints`, `POST /admin/endpoints` (`{"url", "num_gpus", "role"}`),
+//! `POST /admin/endpoints/{id}/drain` (no new request; those in flight finish) and
+//! `DELETE /admin/endpoints/{id}` (once nothing is in flight on it).
 //!
-//! `/admin/*` answers 401 without `Authorization: Bearer <token>` when a token is configured.
-//! The comparison takes the same time wherever the first wrong byte is, so the token cannot be
-//! guessed byte by byte from response times.
+//! `/admin/*` answers 401 without `Authorization: Bearer <token>` when a token is configured,
+//! and without a token only to clients on loopback (403 to others): it can reload policies and
+//! shows internal URLs. The comparison takes the same time wherever the first wrong byte is, so
+//! the token cannot be guessed byte by byte from response times.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -12,24 +16,38 @@ use http::{HeaderMap, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use serde_json::json;
 
+use http_body_util::{BodyExt, Limited};
+
 use super::respond::{ApiError, json_response};
-use super::{AppState, Body, full};
+use super::{AppState, Body, Peer, full};
+use crate::cluster::{Cluster, EndpointError, EndpointSpec, Owner};
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
-/// 200 once every endpoint has been ready and one is healthy (the policy is loaded before the
-/// server starts), 503 before.
+/// Readiness: 200 while at least `--min-healthy-endpoints` endpoints are healthy (the policy
+/// is loaded before the server starts), 503 otherwise; the body says which endpoints are down
+/// and why, either way.
 pub fn health(state: &AppState) -> Response<Body> {
-    if state.is_ready() {
-        json_response(StatusCode::OK, &json!({"status": "ok"}))
+    let readiness = state.router.executor().cluster().readiness();
+    let status = if readiness.ready {
+        StatusCode::OK
     } else {
-        ApiError::NotReady("waiting for the endpoints to answer GET /v1/models").response()
-    }
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    json_response(
+        status,
+        &json!({
+            "status": if readiness.ready { "ready" } else { "not_ready" },
+            "healthy_endpoints": readiness.healthy,
+            "min_healthy_endpoints": readiness.min_healthy,
+            "down": readiness.down,
+        }),
+    )
 }
 
 /// The served model, OpenAI-style; 503 until ready (MLC's readiness check is this route).
 pub fn models(state: &AppState) -> Response<Body> {
     if !state.is_ready() {
-        return ApiError::NotReady("waiting for the endpoints to answer GET /v1/models").response();
+        return ApiError::NotReady("too few endpoints are healthy").response();
     }
     json_response(
         StatusCode::OK,
@@ -55,22 +73,94 @@ pub fn metrics(state: &AppState) -> Response<Body> {
 
 /// Every `/admin/*` route, behind the token check.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
-    if !authorized(state.admin.token.as_deref(), req.headers()) {
-        return ApiError::Unauthorized.response();
+    match state.admin.token.as_deref() {
+        Some(token) if !authorized(token, req.headers()) => {
+            return ApiError::Unauthorized.response();
+        }
+        None if !from_loopback(&req) => return ApiError::AdminNotLocal.response(),
+        _ => {}
     }
-    let path = req.uri().path();
-    match (req.method(), path, reload_target(path)) {
-        (&Method::GET, "/admin/endpoints", _) => endpoints(&state),
-        (&Method::GET, "/admin/policies", _) => {
+    let path = req.uri().path().to_owned();
+    let endpoint = endpoint_target(&path);
+    match (req.method(), path.as_str(), reload_target(&path), endpoint) {
+        (&Method::GET, "/admin/endpoints", _, _) => endpoints(&state),
+        (&Method::POST, "/admin/endpoints", _, _) => add_endpoint(&state, req).await,
+        (&Method::POST, _, _, Some((id, Some("drain")))) => {
+            change_endpoint(&state, id, |c| c.drain(id))
+        }
+        (&Method::DELETE, _, _, Some((id, None))) => change_endpoint(&state, id, |c| c.remove(id)),
+        (&Method::GET, "/admin/policies", _, _) => {
             json_response(StatusCode::OK, &json!(state.policies.view()))
         }
-        (&Method::POST, _, Some(name)) => reload(&state, name).await,
-        (method, path, _) => ApiError::NotFound {
+        (&Method::POST, _, Some(name), _) => reload(&state, name).await,
+        (method, path, _, _) => ApiError::NotFound {
             method: method.to_string(),
             path: path.to_owned(),
         }
         .response(),
     }
+}
+
+/// `ID` and the action after it of `/admin/endpoints/ID[/ACTION]`.
+fn endpoint_target(path: &str) -> Option<(u32, Option<&str>)> {
+    let rest = path.strip_prefix("/admin/endpoints/")?;
+    let (id, action) = match rest.split_once('/') {
+        Some((id, action)) => (id, Some(action)),
+        None => (rest, None),
+    };
+    Some((id.parse().ok()?, action))
+}
+
+/// Largest `POST /admin/endpoints` body read.
+const MAX_ENDPOINT_BODY: usize = 16 << 10;
+
+/// `POST /admin/endpoints`: add an endpoint (`{"url", "num_gpus", "role"}`), probed at once;
+/// 201 with its row.
+async fn add_endpoint(state: &AppState, req: Request<Incoming>) -> Response<Body> {
+    let body = match Limited::new(req.into_body(), MAX_ENDPOINT_BODY)
+        .collect()
+        .await
+    {
+        Ok(body) => body.to_bytes(),
+        Err(_) => {
+            return ApiError::BodyTooLarge {
+                limit: MAX_ENDPOINT_BODY,
+            }
+            .response();
+        }
+    };
+    let spec: EndpointSpec = match serde_json::from_slice(&body) {
+        Ok(spec) => spec,
+        Err(e) => return ApiError::invalid("body", e.to_string()).response(),
+    };
+    let executor = state.router.executor();
+    match executor.add_endpoint(&spec, Owner::Admin) {
+        Ok(id) => endpoint_row(state, id, StatusCode::CREATED),
+        Err(e) => ApiError::Endpoint(e).response(),
+    }
+}
+
+/// Drain or remove endpoint `id`; 200 with its row.
+fn change_endpoint(
+    state: &AppState,
+    id: u32,
+    change: impl FnOnce(&Cluster) -> Result<(), EndpointError>,
+) -> Response<Body> {
+    match change(state.router.executor().cluster()) {
+        Ok(()) => endpoint_row(state, id, StatusCode::OK),
+        Err(e) => ApiError::Endpoint(e).response(),
+    }
+}
+
+fn endpoint_row(state: &AppState, id: u32, status: StatusCode) -> Response<Body> {
+    let row = state
+        .router
+        .executor()
+        .cluster()
+        .status()
+        .into_iter()
+        .find(|e| e.id == id);
+    json_response(status, &json!(row))
 }
 
 fn endpoints(state: &AppState) -> Response<Body> {
@@ -127,16 +217,20 @@ fn outcome_name(outcome: &ReloadOutcome) -> &'static str {
     }
 }
 
-/// True when no token is configured, or the request carries `Bearer <token>`.
-fn authorized(token: Option<&str>, headers: &HeaderMap) -> bool {
-    let Some(token) = token else {
-        return true;
-    };
+/// The request carries `Bearer <token>`.
+fn authorized(token: &str, headers: &HeaderMap) -> bool {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
         .is_some_and(|given| constant_time_eq(given.as_bytes(), token.as_bytes()))
+}
+
+/// The connection came from a loopback address (the server records each connection's peer).
+fn from_loopback<B>(req: &Request<B>) -> bool {
+    req.extensions()
+        .get::<Peer>()
+        .is_some_and(|peer| peer.0.ip().is_loopback())
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -146,6 +240,17 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn endpoint_paths_name_an_id_and_an_action() {
+        assert_eq!(endpoint_target("/admin/endpoints/3"), Some((3, None)));
+        assert_eq!(
+            endpoint_target("/admin/endpoints/3/drain"),
+            Some((3, Some("drain")))
+        );
+        assert_eq!(endpoint_target("/admin/endpoints/x/drain"), None);
+        assert_eq!(endpoint_target("/admin/endpoints"), None);
+    }
 
     #[test]
     fn reload_paths_name_one_policy() {
@@ -159,21 +264,34 @@ mod tests {
     }
 
     #[test]
-    fn the_token_is_required_only_when_configured() {
+    fn the_token_must_match_exactly() {
         let mut headers = HeaderMap::new();
-        assert!(authorized(None, &headers));
-        assert!(!authorized(Some("s3cret"), &headers));
+        assert!(!authorized("s3cret", &headers));
         headers.insert(
             header::AUTHORIZATION,
             "Bearer wrong!".parse().expect("header"),
         );
-        assert!(!authorized(Some("s3cret"), &headers));
+        assert!(!authorized("s3cret", &headers));
         headers.insert(
             header::AUTHORIZATION,
             "Bearer s3cret".parse().expect("header"),
         );
-        assert!(authorized(Some("s3cret"), &headers));
+        assert!(authorized("s3cret", &headers));
         headers.insert(header::AUTHORIZATION, "s3cret".parse().expect("header"));
-        assert!(!authorized(Some("s3cret"), &headers));
+        assert!(!authorized("s3cret", &headers));
+    }
+
+    #[test]
+    fn without_a_token_only_loopback_peers_pass() {
+        let from = |addr: &str| {
+            let mut req = Request::new(());
+            req.extensions_mut()
+                .insert(Peer(addr.parse().expect("a socket address")));
+            req
+        };
+        assert!(from_loopback(&from("127.0.0.1:5000")));
+        assert!(from_loopback(&from("[::1]:5000")));
+        assert!(!from_loopback(&from("10.1.2.3:5000")));
+        assert!(!from_loopback(&Request::new(())), "no peer recorded");
     }
 }

@@ -1,6 +1,9 @@
 //! Prometheus metrics for `/metrics`: requests by status, latency histograms, retries,
-//! preemptions, remote_sends skipped, policy call latency, per-endpoint in-flight.
+//! preemptions, remote_sends skipped, policy call latency, and per endpoint: legs in flight,
+//! health (`1` healthy, `0` not ready, `-1` ejected, `-2` draining, `-3` removed) and
+//! ejections.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -9,6 +12,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
+
+use switchyard_contract::Health;
 
 use crate::Summary;
 use crate::cluster::Cluster;
@@ -28,6 +33,8 @@ pub struct Metrics {
     preemptions: Counter,
     remote_sends_skipped: Counter,
     in_flight: Family<Labels, Gauge>,
+    health: Family<Labels, Gauge>,
+    ejections: Family<Labels, Counter>,
 }
 
 impl Default for Metrics {
@@ -46,6 +53,8 @@ impl Metrics {
         let (retries, preemptions, remote_sends_skipped) =
             (Counter::default(), Counter::default(), Counter::default());
         let in_flight = Family::<Labels, Gauge>::default();
+        let health = Family::<Labels, Gauge>::default();
+        let ejections = Family::<Labels, Counter>::default();
         registry.register(
             "requests",
             "Client requests by route and HTTP status",
@@ -79,6 +88,16 @@ impl Metrics {
             "Legs in flight per endpoint",
             in_flight.clone(),
         );
+        registry.register(
+            "endpoint_health",
+            "1 healthy, 0 not ready (probe), -1 ejected after consecutive failures, -2 draining, -3 removed",
+            health.clone(),
+        );
+        registry.register(
+            "endpoint_ejections",
+            "Outlier ejections per endpoint",
+            ejections.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -90,6 +109,8 @@ impl Metrics {
             preemptions,
             remote_sends_skipped,
             in_flight,
+            health,
+            ejections,
         }
     }
 
@@ -122,15 +143,27 @@ impl Metrics {
             .inc_by(u64::from(summary.remote_sends_skipped));
     }
 
-    /// The Prometheus text exposition, with in-flight gauges read from `cluster` now.
+    /// The Prometheus text exposition, with the endpoint gauges read from `cluster` now.
     pub fn render(&self, cluster: &Cluster) -> String {
         for endpoint in cluster.status() {
+            let labels = vec![("endpoint", endpoint.id.to_string()), ("url", endpoint.url)];
             self.in_flight
-                .get_or_create(&vec![
-                    ("endpoint", endpoint.id.to_string()),
-                    ("url", endpoint.url),
-                ])
+                .get_or_create(&labels)
                 .set(i64::from(endpoint.in_flight));
+            self.health
+                .get_or_create(&labels)
+                .set(match endpoint.health {
+                    Health::Healthy => 1,
+                    Health::NotReady => 0,
+                    Health::Ejected => -1,
+                    Health::Draining => -2,
+                    Health::Removed => -3,
+                });
+            // The cluster counts ejections (it decides them); this counter mirrors its count.
+            self.ejections
+                .get_or_create(&labels)
+                .inner()
+                .store(endpoint.outlier.ejections, Ordering::Relaxed);
         }
         let mut out = String::new();
         // Writing into a String cannot fail.

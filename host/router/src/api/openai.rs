@@ -1,7 +1,16 @@
 //! `/v1/completions` and `/v1/chat/completions`: request parsing and validation, and the
 //! response and chunk shapes of both APIs.
+//!
+//! Every limit is checked here, before any engine sees the request: token ids inside the
+//! vocabulary, `max_tokens` at least 1 (never clamped), the prompt within
+//! `max_prompt_tokens`, prompt and completion within the model's context. A body's fields are
+//! read as raw JSON first, so a prompt of token ids is parsed straight into `Vec<u32>` (no
+//! `serde_json::Value` per id).
+
+use std::collections::BTreeMap;
 
 use serde::Serialize;
+use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use super::respond::ApiError;
@@ -46,11 +55,16 @@ pub struct ParsedRequest {
     pub template: CompletionRequest,
 }
 
-/// Defaults a request does not carry itself.
+/// Defaults a request does not carry itself, and the limits it must keep.
 #[derive(Debug, Clone, Copy)]
 pub struct Defaults<'a> {
     pub model: &'a str,
+    /// `max_tokens` when the request gives none (less when the context leaves less room).
     pub max_tokens: u32,
+    /// Prompt plus completion tokens the model can hold.
+    pub context_length: u32,
+    /// The longest prompt accepted, in tokens.
+    pub max_prompt_tokens: u32,
 }
 
 /// Parse a `/v1/completions` body.
@@ -59,10 +73,10 @@ pub fn parse_completion(
     tokenizer: &PromptTokenizer,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
-    let obj = parse_object(body)?;
-    let prompt = match obj.get("prompt") {
-        None | Some(Value::Null) => return Err(ApiError::invalid("prompt", "prompt is required")),
-        Some(p) => prompt_tokens(p, tokenizer)?,
+    let (prompt, obj) = parse_object(body, "prompt")?;
+    let prompt = match prompt {
+        None => return Err(ApiError::invalid("prompt", "prompt is required")),
+        Some(raw) => prompt_tokens(raw, tokenizer)?,
     };
     if get_bool(&obj, "echo")?.unwrap_or(false) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
@@ -71,7 +85,7 @@ pub fn parse_completion(
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
     let max_tokens = get_max_tokens(&obj, "max_tokens")?;
-    common(&obj, prompt, max_tokens, defaults)
+    common(&obj, prompt, max_tokens, "prompt", tokenizer, defaults)
 }
 
 /// Parse a `/v1/chat/completions` body.
@@ -80,8 +94,13 @@ pub fn parse_chat(
     tokenizer: &PromptTokenizer,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
-    let obj = parse_object(body)?;
-    let messages = chat_messages(obj.get("messages"))?;
+    let (messages, obj) = parse_object(body, "messages")?;
+    let messages = match messages {
+        Some(raw) => serde_json::from_str::<Value>(raw.get())
+            .map_err(|e| ApiError::MalformedJson(e.to_string()))?,
+        None => Value::Null,
+    };
+    let messages = chat_messages(&messages)?;
     let text = tokenizer.render_chat(&messages).map_err(|e| {
         ApiError::invalid("messages", format!("cannot render the chat template: {e}"))
     })?;
@@ -96,18 +115,38 @@ pub fn parse_chat(
         Some(n) => Some(n),
         None => get_max_tokens(&obj, "max_tokens")?,
     };
-    common(&obj, prompt, max_tokens, defaults)
+    common(&obj, prompt, max_tokens, "messages", tokenizer, defaults)
 }
 
-fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
-    match serde_json::from_slice::<Value>(body) {
-        Ok(Value::Object(obj)) => Ok(obj),
-        Ok(_) => Err(ApiError::invalid(
-            "body",
-            "the request body must be a JSON object",
-        )),
-        Err(e) => Err(ApiError::MalformedJson(e.to_string())),
+/// A JSON object's field `big` as raw JSON (`None` when absent or null), and every other field
+/// as a value: the big one (the prompt, the messages) is parsed only by what reads it.
+fn parse_object<'a>(
+    body: &'a [u8],
+    big: &str,
+) -> Result<(Option<&'a RawValue>, Map<String, Value>), ApiError> {
+    let fields: BTreeMap<String, &RawValue> = match serde_json::from_slice(body) {
+        Ok(fields) => fields,
+        // Valid JSON that is no object is the client's shape mistake, not a syntax error.
+        Err(e) if e.is_data() => {
+            return Err(ApiError::invalid(
+                "body",
+                "the request body must be a JSON object",
+            ));
+        }
+        Err(e) => return Err(ApiError::MalformedJson(e.to_string())),
+    };
+    let mut rest = Map::new();
+    let mut found = None;
+    for (name, raw) in fields {
+        if name == big {
+            found = (raw.get() != "null").then_some(raw);
+            continue;
+        }
+        let value =
+            serde_json::from_str(raw.get()).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        rest.insert(name, value);
     }
+    Ok((found, rest))
 }
 
 /// The fields both APIs share.
@@ -115,8 +154,12 @@ fn common(
     obj: &Map<String, Value>,
     prompt: Vec<u32>,
     max_tokens: Option<u32>,
+    prompt_param: &'static str,
+    tokenizer: &PromptTokenizer,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
+    check_vocabulary(&prompt, tokenizer.vocab_size())?;
+    let max_tokens = check_length(prompt.len(), max_tokens, prompt_param, defaults)?;
     let model = get_str(obj, "model")?.unwrap_or(defaults.model).to_owned();
     let stream = get_bool(obj, "stream")?.unwrap_or(false);
     let include_usage = match obj.get("stream_options") {
@@ -183,7 +226,7 @@ fn common(
     };
     Ok(ParsedRequest {
         prompt,
-        max_tokens: max_tokens.unwrap_or(defaults.max_tokens),
+        max_tokens,
         stream,
         include_usage,
         model,
@@ -192,25 +235,89 @@ fn common(
     })
 }
 
-/// A string, a list of token ids, or a one-element list of either.
-fn prompt_tokens(prompt: &Value, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
-    let tokens = match prompt {
-        Value::String(text) => tokenizer.encode(text).map_err(ApiError::Tokenize)?,
-        Value::Array(items) if items.iter().all(Value::is_number) => token_ids(items)?,
-        Value::Array(items) if items.len() == 1 => return prompt_tokens(&items[0], tokenizer),
-        Value::Array(items) if items.is_empty() => Vec::new(),
-        Value::Array(_) => {
-            return Err(ApiError::invalid(
-                "prompt",
-                "prompt must be a string or a list of token ids (batches of prompts are not supported)",
-            ));
-        }
-        _ => {
-            return Err(ApiError::invalid(
-                "prompt",
-                "prompt must be a string or a list of token ids",
-            ));
-        }
+/// Every id inside the vocabulary: an engine indexes its embeddings with them.
+fn check_vocabulary(prompt: &[u32], vocab_size: u32) -> Result<(), ApiError> {
+    match prompt.iter().find(|&&id| id >= vocab_size) {
+        Some(id) => Err(ApiError::invalid(
+            "prompt",
+            format!("token id {id} is out of range: the vocabulary has {vocab_size} tokens"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The request's `max_tokens` (or the default, within what the context leaves), after checking
+/// that the prompt and the completion fit: refused, never clamped.
+fn check_length(
+    prompt_len: usize,
+    max_tokens: Option<u32>,
+    prompt_param: &'static str,
+    limits: Defaults<'_>,
+) -> Result<u32, ApiError> {
+    let context = u64::from(limits.context_length);
+    let prompt_len = prompt_len as u64;
+    if prompt_len > u64::from(limits.max_prompt_tokens) {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!(
+                "the prompt has {prompt_len} tokens, more than the {} this router accepts",
+                limits.max_prompt_tokens
+            ),
+        ));
+    }
+    let room = context.saturating_sub(prompt_len);
+    let max_tokens = match max_tokens {
+        Some(n) => u64::from(n),
+        None if room == 0 => 1,
+        None => u64::from(limits.max_tokens).min(room),
+    };
+    if prompt_len + max_tokens > context {
+        // OpenAI's words, so clients that parse them keep working.
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!(
+                "This model's maximum context length is {context} tokens. However, you \
+                 requested {} tokens ({prompt_len} in the {prompt_param}, {max_tokens} in the \
+                 completion). Please reduce the length of the {prompt_param} or completion.",
+                prompt_len + max_tokens
+            ),
+        ));
+    }
+    // Fits in the context, which is a u32.
+    Ok(max_tokens as u32)
+}
+
+/// A string, a list of token ids, or a one-element list of either, parsed from raw JSON: ids
+/// go straight into a `Vec<u32>`.
+fn prompt_tokens(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
+    match serde_json::from_str::<[&RawValue; 1]>(raw.get()) {
+        // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`). One level only:
+        // however deep the client nests, nothing here recurses.
+        Ok([one]) if one.get().starts_with(['"', '[']) => one_prompt(one, tokenizer),
+        _ => one_prompt(raw, tokenizer),
+    }
+}
+
+/// A string or a list of token ids.
+fn one_prompt(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
+    let json = raw.get();
+    let tokens = if json.starts_with('"') {
+        let text: String =
+            serde_json::from_str(json).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+        tokenizer.encode(&text).map_err(ApiError::Tokenize)?
+    } else if let Ok(ids) = serde_json::from_str::<Vec<u32>>(json) {
+        ids
+    } else {
+        let why = match serde_json::from_str::<Value>(json) {
+            Ok(Value::Array(items)) if items.iter().all(Value::is_number) => {
+                "token ids are integers from 0 to 4294967295"
+            }
+            Ok(Value::Array(_)) => {
+                "prompt must be a string or a list of token ids (batches of prompts are not supported)"
+            }
+            _ => "prompt must be a string or a list of token ids",
+        };
+        return Err(ApiError::invalid("prompt", why));
     };
     if tokens.is_empty() {
         return Err(ApiError::invalid("prompt", "prompt must not be empty"));
@@ -218,19 +325,8 @@ fn prompt_tokens(prompt: &Value, tokenizer: &PromptTokenizer) -> Result<Vec<u32>
     Ok(tokens)
 }
 
-fn token_ids(items: &[Value]) -> Result<Vec<u32>, ApiError> {
-    items
-        .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|id| u32::try_from(id).ok())
-                .ok_or_else(|| ApiError::invalid("prompt", format!("{v} is not a token id")))
-        })
-        .collect()
-}
-
-fn chat_messages(messages: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
-    let Some(Value::Array(items)) = messages else {
+fn chat_messages(messages: &Value) -> Result<Vec<ChatMessage>, ApiError> {
+    let Value::Array(items) = messages else {
         return Err(ApiError::invalid(
             "messages",
             "messages must be a list of messages",
@@ -269,14 +365,17 @@ fn chat_messages(messages: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError>
         .collect()
 }
 
+/// At least 1; a number too large for any context is refused by the length check (as
+/// `u32::MAX`, which no context holds), never clamped to what fits.
 fn get_max_tokens(obj: &Map<String, Value>, key: &'static str) -> Result<Option<u32>, ApiError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) => match n.as_i64() {
-            Some(v) if v >= 1 => Ok(Some(u32::try_from(v).unwrap_or(u32::MAX))),
-            Some(_) => Err(ApiError::invalid(key, format!("{key} must be at least 1"))),
-            None => Err(ApiError::invalid(key, format!("{key} must be an integer"))),
-        },
+        Some(Value::Number(n)) if n.as_u64().is_some_and(|v| v >= 1) => {
+            Ok(n.as_u64().map(|v| u32::try_from(v).unwrap_or(u32::MAX)))
+        }
+        Some(Value::Number(n)) if n.is_i64() => {
+            Err(ApiError::invalid(key, format!("{key} must be at least 1")))
+        }
         Some(_) => Err(ApiError::invalid(key, format!("{key} must be an integer"))),
     }
 }
@@ -463,6 +562,8 @@ mod tests {
         Defaults {
             model: "served",
             max_tokens: 16,
+            context_length: 64,
+            max_prompt_tokens: 50,
         }
     }
 
@@ -531,10 +632,63 @@ mod tests {
             "stream"
         );
         assert_eq!(param_of(parse(r#"{"prompt": "a", "n": 2}"#)), "n");
+        assert_eq!(param_of(parse(r#"{"prompt": [1.5]}"#)), "prompt");
+        // Nesting as deep as a client likes recurses nowhere (this overflowed the stack once).
+        let deep = format!(
+            r#"{{"prompt": {}1{}}}"#,
+            "[".repeat(20_000),
+            "]".repeat(20_000)
+        );
+        assert_eq!(param_of(parse(&deep)), "prompt");
+        assert_eq!(param_of(parse(r#"{"prompt": [[1], [2]]}"#)), "prompt");
         assert_eq!(
             param_of(parse(r#"{"prompt": "a", "temperature": "hot"}"#)),
             "temperature"
         );
+    }
+
+    #[test]
+    fn limits_refuse_what_does_not_fit_and_never_clamp() {
+        // The byte-level vocabulary: ids 0..=255 (and EOS).
+        let vocab = PromptTokenizer::byte_level()
+            .expect("tokenizer")
+            .vocab_size();
+        assert!(parse(&format!(r#"{{"prompt": [{}]}}"#, vocab - 1)).is_ok());
+        let e = parse(&format!(r#"{{"prompt": [{vocab}]}}"#)).expect_err("out of vocabulary");
+        assert!(e.to_string().contains("out of range"), "{e}");
+        // Context 64, prompts of at most 50 tokens.
+        let over = |prompt: usize, max_tokens: u64| {
+            let body = format!(
+                r#"{{"prompt": "{}", "max_tokens": {max_tokens}}}"#,
+                "x".repeat(prompt)
+            );
+            parse(&body)
+        };
+        assert_eq!(over(40, 24).expect("fits exactly").max_tokens, 24);
+        assert_eq!(param_of(over(40, 25)), "prompt");
+        let e = over(40, 25).expect_err("one too many");
+        assert!(
+            e.to_string().contains(
+                "maximum context length is 64 tokens. However, you requested 65 tokens \
+                 (40 in the prompt, 25 in the completion)"
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            param_of(over(1, 1 << 40)),
+            "prompt",
+            "2^40 is refused, not clamped"
+        );
+        assert_eq!(
+            param_of(over(51, 1)),
+            "prompt",
+            "longer than max_prompt_tokens"
+        );
+        // Without max_tokens, the default shrinks to the room the context leaves.
+        let r = parse(&format!(r#"{{"prompt": "{}"}}"#, "x".repeat(50))).expect("valid");
+        assert_eq!(r.max_tokens, 14);
+        let r = parse(r#"{"prompt": [[7, 8]]}"#).expect("a batch of one");
+        assert_eq!(r.prompt, [7, 8]);
     }
 
     /// The JSON of each `data:` frame in `out`.

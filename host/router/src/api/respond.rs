@@ -10,6 +10,7 @@ use switchyard_wire::sse;
 
 use super::{Body, full};
 use crate::RouteError;
+use crate::cluster::EndpointError;
 use crate::microserving::CallError;
 use crate::plan::StepKind;
 
@@ -33,10 +34,16 @@ pub enum ApiError {
     NotFound { method: String, path: String },
     #[error("this route needs `Authorization: Bearer <admin token>`")]
     Unauthorized,
+    #[error("without --admin-token, /admin/* answers only on loopback")]
+    AdminNotLocal,
     #[error("the router is not ready: {0}")]
     NotReady(&'static str),
     #[error("cannot tokenize the prompt: {0}")]
     Tokenize(String),
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
     #[error(transparent)]
     Route(#[from] RouteError),
 }
@@ -57,8 +64,13 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::AdminNotLocal => StatusCode::FORBIDDEN,
             ApiError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Endpoint(EndpointError::Unknown(_)) => StatusCode::NOT_FOUND,
+            ApiError::Endpoint(EndpointError::Invalid { .. }) => StatusCode::BAD_REQUEST,
+            ApiError::Endpoint(_) => StatusCode::CONFLICT,
             ApiError::Route(e) => route_status(e),
         }
     }
@@ -75,6 +87,7 @@ impl ApiError {
     fn param(&self) -> Option<&'static str> {
         match self {
             ApiError::InvalidField { param, .. } => Some(param),
+            ApiError::ModelNotFound(_) => Some("model"),
             _ => None,
         }
     }
@@ -87,8 +100,11 @@ impl ApiError {
             ApiError::BodyRead(_) => "invalid_body",
             ApiError::NotFound { .. } => "not_found",
             ApiError::Unauthorized => "unauthorized",
+            ApiError::AdminNotLocal => "forbidden",
             ApiError::NotReady(_) => "not_ready",
             ApiError::Tokenize(_) => "invalid_prompt",
+            ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::Endpoint(_) => "endpoint_change_refused",
             ApiError::Route(RouteError::Policy(TranslateError::Unavailable { .. })) => {
                 "no_endpoint_available"
             }
@@ -100,6 +116,8 @@ impl ApiError {
             ApiError::Route(RouteError::Exhausted { .. } | RouteError::Engine(_)) => {
                 "upstream_error"
             }
+            ApiError::Route(RouteError::RetryBudget { .. }) => "retry_budget_exhausted",
+            ApiError::Route(RouteError::Deadline(_)) => "request_timeout",
             ApiError::Route(RouteError::Tokenize(_)) => "internal_error",
         }
     }
@@ -136,6 +154,9 @@ fn route_status(error: &RouteError) -> StatusCode {
             StatusCode::GATEWAY_TIMEOUT
         }
         RouteError::Exhausted { .. } => StatusCode::BAD_GATEWAY,
+        // Retrying now would add load where engines are already failing: come back later.
+        RouteError::RetryBudget { .. } => StatusCode::SERVICE_UNAVAILABLE,
+        RouteError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
         // The engine refused the request itself (e.g. a prompt longer than its context).
         RouteError::Engine(e) => match &e.source {
             CallError::Status { status, .. }

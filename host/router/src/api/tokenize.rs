@@ -141,6 +141,11 @@ impl PromptTokenizer {
         self.tokenizer.clone()
     }
 
+    /// Token ids below this are in the vocabulary (added tokens included).
+    pub fn vocab_size(&self) -> u32 {
+        u32::try_from(self.tokenizer.get_vocab_size(true)).unwrap_or(u32::MAX)
+    }
+
     /// Token ids of `text`, without special tokens.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         // `encode_fast` skips the character offsets, which the router never reads: the same

@@ -1,5 +1,6 @@
-//! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks), and the
-//! engines' KV usage for the policy snapshot.
+//! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks; the ids it
+//! lists are the models the endpoint serves), and the engines' KV usage for the policy
+//! snapshot. Probe answers are read up to a cap.
 //!
 //! A healthy endpoint is probed every `interval`; an unhealthy one with exponential backoff
 //! from `min_backoff` to `max_backoff`, so a restarted engine comes back quickly without a
@@ -40,24 +41,35 @@ impl Default for ProbeConfig {
 }
 
 /// Start one probe task per endpoint. The tasks end when the cluster is dropped.
-pub fn spawn_probes(cluster: &Arc<Cluster>, client: EngineClient, config: ProbeConfig) {
+pub fn spawn_probes(cluster: &Arc<Cluster>, client: &EngineClient, config: ProbeConfig) {
     for id in 0..cluster.len() as u32 {
-        tokio::spawn(probe_loop(
-            Arc::downgrade(cluster),
-            client.clone(),
-            config,
-            id,
-        ));
+        spawn_probe(cluster, client, config, id);
     }
+}
+
+/// Start probing endpoint `id`, until it is removed or the cluster is dropped.
+pub fn spawn_probe(cluster: &Arc<Cluster>, client: &EngineClient, config: ProbeConfig, id: u32) {
+    tokio::spawn(probe_loop(
+        Arc::downgrade(cluster),
+        client.clone(),
+        config,
+        id,
+    ));
 }
 
 async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeConfig, id: u32) {
     let mut backoff = config.min_backoff;
     loop {
-        let Some(url) = cluster.upgrade().and_then(|c| c.url(id).map(str::to_owned)) else {
+        let Some(endpoint) = cluster.upgrade().and_then(|c| c.endpoint(id)) else {
             return;
         };
-        let ok = client.ready(&url).await;
+        if endpoint.is_removed() {
+            return;
+        }
+        let url = endpoint.url.clone();
+        drop(endpoint);
+        let models = client.ready(&url).await;
+        let ok = models.is_some();
         let kv_usage = if ok {
             client.metrics(&url).await.as_deref().and_then(kv_usage)
         } else {
@@ -66,6 +78,9 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         let Some(c) = cluster.upgrade() else { return };
         c.set_health(id, ok);
         c.set_kv_usage(id, kv_usage);
+        if let Some(models) = models {
+            c.set_models(id, models);
+        }
         drop(c);
         let wait = if ok {
             backoff = config.min_backoff;

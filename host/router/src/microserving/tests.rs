@@ -106,3 +106,29 @@ async fn an_error_status_keeps_the_start_of_its_body() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn a_connection_closed_before_any_answer_is_tried_once_more_on_a_fresh_one() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let answer = br#"{"kv_append_metadata":"AwAAAAAAAABbMF0=","prefix_matched_length":0}"#;
+    let served = tokio::spawn(async move {
+        let mut request = vec![0u8; 64 << 10];
+        // The first connection reads the request and closes: a keep-alive that ran out.
+        let (mut first, _) = listener.accept().await.expect("accept");
+        let _ = first.read(&mut request).await;
+        drop(first);
+        let (mut second, _) = listener.accept().await.expect("accept again");
+        let _ = second.read(&mut request).await;
+        let mut reply = head("200 OK", "application/json", answer.len());
+        reply.extend_from_slice(answer);
+        second.write_all(&reply).await.expect("write");
+    });
+    let base = format!("http://{addr}");
+    let prep = client(Duration::from_secs(20))
+        .prep_recv(&base, &prep_body())
+        .await
+        .expect("answered on the second connection");
+    assert_eq!(prep.prefix_matched_length, 0);
+    served.await.expect("both connections served");
+}

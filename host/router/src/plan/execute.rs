@@ -4,11 +4,21 @@
 //! chunk to the client as it arrives.
 //!
 //! Errors are classified here, once: [`ExecError`] names the endpoint, the step and the
-//! attempt, and says whether another attempt may help ([`ExecError::retryable`]) and how the
-//! policy should hear about it ([`ExecError::failure_kind`]).
+//! attempt, and says whether another attempt may help ([`ExecError::retryable`]), whether the
+//! endpoint is to blame ([`ExecError::blames_endpoint`]) and how the policy should hear about
+//! it ([`ExecError::failure_kind`]).
+//!
+//! No KV is left reserved. prep_recv and start_generate run on tasks of their own
+//! ([`detached`]): once such a call may have reached D, only its answer says whether D holds
+//! pages for the request, so the answer is always read, even when the attempt was dropped
+//! meanwhile. Between a successful prep_recv and start_generate, D's pages belong to a
+//! [`Reservation`]; an attempt that ends in between (remote_send failed or timed out,
+//! start_generate was refused, the client left) frees them in the background ([`release`]).
 
 use std::sync::Arc;
+use std::time::Duration;
 
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use switchyard_contract::{EndpointId, FailureKind, ValidPlan};
@@ -18,8 +28,10 @@ use switchyard_wire::microserving::{
 };
 use switchyard_wire::sse::{ChunkStream, SseError};
 
-use crate::cluster::{Cluster, InFlight};
-use crate::microserving::{CallError, EngineClient};
+use crate::cluster::{
+    Cluster, EndpointError, EndpointSpec, InFlight, Owner, ProbeConfig, spawn_probe,
+};
+use crate::microserving::{CallError, EngineClient, Release};
 
 /// The microserving step an error happened in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -61,11 +73,41 @@ impl ExecError {
     /// request itself is wrong and is not retried.
     pub fn retryable(&self) -> bool {
         match &self.source {
-            CallError::Connect { .. } | CallError::Timeout { .. } | CallError::Stream { .. } => {
-                true
-            }
+            CallError::Connect { .. }
+            | CallError::Closed { .. }
+            | CallError::Timeout { .. }
+            | CallError::Stream(_) => true,
             CallError::Status { status, .. } => *status >= 500 || *status == 429,
             CallError::Decode { .. } | CallError::Build { .. } => false,
+        }
+    }
+
+    /// Whether the endpoint itself is to blame, so the failure counts toward ejecting it: it
+    /// could not be reached, was too slow, failed internally (5xx), sent something unreadable,
+    /// or its stream broke or stalled. A 4xx is the request's fault (and 429 is the engine
+    /// pacing its load, not failing), so neither counts.
+    pub fn blames_endpoint(&self) -> bool {
+        match &self.source {
+            CallError::Connect { .. }
+            | CallError::Closed { .. }
+            | CallError::Timeout { .. }
+            | CallError::Stream(_)
+            | CallError::Decode { .. } => true,
+            CallError::Status { status, .. } => *status >= 500,
+            CallError::Build { .. } => false,
+        }
+    }
+
+    /// Whether the engine refused the request itself (4xx other than 429): retrying cannot help
+    /// and the client hears the 4xx.
+    pub fn is_clients(&self) -> bool {
+        matches!(self.source, CallError::Status { status, .. } if (400..500).contains(&status) && status != 429)
+    }
+
+    /// Count this failure against its endpoint, when the endpoint is to blame.
+    pub fn record(&self, cluster: &Cluster) {
+        if self.blames_endpoint() {
+            cluster.record_failure(self.endpoint, self);
         }
     }
 
@@ -73,10 +115,7 @@ impl ExecError {
     pub fn failure_kind(&self) -> FailureKind {
         match &self.source {
             CallError::Timeout { .. } => FailureKind::Timeout,
-            CallError::Stream {
-                source: SseError::Idle(_),
-                ..
-            } => FailureKind::Timeout,
+            CallError::Stream(SseError::Idle(_)) => FailureKind::Timeout,
             _ => FailureKind::EndpointError,
         }
     }
@@ -189,6 +228,14 @@ impl Executor {
         &self.cluster
     }
 
+    /// Add an endpoint to the live list and start probing it: it serves once its probe
+    /// answers.
+    pub fn add_endpoint(&self, spec: &EndpointSpec, owner: Owner) -> Result<u32, EndpointError> {
+        let id = self.cluster.add(spec, owner)?;
+        spawn_probe(&self.cluster, &self.client, ProbeConfig::default(), id);
+        Ok(id)
+    }
+
     /// Run `plan` for `body` (prompt, sampling, max_tokens; `user` is set here). Returns once
     /// the generating engine has answered with its response headers.
     pub async fn execute(
@@ -206,12 +253,13 @@ impl Executor {
                 remote_send,
             } => {
                 let guard = self.guard(decode, StepKind::PrepRecv, id)?;
-                let prep = self.prep_recv(decode, end, &body, id).await?;
+                let (prep, reservation) = self.prep_recv(decode, end, body, id).await?;
                 let mut remote_send_skipped = false;
                 if let Some(send) = remote_send {
                     let begin = send.begin.unwrap_or(prep.prefix_matched_length);
                     if begin < end {
-                        self.remote_send(send.prefill, decode, begin, end, &prep, &body, id)
+                        let body = &reservation.request().common;
+                        self.remote_send(send.prefill, decode, begin, end, &prep, body, id)
                             .await?;
                     } else {
                         // D's prefix cache already holds [0, end): nothing to move.
@@ -219,7 +267,7 @@ impl Executor {
                         tracing::debug!(request = %id.upstream_id, decode, end, "remote_send skipped");
                     }
                 }
-                let chunks = self.start_generate(decode, end, body, id).await?;
+                let chunks = self.start_generate(decode, reservation, id).await?;
                 Ok(Generation::new(
                     chunks,
                     decode,
@@ -231,21 +279,44 @@ impl Executor {
         }
     }
 
+    /// prep_recv on D; on success, D's pages for `[0, end)` are the returned [`Reservation`]'s.
     async fn prep_recv(
         &self,
         decode: EndpointId,
         end: u32,
-        body: &CompletionRequest,
+        body: CompletionRequest,
         id: &AttemptId,
-    ) -> Result<PrepRecvResponse, ExecError> {
+    ) -> Result<(PrepRecvResponse, Reservation), ExecError> {
         let span = tracing::debug_span!("prep_recv", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, end);
+        let url = self.url(decode, StepKind::PrepRecv, id)?;
+        let mut pending = Reservation {
+            client: self.client.clone(),
+            url,
+            decode,
+            request: Some(StartGenerateRequest {
+                common: body,
+                begin: i64::from(end),
+            }),
+            armed: false,
+        };
         let request = PrepRecvRequest {
-            common: body.clone(),
+            common: pending.request().common.clone(),
             end: i64::from(end),
         };
-        let url = self.url(decode, StepKind::PrepRecv, id)?;
-        let result = self.client.prep_recv(url, &request).instrument(span).await;
-        self.check(result, decode, StepKind::PrepRecv, id)
+        let call = async move {
+            let answer = pending.client.prep_recv(&pending.url, &request).await;
+            // Armed before anyone may see it: dropped anywhere from here (with the attempt,
+            // or unread in the channel), it frees D's pages.
+            if answer.is_ok() {
+                pending.arm();
+            }
+            (answer, pending)
+        };
+        let (answer, reservation) = detached(call.instrument(span))
+            .await
+            .ok_or_else(|| self.lost(decode, StepKind::PrepRecv, id))?;
+        let prep = self.check(answer, decode, StepKind::PrepRecv, id)?;
+        Ok((prep, reservation))
     }
 
     #[expect(
@@ -279,31 +350,39 @@ impl Executor {
         let url = self.url(prefill, StepKind::RemoteSend, id)?;
         let result = self
             .client
-            .remote_send(url, &request)
+            .remote_send(&url, &request)
             .instrument(span)
             .await;
         self.check(result, prefill, StepKind::RemoteSend, id)
     }
 
+    /// start_generate on D, which takes the reservation's pages over: from the moment the call
+    /// may reach D, D frees them itself (it aborts a generation whose client is gone), so the
+    /// answer is read even if the attempt is dropped, and a stream nobody wants is hung up on.
+    /// Only a refusal leaves the pages reserved, and frees them like any other dropped
+    /// reservation.
     async fn start_generate(
         &self,
         decode: EndpointId,
-        begin: u32,
-        body: CompletionRequest,
+        mut reservation: Reservation,
         id: &AttemptId,
     ) -> Result<ChunkStream, ExecError> {
-        let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, begin);
-        let request = StartGenerateRequest {
-            common: body,
-            begin: i64::from(begin),
+        let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode);
+        let mut taken = reservation.disarm();
+        let call = async move {
+            let answer = taken
+                .client
+                .start_generate(&taken.url, taken.request())
+                .await;
+            if matches!(answer, Err(CallError::Status { .. })) {
+                taken.arm();
+            }
+            answer
         };
-        let url = self.url(decode, StepKind::StartGenerate, id)?;
-        let result = self
-            .client
-            .start_generate(url, &request)
-            .instrument(span)
-            .await;
-        self.check(result, decode, StepKind::StartGenerate, id)
+        let answer = detached(call.instrument(span))
+            .await
+            .ok_or_else(|| self.lost(decode, StepKind::StartGenerate, id))?;
+        self.check(answer, decode, StepKind::StartGenerate, id)
     }
 
     async fn forward(
@@ -315,12 +394,14 @@ impl Executor {
         let span = tracing::debug_span!("forward", request = %id.upstream_id, attempt = id.attempt, endpoint);
         let guard = self.guard(endpoint, StepKind::Forward, id)?;
         let url = self.url(endpoint, StepKind::Forward, id)?;
-        let result = self.client.forward(url, &body).instrument(span).await;
+        let result = self.client.forward(&url, &body).instrument(span).await;
         let chunks = self.check(result, endpoint, StepKind::Forward, id)?;
         Ok(Generation::new(chunks, endpoint, 0, false, guard))
     }
 
-    /// Wrap a call result, marking the endpoint unhealthy when it could not be reached.
+    /// Wrap a call result and tell the cluster how the endpoint did: a success, a failure
+    /// that counts toward ejecting it, or, when it could not be reached at all, a sign it is
+    /// down until its probe answers again.
     fn check<T>(
         &self,
         result: Result<T, CallError>,
@@ -328,20 +409,33 @@ impl Executor {
         step: StepKind,
         id: &AttemptId,
     ) -> Result<T, ExecError> {
-        result.map_err(|source| {
-            if source.is_unreachable() {
-                self.cluster.mark_unhealthy(endpoint);
+        match result {
+            Ok(value) => {
+                self.cluster.record_success(endpoint);
+                Ok(value)
             }
-            ExecError {
-                endpoint,
-                step,
-                attempt: id.attempt,
-                source,
+            Err(source) => {
+                if source.is_unreachable() {
+                    self.cluster.mark_unhealthy(endpoint);
+                }
+                let error = ExecError {
+                    endpoint,
+                    step,
+                    attempt: id.attempt,
+                    source,
+                };
+                error.record(&self.cluster);
+                Err(error)
             }
-        })
+        }
     }
 
-    fn url(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> Result<&str, ExecError> {
+    fn url(
+        &self,
+        endpoint: EndpointId,
+        step: StepKind,
+        id: &AttemptId,
+    ) -> Result<Arc<str>, ExecError> {
         self.cluster
             .url(endpoint)
             .ok_or_else(|| self.unknown(endpoint, step, id))
@@ -358,6 +452,18 @@ impl Executor {
             .ok_or_else(|| self.unknown(endpoint, step, id))
     }
 
+    /// A detached call's task ended without an answer (it panicked, or the runtime is going).
+    fn lost(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> ExecError {
+        ExecError {
+            endpoint,
+            step,
+            attempt: id.attempt,
+            source: CallError::Stream(SseError::Transport(
+                "the call ended without an answer".into(),
+            )),
+        }
+    }
+
     /// Unreachable after validation (ids are checked against the same cluster), but a plan
     /// must never panic the router.
     fn unknown(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> ExecError {
@@ -366,9 +472,117 @@ impl Executor {
             step,
             attempt: id.attempt,
             source: CallError::Connect {
-                url: String::new(),
                 reason: format!("endpoint {endpoint} does not exist"),
             },
+        }
+    }
+}
+
+// === impl Reservation ===
+
+/// D's pages for one attempt, from a successful prep_recv until start_generate takes them
+/// over. Dropped while armed, whatever the reason, it frees them in the background
+/// ([`release`]).
+struct Reservation {
+    client: EngineClient,
+    /// D's base URL.
+    url: Arc<str>,
+    decode: EndpointId,
+    /// The start_generate that takes the pages over, and the one a release sends.
+    request: Option<StartGenerateRequest>,
+    armed: bool,
+}
+
+impl Reservation {
+    fn request(&self) -> &StartGenerateRequest {
+        // Taken only by `drop`.
+        self.request
+            .as_ref()
+            .expect("the request lives as long as the reservation")
+    }
+
+    /// This reservation, unarmed (a call in flight decides what it becomes), leaving an
+    /// empty, unarmed one behind.
+    fn disarm(&mut self) -> Reservation {
+        self.armed = false;
+        Reservation {
+            client: self.client.clone(),
+            url: Arc::clone(&self.url),
+            decode: self.decode,
+            request: self.request.take(),
+            armed: false,
+        }
+    }
+
+    /// D holds the pages: free them if this is dropped.
+    fn arm(&mut self) {
+        self.armed = true;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        let (true, Some(request)) = (self.armed, self.request.take()) else {
+            return;
+        };
+        // Drop runs on the runtime; one that is shutting down has no engines left to call.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let url = Arc::clone(&self.url);
+            runtime.spawn(release(self.client.clone(), url, self.decode, request));
+        }
+    }
+}
+
+/// Runs `call` on a task of its own, so it runs to its answer even if the caller is dropped.
+/// An answer nobody reads is dropped: answers clean up after themselves when dropped (an armed
+/// [`Reservation`] frees its pages, a stream hangs up). `None`: the task ended without an
+/// answer.
+async fn detached<T: Send + 'static>(call: impl Future<Output = T> + Send + 'static) -> Option<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        // Nobody listening: the answer is dropped here.
+        let _ = tx.send(call.await);
+    });
+    rx.await.ok()
+}
+
+/// How long a release keeps trying: a decode engine frozen for minutes still gets its pages
+/// back when it resumes, and nothing keeps trying forever.
+const RELEASE_PATIENCE: Duration = Duration::from_secs(600);
+const RELEASE_BACKOFF_MIN: Duration = Duration::from_millis(50);
+const RELEASE_BACKOFF_MAX: Duration = Duration::from_secs(5);
+
+/// Free D's reservation for `request.common.user`: try, and while the engine is busy with it
+/// (a transfer still writing it), frozen or failing, try again with backoff, for at most
+/// [`RELEASE_PATIENCE`]. An engine whose process is gone took its reservations with it.
+async fn release(
+    client: EngineClient,
+    url: Arc<str>,
+    decode: EndpointId,
+    request: StartGenerateRequest,
+) {
+    let user = request.common.user.clone().unwrap_or_default();
+    let give_up = Instant::now() + RELEASE_PATIENCE;
+    let mut backoff = RELEASE_BACKOFF_MIN;
+    loop {
+        match client.release(&url, &request).await {
+            Release::Freed => {
+                tracing::debug!(request = %user, endpoint = decode, "KV reservation released");
+                return;
+            }
+            Release::Gone(why) => {
+                tracing::debug!(request = %user, endpoint = decode, %why, "KV reservation already gone");
+                return;
+            }
+            Release::Later(why) if Instant::now() + backoff < give_up => {
+                tracing::debug!(request = %user, endpoint = decode, %why, retry_in = ?backoff, "KV reservation not released yet");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RELEASE_BACKOFF_MAX);
+            }
+            Release::Later(why) => {
+                tracing::warn!(request = %user, endpoint = decode, %why, "gave up releasing a KV reservation; the engine must expire it");
+                return;
+            }
         }
     }
 }

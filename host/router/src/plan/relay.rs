@@ -87,10 +87,7 @@ pub async fn relay(
                     endpoint: generation.generator,
                     step: StepKind::Relay,
                     attempt,
-                    source: CallError::Stream {
-                        url: String::new(),
-                        source,
-                    },
+                    source: CallError::Stream(source),
                 });
             }
         };
@@ -128,10 +125,9 @@ pub async fn relay(
             endpoint: generation.generator,
             step: StepKind::Relay,
             attempt,
-            source: CallError::Stream {
-                url: String::new(),
-                source: SseError::Transport("the stream ended without a finish_reason".into()),
-            },
+            source: CallError::Stream(SseError::Transport(
+                "the stream ended without a finish_reason".into(),
+            )),
         }),
     }
 }

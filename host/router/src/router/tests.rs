@@ -1,6 +1,7 @@
 //! The attempt loop against a scripted planner and executor on a paused clock: backoff bounds
 //! and jitter, attempt numbering and upstream ids, the failure the policy hears about, the
-//! budget, preemption continuation arithmetic and cancellation.
+//! attempt cap, the retry budget, the request deadline, preemption continuation arithmetic,
+//! outlier accounting and cancellation.
 //!
 //! The byte-level tokenizer makes one token per byte, so token arithmetic reads as string
 //! lengths.
@@ -16,7 +17,7 @@ use switchyard_wire::completion::{Choice, CompletionResponse, FINISH_PREEMPT};
 use switchyard_wire::sse::ChunkStream;
 
 use super::*;
-use crate::cluster::{Cluster, EndpointSpec};
+use crate::cluster::{Cluster, EndpointSpec, OutlierConfig};
 use crate::plan::Generation;
 
 const REQUEST_ID: &str = "cmpl-0123456789abcdef0123456789abcdef";
@@ -216,24 +217,19 @@ fn engine_usage(
 
 fn connect_error() -> CallError {
     CallError::Connect {
-        url: "http://127.0.0.1:1".into(),
         reason: "connection refused".into(),
     }
 }
 
 fn status_error(status: u16) -> CallError {
     CallError::Status {
-        url: "http://127.0.0.1:1".into(),
         status,
         body: String::new(),
     }
 }
 
 fn timeout_error() -> CallError {
-    CallError::Timeout {
-        url: "http://127.0.0.1:1".into(),
-        after: ms(5),
-    }
+    CallError::Timeout { after: ms(5) }
 }
 
 // === harness ===
@@ -246,12 +242,25 @@ struct Harness {
 
 impl Harness {
     fn new(retry: RetryPolicy, script: Vec<Script>) -> Self {
+        Self::with_config(
+            RouterConfig {
+                retry,
+                ..RouterConfig::default()
+            },
+            script,
+        )
+    }
+
+    fn with_config(config: RouterConfig, script: Vec<Script>) -> Self {
         let spec = |port: u16| EndpointSpec {
             url: format!("http://127.0.0.1:{port}"),
             role: Role::Any,
             num_gpus: 1,
         };
-        let cluster = Arc::new(Cluster::new(vec![spec(1), spec(2)]));
+        let cluster = Arc::new(Cluster::new(
+            vec![spec(1), spec(2)],
+            OutlierConfig::default(),
+        ));
         cluster.set_health(0, true);
         cluster.set_health(1, true);
         let executor = FakeExecutor {
@@ -265,7 +274,7 @@ impl Harness {
             outcomes: tx,
         });
         let tokenizer = Arc::new(switchyard_wire::tokenizer::byte_level_tokenizer());
-        let router = Arc::new(Router::new(executor, planner.clone(), retry, tokenizer));
+        let router = Arc::new(Router::new(executor, planner.clone(), config, tokenizer));
         Harness {
             router,
             planner,
@@ -460,7 +469,7 @@ async fn engine_failures_re_plan_with_backoff_and_the_failure_in_context() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn the_budget_ends_the_request_with_the_last_failure() {
+async fn the_attempt_cap_ends_the_request_with_the_last_failure() {
     let mut h = Harness::new(
         policy(3, ms(10), ms(100)),
         vec![
@@ -481,7 +490,7 @@ async fn the_budget_ends_the_request_with_the_last_failure() {
         other => panic!("expected Exhausted, got {other}"),
     }
     assert_eq!((summary.attempts, summary.retries), (3, 2));
-    assert_eq!(h.ran().len(), 3, "no attempt past the budget");
+    assert_eq!(h.ran().len(), 3, "no attempt past the cap");
     let kinds: Vec<_> = h
         .asked()
         .iter()
@@ -615,7 +624,7 @@ async fn preempted_after_the_last_token_finishes_without_another_attempt() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn preemptions_without_progress_spend_the_budget() {
+async fn preemptions_without_progress_count_toward_the_attempt_cap() {
     let h = Harness::new(
         policy(2, ms(10), ms(100)),
         vec![
@@ -634,8 +643,8 @@ async fn preemptions_without_progress_spend_the_budget() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_stream_broken_after_text_continues_without_spending_the_budget() {
-    // One attempt of budget: only an attempt that made no progress would spend it.
+async fn a_stream_broken_after_text_continues_without_counting_toward_the_attempt_cap() {
+    // A cap of one attempt: only an attempt that made no progress would count toward it.
     let h = Harness::new(
         policy(1, ms(10), ms(100)),
         vec![
@@ -678,4 +687,100 @@ async fn dropping_the_routing_cancels_the_upstream_and_releases_in_flight() {
         0,
         "no leaked in-flight count"
     );
+}
+
+fn config(retry_budget: RetryBudgetConfig, request_timeout: Duration) -> RouterConfig {
+    RouterConfig {
+        retry: policy(100, ms(10), ms(100)),
+        retry_budget,
+        request_timeout,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_spent_retry_budget_fails_the_request_at_once_with_the_last_failure() {
+    let spent = RetryBudgetConfig {
+        ratio: 0.0,
+        min_per_sec: 0,
+    };
+    let h = Harness::with_config(
+        config(spent, ms(60_000)),
+        vec![Script::Fail(status_error(500))],
+    );
+    let started = Instant::now();
+    let (delivered, last) = h.route("hello", 10).await;
+    assert_eq!(delivered, "");
+    let (error, summary) = expect_failed(last);
+    assert!(
+        matches!(&error, RouteError::RetryBudget { last } if last.attempt == 1),
+        "{error}"
+    );
+    assert_eq!((summary.attempts, summary.retries), (1, 0));
+    assert_eq!(Instant::now(), started, "no backoff before failing");
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_after_progress_draw_on_the_budget_but_preemptions_do_not() {
+    // One request in the window and a ratio of 0.5: exactly one retry is allowed.
+    let half = RetryBudgetConfig {
+        ratio: 0.5,
+        min_per_sec: 0,
+    };
+    let broken = || Script::Stream(vec![text("a"), Err(SseError::Truncated)]);
+    let preempted = || Script::Stream(vec![text("p"), finish(FINISH_PREEMPT)]);
+    let h = Harness::with_config(
+        config(half, ms(60_000)),
+        vec![preempted(), preempted(), broken(), broken(), broken()],
+    );
+    let (delivered, last) = h.route("hello", 10).await;
+    assert_eq!(delivered, "ppaa");
+    let (error, summary) = expect_failed(last);
+    assert!(matches!(error, RouteError::RetryBudget { .. }), "{error}");
+    assert_eq!(
+        (summary.attempts, summary.preemptions, summary.retries),
+        (4, 2, 1)
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_request_deadline_ends_a_stream_that_stalls_after_its_first_token() {
+    let (dropped_tx, dropped) = oneshot::channel();
+    let h = Harness::with_config(
+        config(RetryBudgetConfig::default(), ms(1_500)),
+        vec![Script::Hang(dropped_tx)],
+    );
+    let started = Instant::now();
+    let (delivered, last) = h.route("hello", 10).await;
+    assert_eq!(delivered, "a");
+    let (error, _) = expect_failed(last);
+    assert!(
+        matches!(error, RouteError::Deadline(d) if d == ms(1_500)),
+        "{error}"
+    );
+    assert_eq!(Instant::now() - started, ms(1_500));
+    assert_eq!(dropped.await, Ok(()), "the stalled upstream was dropped");
+}
+
+#[tokio::test(start_paused = true)]
+async fn broken_streams_count_against_their_endpoint_and_a_finish_clears_it() {
+    let broken = || Script::Stream(vec![Err(SseError::Truncated)]);
+    let h = Harness::new(
+        policy(5, ms(10), ms(100)),
+        // Attempts alternate endpoints: the stream breaks on 0, then finishes on 1.
+        vec![broken(), Script::Stream(vec![text("x"), finish("stop")])],
+    );
+    let (_, last) = h.route("hello", 10).await;
+    expect_done(last);
+    let status = h.router.executor().cluster().status();
+    assert_eq!(status[0].outlier.consecutive_failures, 1);
+    assert!(
+        status[0]
+            .outlier
+            .last_failure
+            .as_deref()
+            .is_some_and(|f| f.contains("relay on endpoint 0")),
+        "{:?}",
+        status[0].outlier
+    );
+    assert_eq!(status[1].outlier.consecutive_failures, 0);
 }
