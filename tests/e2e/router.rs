@@ -276,10 +276,12 @@ async fn up_with_the_real_model_answers_its_banner_question() {
 }
 
 /// Preemption on the real model with its BPE tokenizer: every second decoding request is cut
-/// half-way, and the router continues it from the ids the engine generated, so the client gets
-/// exactly the uninterrupted single-engine text, and a usage counting the engine's tokens.
+/// half-way and the router continues it, so the client gets exactly the uninterrupted
+/// single-engine text, and a usage counting the engine's tokens. (The router continues from the
+/// delivered text re-tokenized here, which for these prompts gives back the engine's ids; from
+/// the ids themselves when engines send them, see `router::tests`.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn real_model_preempted_streams_continue_token_exactly() {
+async fn real_model_preempted_streams_continue_seamlessly() {
     let truth = EngineProcess::spawn(&["--model", "smollm2", "--threads", "1"]);
     let up = RouterProcess::up(&[
         "--model",

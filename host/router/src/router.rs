@@ -483,7 +483,6 @@ impl<E: Execute> Router<E> {
         prompt.extend_from_slice(&continued);
         let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
         let mut body = req.template.clone();
-        body.return_token_ids = true;
         body.prompt = Prompt::Tokens(prompt);
         body.max_tokens = Some(remaining);
         let id = AttemptId::new(&req.request_id, attempt);
