@@ -3,6 +3,11 @@
 //! endpoint). The generation is returned as a stream and never buffered: the relay hands each
 //! chunk to the client as it arrives.
 //!
+//! The generating leg (start_generate, forward) asks for the generated token ids
+//! (`return_token_ids`), which a broken or preempted stream is continued from exactly; engines
+//! that do not know the field ignore it (MLC's request models ignore unknown fields), and the
+//! router then re-tokenizes the delivered text.
+//!
 //! Errors are classified here, once: [`ExecError`] names the endpoint, the step and the
 //! attempt, and says whether another attempt may help ([`ExecError::retryable`]), whether the
 //! endpoint is to blame ([`ExecError::blames_endpoint`]) and how the policy should hear about
@@ -369,6 +374,9 @@ impl Executor {
     ) -> Result<ChunkStream, ExecError> {
         let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode);
         let mut taken = reservation.disarm();
+        if let Some(request) = taken.request.as_mut() {
+            request.common.return_token_ids = true;
+        }
         let call = async move {
             let answer = taken
                 .client
@@ -388,9 +396,10 @@ impl Executor {
     async fn forward(
         &self,
         endpoint: EndpointId,
-        body: CompletionRequest,
+        mut body: CompletionRequest,
         id: &AttemptId,
     ) -> Result<Generation, ExecError> {
+        body.return_token_ids = true;
         let span = tracing::debug_span!("forward", request = %id.upstream_id, attempt = id.attempt, endpoint);
         let guard = self.guard(endpoint, StepKind::Forward, id)?;
         let url = self.url(endpoint, StepKind::Forward, id)?;

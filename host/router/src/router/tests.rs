@@ -571,11 +571,10 @@ async fn preemption_continues_from_the_delivered_text_with_one_usage() {
     );
 }
 
-/// With ids on the wire (an engine asked for `return_token_ids`; the router does not ask yet,
-/// since every leg carries exactly MLC's fields), a preempted stream continues from the ids the
-/// engine generated, not
-/// from its text re-tokenized, and counts them: here the engine's ids for "abc" are two tokens
-/// that re-tokenizing "abc" (byte-level: three) would never give.
+/// With ids on the wire (the generating leg asks for `return_token_ids`), a preempted stream
+/// continues from the ids the engine generated, not from its text re-tokenized, and counts
+/// them: here the engine's ids for "abc" are two tokens that re-tokenizing "abc" (byte-level:
+/// three) would never give.
 #[tokio::test(start_paused = true)]
 async fn preemption_continues_from_the_engines_token_ids() {
     let mut h = Harness::new(
