@@ -277,9 +277,9 @@ async fn up_with_the_real_model_answers_its_banner_question() {
 
 /// Preemption on the real model with its BPE tokenizer: every second decoding request is cut
 /// half-way and the router continues it, so the client gets exactly the uninterrupted
-/// single-engine text, and a usage counting the engine's tokens. (The router continues from the
-/// delivered text re-tokenized here, which for these prompts gives back the engine's ids; from
-/// the ids themselves when engines send them, see `router::tests`.)
+/// single-engine text, and a usage counting the engine's tokens. The router continues from the
+/// token ids the engine sent with its text (`return_token_ids`), never from the text
+/// re-tokenized.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_model_preempted_streams_continue_seamlessly() {
     let truth = EngineProcess::spawn(&["--model", "smollm2", "--threads", "1"]);
@@ -324,6 +324,88 @@ async fn real_model_preempted_streams_continue_seamlessly() {
             .any(|l| l.contains("preempt") && !l.starts_with('#') && !l.ends_with(" 0")),
         "some request was preempted:\n{metrics}"
     );
+}
+
+/// The real model behind `switchyard serve`: P and two decode engines (tcp KV), the router
+/// tokenizing with the GGUF's own tokenizer. A decode engine killed mid-stream: the stream
+/// continues on the other from the ids already delivered, and the client gets exactly the
+/// uninterrupted single-engine text with a usage counting the engine's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_model_streams_continue_exactly_when_their_decode_engine_is_killed() {
+    let gguf = switchyard_wire::gguf::smollm2_path().expect("the model is fetched: make model");
+    let model_dir = tempfile::tempdir().expect("tempdir");
+    switchyard_wire::gguf::GgufMetadata::read(&gguf)
+        .and_then(|meta| meta.model_files())
+        .expect("the GGUF's tokenizer")
+        .write_model_dir(model_dir.path())
+        .expect("write the model dir");
+    let real = ["--model", "smollm2", "--threads", "1"];
+    let truth = EngineProcess::spawn(&real);
+    let dir = model_dir.path().to_str().expect("UTF-8 temp path");
+    let mut c = disagg_over("tcp", &[&[], &[]], &real, &["--model-dir", dir]);
+    let prompt = "Write a short story about a lighthouse keeper who finds a letter:";
+    let body = json!({"prompt": prompt, "max_tokens": 48});
+    let expected = post_json(&truth.endpoint("/v1/completions"), &body).await;
+    let mut stream_body = body.clone();
+    stream_body["stream"] = json!(true);
+    stream_body["stream_options"] = json!({"include_usage": true});
+    let mut response = client()
+        .post(c.router.endpoint("/v1/completions"))
+        .json(&stream_body)
+        .send()
+        .await
+        .expect("router reachable");
+    assert_eq!(response.status(), 200);
+    let mut received = response
+        .chunk()
+        .await
+        .expect("body")
+        .expect("a first chunk")
+        .to_vec();
+    // Kill whichever decode engine is generating it.
+    let generating = router_in_flight(&c.router)
+        .await
+        .iter()
+        .skip(1)
+        .position(|&n| n > 0)
+        .expect("a decode engine generates the stream")
+        + 1;
+    c.engines[generating].kill();
+    while let Some(chunk) = response.chunk().await.expect("the stream ends cleanly") {
+        received.extend_from_slice(&chunk);
+    }
+    let text = String::from_utf8(received).expect("UTF-8 SSE");
+    let mut streamed = String::new();
+    let mut usage = Value::Null;
+    let payloads = sse_payloads(&text);
+    assert_eq!(
+        payloads.last().map(String::as_str),
+        Some("[DONE]"),
+        "{text}"
+    );
+    for p in &payloads[..payloads.len() - 1] {
+        let chunk: Value = serde_json::from_str(p).expect("chunk JSON");
+        assert!(
+            chunk.get("error").is_none(),
+            "the stream continued: {chunk}"
+        );
+        if let Some(t) = chunk["choices"][0]["text"].as_str() {
+            streamed.push_str(t);
+        }
+        if !chunk["usage"].is_null() {
+            usage = chunk["usage"].clone();
+        }
+    }
+    assert_eq!(
+        streamed,
+        expected["choices"][0]["text"].as_str().expect("text")
+    );
+    assert_eq!(
+        usage["completion_tokens"], expected["usage"]["completion_tokens"],
+        "{usage}"
+    );
+    let retried = metric(&c.router.endpoint("/metrics"), "switchyard_retries").await;
+    assert!(retried >= 1.0, "the stream was continued after the kill");
 }
 
 pub(crate) async fn post_or_get(url: &str) -> Value {
