@@ -17,13 +17,22 @@ use super::{AppState, Body, full};
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
 /// 200 once every endpoint has been ready and one is healthy (the policy is loaded before the
-/// server starts), 503 before.
+/// server starts), 503 before, and 503 again from the moment the router starts draining.
 pub fn health(state: &AppState) -> Response<Body> {
+    if state.drain.is_draining() {
+        return ApiError::Draining.response();
+    }
     if state.is_ready() {
         json_response(StatusCode::OK, &json!({"status": "ok"}))
     } else {
         ApiError::NotReady("waiting for the endpoints to answer GET /v1/models").response()
     }
+}
+
+/// Liveness: 200 while the process can answer at all, draining included, so an orchestrator
+/// never kills a router that is finishing its streams.
+pub fn livez() -> Response<Body> {
+    json_response(StatusCode::OK, &json!({"status": "alive"}))
 }
 
 /// The served model, OpenAI-style; 503 until ready (MLC's readiness check is this route).
