@@ -4,7 +4,9 @@
 //!   429 and `Retry-After`, none times out or gets a 5xx, every admitted stream completes, the
 //!   engines never hold more than the limit, and the router's memory stays bounded;
 //! - slowloris: 200 connections trickling a header a byte a second are closed at the header
-//!   deadline, while ordinary requests sent meanwhile all succeed;
+//!   deadline, while ordinary requests sent meanwhile all succeed; a body slower than its
+//!   deadline gets 408, and an idle connection is closed at the keep-alive timeout, not at the
+//!   header deadline;
 //! - SIGTERM with 200 streams open: `/health` turns 503 while `/livez` stays 200, every stream
 //!   completes or ends with an error event then `[DONE]`, and `switchyard up` exits with none
 //!   of its engines left running.
@@ -274,7 +276,10 @@ async fn slowloris_connections_are_closed_at_the_header_deadline_while_requests_
         .map(|_| tokio::spawn(trickle(router.addr, started.clone())))
         .collect();
     for _ in 0..SLOW_CONNECTIONS {
-        trickling.recv().await.expect("every slow connection starts");
+        trickling
+            .recv()
+            .await
+            .expect("every slow connection starts");
     }
     // Ordinary requests while the 200 connections trickle: 4 clients, 10 requests each.
     let url = router.endpoint("/v1/completions");
@@ -284,7 +289,8 @@ async fn slowloris_connections_are_closed_at_the_header_deadline_while_requests_
             tokio::spawn(async move {
                 let mut latencies = Vec::new();
                 for r in 0..10 {
-                    let body = json!({"prompt": format!("client {c} request {r}"), "max_tokens": 8});
+                    let body =
+                        json!({"prompt": format!("client {c} request {r}"), "max_tokens": 8});
                     let sent = Instant::now();
                     let (status, text) = post(&url, &body).await;
                     assert_eq!(status, 200, "{text}");
@@ -352,6 +358,93 @@ async fn trickle(
     Err(format!("still open after {MAX_TRICKLE} bytes"))
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_body_gets_408_and_idle_connections_close_at_the_keep_alive_timeout() {
+    let engine = EngineProcess::spawn(&[]);
+    let router = RouterProcess::serve(
+        &[&engine.url],
+        &[
+            "--header-read-timeout",
+            "1s",
+            "--body-read-timeout",
+            "1s",
+            "--keep-alive-timeout",
+            "5s",
+        ],
+    );
+    // Idle longer than the header deadline between two requests: only the keep-alive timeout
+    // applies while no request is under way.
+    let mut kept = tokio::net::TcpStream::connect(router.addr)
+        .await
+        .expect("connect");
+    let get = b"GET /livez HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+    for _ in 0..2 {
+        kept.write_all(get).await.expect("write");
+        assert_eq!(read_response(&mut kept).await.0, 200);
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(30), kept.read_to_end(&mut rest))
+        .await
+        .expect("closed at the keep-alive timeout")
+        .expect("a clean close");
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    assert!(
+        metric(
+            &router.endpoint("/metrics"),
+            r#"switchyard_connections_closed_total{reason="idle_timeout"}"#
+        )
+        .await
+            >= 1.0
+    );
+
+    let mut slow = tokio::net::TcpStream::connect(router.addr)
+        .await
+        .expect("connect");
+    let head = "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n\
+                content-type: application/json\r\ncontent-length: 100\r\n\r\n{\"prompt\"";
+    slow.write_all(head.as_bytes()).await.expect("write");
+    let (status, body) = read_response(&mut slow).await;
+    assert_eq!(status, 408, "{body}");
+    assert!(is_openai_error(&body, "body_read_timeout"), "{body}");
+}
+
+/// Reads one HTTP/1.1 response with a Content-Length: its status and body.
+async fn read_response(stream: &mut tokio::net::TcpStream) -> (u16, String) {
+    let mut read = Vec::new();
+    let mut buf = [0u8; 4096];
+    let (head_len, length) = loop {
+        let n = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut buf))
+            .await
+            .expect("an answer within 30 s")
+            .expect("read");
+        assert!(n > 0, "closed before a whole response: {read:?}");
+        read.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&read);
+        if let Some(end) = text.find("\r\n\r\n") {
+            let length: usize = text[..end]
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length:")?
+                        .trim()
+                        .parse()
+                        .ok()
+                })
+                .expect("a content-length");
+            break (end + 4, length);
+        }
+    };
+    while read.len() < head_len + length {
+        let n = stream.read(&mut buf).await.expect("read");
+        assert!(n > 0, "closed mid-body");
+        read.extend_from_slice(&buf[..n]);
+    }
+    let text = String::from_utf8_lossy(&read).into_owned();
+    let status = text[9..12].parse().expect("a status code");
+    (status, text[head_len..head_len + length].to_owned())
+}
+
 /// Streams open when SIGTERM arrives in the drain test.
 const OPEN_STREAMS: usize = 200;
 
@@ -368,7 +461,11 @@ async fn sigterm_with_200_streams_open_drains_them_and_up_exits_with_its_engines
         "3s",
     ]);
     let engines = children(up.pid());
-    assert_eq!(engines.len(), 3, "1 prefill and 2 decode engines: {engines:?}");
+    assert_eq!(
+        engines.len(),
+        3,
+        "1 prefill and 2 decode engines: {engines:?}"
+    );
     let url = up.endpoint("/v1/completions");
     let client = client();
     let (first_bytes, mut streaming) = tokio::sync::mpsc::unbounded_channel();
@@ -541,7 +638,12 @@ async fn overload_benchmark() {
         .collect();
     let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
     let capacity = BENCH_CAPACITY.to_string();
-    let limited = ["--max-concurrent-requests", &capacity, "--max-queued-requests", "0"];
+    let limited = [
+        "--max-concurrent-requests",
+        &capacity,
+        "--max-queued-requests",
+        "0",
+    ];
     let queued = [
         "--max-concurrent-requests",
         &capacity,
@@ -562,7 +664,10 @@ async fn overload_benchmark() {
         ("10x offered, limit 16, queue 16 for 1s", overload(&queued)),
         ("10x offered, default limits (1024 + 1024)", overload(&[])),
     ];
-    println!("\nmachine: {} cores; offered rate for 10x: {rate}/s", num_cpus());
+    println!(
+        "\nmachine: {} cores; offered rate for 10x: {rate}/s",
+        num_cpus()
+    );
     println!(
         "| load | admitted | refused (429) | failed otherwise | admitted req/s | p50 TTFT ms | p99 TTFT ms | p99 / c=16 p99 | router peak RSS MiB |"
     );
@@ -607,7 +712,14 @@ fn bench_run(urls: &[&str], router: &[&str], load: &[&str], requests: u32) -> Be
     let requests = requests.to_string();
     let status = std::process::Command::new(switchyard_tests::switchyard_bin())
         .args(["bench", "--url", &router.url, "--router-pid", &pid])
-        .args(["--num-requests", &requests, "--input-len", "128", "--output-len", "32"])
+        .args([
+            "--num-requests",
+            &requests,
+            "--input-len",
+            "128",
+            "--output-len",
+            "32",
+        ])
         .args(["--request-timeout", "60", "--json"])
         .arg(&json)
         .args(load)
@@ -632,7 +744,10 @@ fn bench_run(urls: &[&str], router: &[&str], load: &[&str], requests: u32) -> Be
         throughput: number("request_throughput"),
         p50_ttft_ms: number("p50_ttft_ms"),
         p99_ttft_ms: number("p99_ttft_ms"),
-        peak_rss_mib: report["router"]["peak_rss_kib"].as_f64().unwrap_or(f64::NAN) / 1024.0,
+        peak_rss_mib: report["router"]["peak_rss_kib"]
+            .as_f64()
+            .unwrap_or(f64::NAN)
+            / 1024.0,
     }
 }
 

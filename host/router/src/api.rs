@@ -308,9 +308,8 @@ async fn generate(
     body: Incoming,
 ) -> Response<Body> {
     let arrived = Instant::now();
-    let limits = state.connections;
-    let bytes = match read_body(body, headers, state.max_body_bytes, limits.body_read_timeout).await
-    {
+    let deadline = state.connections.body_read_timeout;
+    let bytes = match read_body(body, headers, state.max_body_bytes, deadline).await {
         Ok(bytes) => bytes,
         Err(e) => return reject(&state, shape, &e),
     };
@@ -320,10 +319,17 @@ async fn generate(
         Ok(permit) => permit,
         Err(refusal) => {
             let retry_after = state.admission.retry_after();
-            return reject(&state, shape, &ApiError::Overloaded { refusal, retry_after });
+            let error = ApiError::Overloaded {
+                refusal,
+                retry_after,
+            };
+            return reject(&state, shape, &error);
         }
     };
-    guarded::hold(admitted(state, shape, headers, &bytes, arrived).await, permit)
+    guarded::hold(
+        admitted(state, shape, headers, &bytes, arrived).await,
+        permit,
+    )
 }
 
 /// An admitted request: parse, plan, run, answer.

@@ -146,7 +146,9 @@ fn shutdown_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
         let Some(mut signals) = Signals::install() else {
             return std::future::pending().await;
         };
-        signals.next("shutting down (send another to stop at once)").await;
+        signals
+            .next("shutting down (send another to stop at once)")
+            .await;
         let _ = handoff.send(signals);
     };
     let second = async move {

@@ -75,7 +75,10 @@ pub struct EngineChild {
 /// [`ENGINE_STOP_TIMEOUT`]. Returns once every engine has exited.
 async fn stop_engines(engines: Vec<EngineChild>) {
     for engine in &engines {
-        let pid = engine.child.id().and_then(|id| rustix::process::Pid::from_raw(id as i32));
+        let pid = engine
+            .child
+            .id()
+            .and_then(|id| rustix::process::Pid::from_raw(id as i32));
         if let Some(pid) = pid {
             let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
         }
@@ -86,7 +89,10 @@ async fn stop_engines(engines: Vec<EngineChild>) {
             .await
             .is_err()
         {
-            tracing::warn!(rank = engine.rank, "engine still running after SIGTERM; killing it");
+            tracing::warn!(
+                rank = engine.rank,
+                "engine still running after SIGTERM; killing it"
+            );
             let _ = engine.child.kill().await;
         }
     }

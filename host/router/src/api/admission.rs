@@ -9,14 +9,11 @@
 //!
 //! ```
 //! # use switchyard_router::api::{Admission, AdmissionConfig, AdmissionMetrics};
-//! # tokio_test_block_on(async {
+//! # tokio::runtime::Runtime::new().expect("runtime").block_on(async {
 //! let admission = Admission::new(AdmissionConfig::default(), AdmissionMetrics::default());
 //! let permit = admission.admit().await.expect("an idle router admits");
-//! drop(permit); // the response ended
+//! drop(permit); // the response ended: the place is free again
 //! # });
-//! # fn tokio_test_block_on(f: impl std::future::Future<Output = ()>) {
-//! #     tokio::runtime::Runtime::new().unwrap().block_on(f)
-//! # }
 //! ```
 
 use std::sync::Arc;
@@ -54,8 +51,13 @@ impl Default for AdmissionConfig {
 /// Why a request was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    #[error("the router is at capacity: {max_concurrent} requests in flight and {max_queued} waiting")]
-    QueueFull { max_concurrent: u32, max_queued: u32 },
+    #[error(
+        "the router is at capacity: {max_concurrent} requests in flight and {max_queued} waiting"
+    )]
+    QueueFull {
+        max_concurrent: u32,
+        max_queued: u32,
+    },
     #[error("the router is at capacity: no place freed up within {waited:?}")]
     QueueTimeout { waited: Duration },
 }

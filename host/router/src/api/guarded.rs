@@ -55,6 +55,8 @@ impl<G: Unpin> hyper::body::Body for Guarded<G> {
 mod tests {
     use std::sync::Arc;
 
+    use hyper::body::Body as _;
+
     use super::*;
     use crate::api::full;
 

@@ -252,7 +252,11 @@ fn register_admission(registry: &mut Registry, m: &AdmissionMetrics) {
 }
 
 fn register_connections(registry: &mut Registry, m: &ConnectionMetrics) {
-    registry.register("connections_open", "Open client connections", m.open.clone());
+    registry.register(
+        "connections_open",
+        "Open client connections",
+        m.open.clone(),
+    );
     registry.register(
         "connections_closed",
         "Client connections the router closed, by reason (header_timeout, idle_timeout)",

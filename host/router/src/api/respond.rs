@@ -144,9 +144,10 @@ impl ApiError {
     pub fn response(&self) -> Response<Body> {
         let mut response = json_response(self.status(), &self.body());
         if let ApiError::Overloaded { retry_after, .. } = self {
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, header::HeaderValue::from(retry_after.as_secs()));
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                header::HeaderValue::from(retry_after.as_secs()),
+            );
         }
         response
     }

@@ -68,7 +68,10 @@ async fn places_freed_go_to_the_longest_waiter_first() {
     assert_eq!(admitted.recv().await, Some(3));
     assert_eq!(a.metrics.queued.get(), 0);
     assert_eq!(a.metrics.admitted.get(), 5);
-    assert_eq!(rejected(&a, "queue_full") + rejected(&a, "queue_timeout"), 0);
+    assert_eq!(
+        rejected(&a, "queue_full") + rejected(&a, "queue_timeout"),
+        0
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -86,7 +89,11 @@ async fn a_full_queue_refuses_at_once() {
         }
     );
     assert_eq!(rejected(&a, "queue_full"), 1);
-    assert_eq!(a.metrics.queued.get(), 1, "the refused request never queued");
+    assert_eq!(
+        a.metrics.queued.get(),
+        1,
+        "the refused request never queued"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -128,7 +135,10 @@ async fn a_client_that_leaves_while_queued_leaves_the_queue() {
     let _ = waiter.await;
     assert_eq!(a.metrics.queued.get(), 0);
     drop(held);
-    let _next = a.admit().await.expect("the place is not lost to the client that left");
+    let _next = a
+        .admit()
+        .await
+        .expect("the place is not lost to the client that left");
     assert_eq!(a.metrics.in_flight.get(), 1);
 }
 

@@ -53,7 +53,10 @@ async fn a_request_in_progress_never_expires_and_idleness_counts_from_its_end() 
     assert!(!watchdog.is_finished(), "a busy connection stays open");
     drop(request);
     tokio::time::sleep(Duration::from_secs(600)).await;
-    assert!(!watchdog.is_finished(), "one of its two requests is still running");
+    assert!(
+        !watchdog.is_finished(),
+        "one of its two requests is still running"
+    );
     // Bytes read while busy (the next pipelined request, a client's body) start nothing.
     client.write_all(b"x").await.expect("write");
     server.read_exact(&mut head[..1]).await.expect("read");
