@@ -7,6 +7,8 @@
 //!   deadline, while ordinary requests sent meanwhile all succeed; a body slower than its
 //!   deadline gets 408, and an idle connection is closed at the keep-alive timeout, not at the
 //!   header deadline;
+//! - out of file descriptors, the listener pauses between failed accepts instead of spinning,
+//!   and serves again once descriptors are free;
 //! - SIGTERM with 200 streams open: `/health` turns 503 while `/livez` stays 200, every stream
 //!   completes or ends with an error event then `[DONE]`, and `switchyard up` exits with none
 //!   of its engines left running.
@@ -443,6 +445,69 @@ async fn read_response(stream: &mut tokio::net::TcpStream) -> (u16, String) {
     let text = String::from_utf8_lossy(&read).into_owned();
     let status = text[9..12].parse().expect("a status code");
     (status, text[head_len..head_len + length].to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_file_descriptors_the_listener_pauses_instead_of_spinning_and_recovers() {
+    let engine = EngineProcess::spawn(&[]);
+    let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
+    let pid = router.pid();
+    let open_fds = || std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count());
+    let limit = open_fds() + 8;
+    let raw = rustix::process::Pid::from_raw(pid as i32).expect("a pid");
+    let cap = rustix::process::Rlimit {
+        current: Some(limit as u64),
+        maximum: Some(limit as u64),
+    };
+    rustix::process::prlimit(Some(raw), rustix::process::Resource::Nofile, cap)
+        .expect("limit the router's open files");
+    // More connections than it has descriptors left: the kernel completes them all, the
+    // router accepts what it can and then fails with EMFILE.
+    let mut clients = Vec::new();
+    for _ in 0..40 {
+        clients.push(
+            tokio::net::TcpStream::connect(router.addr)
+                .await
+                .expect("the backlog takes it"),
+        );
+    }
+    eventually(Duration::from_secs(10), || async {
+        let open = open_fds();
+        (open < limit).then(|| format!("{open} of {limit} descriptors open"))
+    })
+    .await;
+    let exhausted = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let window = exhausted.elapsed();
+    drop(clients);
+    // Served again once descriptors are free: the backlog drains and /metrics answers.
+    let metrics = router.endpoint("/metrics");
+    let mut errors = None;
+    for _ in 0..100 {
+        if let Ok(response) = client().get(&metrics).send().await
+            && let Ok(text) = response.text().await
+        {
+            errors = text
+                .lines()
+                .find_map(|l| l.strip_prefix("switchyard_accept_errors_total "))
+                .and_then(|v| v.trim().parse::<f64>().ok());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let errors = errors.expect("the router serves again once descriptors are free");
+    // Pauses of 5 ms doubling up to 1 s: about 8 failures in the first second, 1 a second
+    // after. An accept loop that retried at once would fail thousands of times.
+    let bound = 12.0 + 2.0 * window.as_secs_f64().ceil();
+    println!("EMFILE for {window:?}: {errors} failed accepts (bound {bound})");
+    assert!(errors >= 1.0, "the router never ran out of descriptors");
+    assert!(errors <= bound, "{errors} failed accepts in {window:?}");
+    let (status, text) = post(
+        &router.endpoint("/v1/completions"),
+        &json!({"prompt": "after EMFILE", "max_tokens": 4}),
+    )
+    .await;
+    assert_eq!(status, 200, "{text}");
 }
 
 /// Streams open when SIGTERM arrives in the drain test.
