@@ -893,10 +893,32 @@ mod tests {
         assert_eq!(config.routing, RouterConfig::default());
         assert_eq!(config.timeouts, Timeouts::default());
         assert_eq!(config.outlier, OutlierConfig::default());
+        // The defaults `--help` and the README give.
         assert_eq!(config.max_body_bytes, 4 << 20);
-        assert_eq!(config.admission, AdmissionConfig::default());
-        assert_eq!(config.connections, ConnectionLimits::default());
-        assert_eq!(config.drain, DrainConfig::default());
+        assert_eq!(
+            config.admission,
+            AdmissionConfig {
+                max_concurrent: 1024,
+                max_queued: 1024,
+                queue_timeout: Duration::from_secs(5),
+            }
+        );
+        assert_eq!(
+            config.connections,
+            ConnectionLimits {
+                header_read_timeout: Duration::from_secs(10),
+                body_read_timeout: Duration::from_secs(30),
+                keep_alive_timeout: Duration::from_secs(75),
+                max_connections: 4096,
+            }
+        );
+        assert_eq!(
+            config.drain,
+            DrainConfig {
+                delay: Duration::from_secs(5),
+                grace: Duration::from_secs(30),
+            }
+        );
     }
 
     #[test]
