@@ -762,7 +762,7 @@ async fn overload_benchmark() {
         "--queue-timeout",
         "1s",
     ];
-    let light = bench_run(&urls, &limited, &["--concurrency", "4"], 1000);
+    let light = bench_run(&urls, &limited, &["--concurrency", "4"], 500);
     let full = bench_run(&urls, &limited, &["--concurrency", &capacity], 2000);
     // Ten times what the engines completed at their capacity, as Poisson arrivals.
     let rate = format!("{:.0}", 10.0 * full.throughput);
