@@ -737,7 +737,7 @@ const BENCH_CAPACITY: u32 = 16;
 ///
 /// ```sh
 /// cargo build --release -p switchyard && make plugins
-/// SWITCHYARD_BIN=target/release/switchyard cargo test -p switchyard-tests --test e2e \
+/// SWITCHYARD_BIN=$PWD/target/release/switchyard cargo test -p switchyard-tests --test e2e \
 ///     edge::overload_benchmark -- --ignored --nocapture
 /// ```
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
