@@ -117,6 +117,13 @@ const REQUESTS_PER_CLIENT: usize = 6;
 /// this load would take.
 const RSS_BOUND: u64 = 256 << 20;
 
+/// Two reference engines with a real engine's step times (`llama3-8b-h100`).
+fn llama_engines() -> Vec<EngineProcess> {
+    (0..2)
+        .map(|_| EngineProcess::spawn(&["--profile", "llama3-8b-h100"]))
+        .collect()
+}
+
 /// What the sampler saw while the load ran.
 #[derive(Debug, Default)]
 struct Peaks {
@@ -128,9 +135,7 @@ struct Peaks {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overload_is_refused_with_429_and_what_is_admitted_completes() {
-    let engines: Vec<_> = (0..2)
-        .map(|_| EngineProcess::spawn(&["--profile", "llama3-8b-h100"]))
-        .collect();
+    let engines = llama_engines();
     let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
     let capacity = CAPACITY.to_string();
     let router = RouterProcess::serve(
@@ -743,9 +748,7 @@ const BENCH_CAPACITY: u32 = 16;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a benchmark: run it alone, see its doc comment"]
 async fn overload_benchmark() {
-    let engines: Vec<_> = (0..2)
-        .map(|_| EngineProcess::spawn(&["--profile", "llama3-8b-h100"]))
-        .collect();
+    let engines = llama_engines();
     let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
     let capacity = BENCH_CAPACITY.to_string();
     let limited = [
