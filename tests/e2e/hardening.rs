@@ -206,7 +206,7 @@ async fn sighup_reloads_the_config_files_endpoints_and_leaves_admin_ones() {
 
     // The file now lists P only: D1 drains and goes, d2 (admin's) stays.
     write(&[&p.url]);
-    router.hang_up();
+    router.signal(rustix::process::Signal::HUP);
     eventually(Duration::from_secs(30), || async {
         let health = endpoint_row(&router, 1).await["health"].clone();
         (health != "removed").then(|| format!("endpoint 1 is {health}"))
@@ -215,7 +215,7 @@ async fn sighup_reloads_the_config_files_endpoints_and_leaves_admin_ones() {
     assert_eq!(endpoint_row(&router, 2).await["health"], "healthy");
     // And back: the file's endpoint returns under a new id.
     write(&[&p.url, &d1.url]);
-    router.hang_up();
+    router.signal(rustix::process::Signal::HUP);
     eventually(Duration::from_secs(30), || async {
         let row = endpoint_row(&router, 3).await;
         (row["health"] != "healthy" || row["url"] != d1.url.as_str())

@@ -1,3 +1,4 @@
+mod edge;
 mod engine;
 mod examples;
 mod faults;

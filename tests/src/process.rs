@@ -343,18 +343,20 @@ impl RouterProcess {
         format!("{}{path}", self.url)
     }
 
-    /// Send SIGHUP: a router reloads its config file's endpoint list.
-    pub fn hang_up(&self) {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
-        rustix::process::kill_process(pid, rustix::process::Signal::HUP)
-            .expect("the router process exists");
+    /// The process id (for `/proc/<pid>/…` and its children).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
-    /// Send SIGTERM and wait (bounded) for a clean exit; returns the exit status.
-    pub fn terminate(mut self) -> Option<std::process::ExitStatus> {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32)?;
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).ok()?;
-        let deadline = Instant::now() + STARTUP_TIMEOUT;
+    /// Send `signal` (e.g. SIGTERM, to watch what the router does while it drains).
+    pub fn signal(&self, signal: rustix::process::Signal) {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
+        rustix::process::kill_process(pid, signal).expect("the router process exists");
+    }
+
+    /// Wait (bounded by `within`) for the process to exit; returns its exit status.
+    pub fn wait_exit(mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
                 return Some(status);
@@ -362,6 +364,12 @@ impl RouterProcess {
             std::thread::sleep(Duration::from_millis(20));
         }
         None
+    }
+
+    /// Send SIGTERM and wait (bounded) for a clean exit; returns the exit status.
+    pub fn terminate(self) -> Option<std::process::ExitStatus> {
+        self.signal(rustix::process::Signal::TERM);
+        self.wait_exit(STARTUP_TIMEOUT)
     }
 }
 

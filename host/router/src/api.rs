@@ -5,7 +5,8 @@
 //! |---|---|
 //! | `POST /v1/completions` | [`openai`] parse → [`Router::start_with`] → JSON or SSE |
 //! | `POST /v1/chat/completions` | the same, with the chat template and chat shapes |
-//! | `GET /v1/models`, `GET /health` | 503 until the endpoints are ready, then 200 |
+//! | `GET /v1/models`, `GET /health` | 503 until the endpoints are ready, then 200; `/health` 503 again once draining |
+//! | `GET /livez` | 200 while the process lives, draining included |
 //! | `GET /metrics` | Prometheus text |
 //! | `GET /admin/endpoints` | id, url, role, device rank, health, in-flight per endpoint |
 //! | `GET /admin/policies` | every loaded policy: version, state, calls, last reload |
@@ -15,9 +16,16 @@
 //! ([`serve_admin`]) when an admin port is configured. A request may pick its policy with the
 //! `x-switchyard-policy` header (unless disabled); an unknown name gets 400.
 //!
+//! Generating requests pass [`admission`] once their body is read; every connection is
+//! watched by [`connection`]'s deadlines; a [`Drain`] stops it all in order.
+//!
 //! Every error body is written by [`respond`].
 
 mod admin;
+mod admission;
+mod connection;
+mod drain;
+mod guarded;
 mod metrics;
 mod openai;
 mod respond;
@@ -41,9 +49,14 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
-pub use metrics::Metrics;
+pub use admission::{Admission, AdmissionConfig, Refusal};
+pub use connection::ConnectionLimits;
+pub use drain::{Drain, DrainConfig};
+pub use metrics::{AdmissionMetrics, Metrics};
 pub use openai::Shape;
 pub use respond::ApiError;
 // The request path's pure pieces, for the hot-path benchmarks (host/router/benches/hot_path.rs).
@@ -81,6 +94,12 @@ pub struct AppState {
     /// Model names served besides those the endpoints list: `--model` and the names mapped to
     /// policies.
     pub models: Vec<String>,
+    /// Generating requests served at once, and the queue for more.
+    pub admission: Admission,
+    /// Deadlines and the cap on client connections, per listener.
+    pub connections: ConnectionLimits,
+    /// Where the router is in its shutdown.
+    pub drain: Drain,
     next_id: AtomicU64,
 }
 
@@ -111,10 +130,12 @@ impl AppState {
         max_body_bytes: usize,
         default_max_tokens: u32,
     ) -> Self {
+        let metrics = Metrics::new();
         AppState {
             router,
             tokenizer,
-            metrics: Metrics::new(),
+            admission: Admission::new(AdmissionConfig::default(), metrics.admission()),
+            metrics,
             model,
             policies,
             admin: AdminAccess::default(),
@@ -125,8 +146,17 @@ impl AppState {
             default_max_tokens,
             limits: RequestLimits::default(),
             models: Vec::new(),
+            connections: ConnectionLimits::default(),
+            drain: Drain::default(),
             next_id: AtomicU64::new(1),
         }
+    }
+
+    /// How the server edge protects the router: admission control and connection limits.
+    pub fn with_edge(mut self, admission: AdmissionConfig, connections: ConnectionLimits) -> Self {
+        self.admission = Admission::new(admission, self.metrics.admission());
+        self.connections = connections;
+        self
     }
 
     /// Who may use `/admin/*`, and on which listener.
@@ -180,77 +210,105 @@ pub struct AdminAccess {
 #[derive(Debug, Clone, Copy)]
 pub struct Peer(pub SocketAddr);
 
-/// How long open connections may take to finish after shutdown begins.
-const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long connections may take to write what ends them once the grace period is over (an
+/// error event and `[DONE]`) before they are dropped.
+const LAST_WRITES: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// Serve HTTP on `listener` until `shutdown` resolves, then let open connections finish.
-pub async fn serve(
-    listener: TcpListener,
-    state: Arc<AppState>,
-    shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()> {
-    serve_with(listener, state, shutdown, handle).await
+/// Serve HTTP on `listener` until `state.drain` stops accepting, then let open connections
+/// finish until its grace period is over.
+pub async fn serve(listener: TcpListener, state: Arc<AppState>) {
+    serve_with(listener, state, handle).await;
 }
 
-/// Serve only `/admin/*` on `listener` (the admin port), until `shutdown` resolves.
-pub async fn serve_admin(
-    listener: TcpListener,
-    state: Arc<AppState>,
-    shutdown: impl Future<Output = ()>,
-) -> std::io::Result<()> {
-    serve_with(listener, state, shutdown, admin::handle).await
+/// Serve only `/admin/*` on `listener` (the admin port), as [`serve`] does.
+pub async fn serve_admin(listener: TcpListener, state: Arc<AppState>) {
+    serve_with(listener, state, admin::handle).await;
 }
 
-async fn serve_with<H, F>(
-    listener: TcpListener,
-    state: Arc<AppState>,
-    shutdown: impl Future<Output = ()>,
-    handler: H,
-) -> std::io::Result<()>
+async fn serve_with<H, F>(listener: TcpListener, state: Arc<AppState>, handler: H)
 where
     H: Fn(Arc<AppState>, Request<Incoming>) -> F + Copy + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
     let graceful = GracefulShutdown::new();
     let builder = auto::Builder::new(TokioExecutor::new());
-    tokio::pin!(shutdown);
+    // A place per open connection: at the cap the loop stops accepting, and new connections
+    // wait in the kernel's backlog.
+    let places = Arc::new(Semaphore::new(state.connections.max_connections as usize));
+    let mut backoff = connection::AcceptBackoff::default();
+    let metrics = state.metrics.connections();
+    // Cancelled when the connections still open after the grace period are dropped.
+    let cut = CancellationToken::new();
     loop {
+        let place = tokio::select! {
+            place = Arc::clone(&places).acquire_owned() => place,
+            () = state.drain.accepting_stopped() => break,
+        };
+        // The semaphore is never closed.
+        let Ok(place) = place else { break };
         let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(conn) => conn,
                 Err(e) => {
-                    // Out of file descriptors and the like: keep serving the open connections.
-                    tracing::warn!(error = %e, "accept failed");
+                    metrics.accept_errors.inc();
+                    let pause = backoff.failed(&e);
+                    tracing::warn!(error = %e, ?pause, "accept failed; serving the open connections");
+                    if let Some(pause) = pause {
+                        tokio::select! {
+                            () = tokio::time::sleep(pause) => {}
+                            () = state.drain.accepting_stopped() => break,
+                        }
+                    }
                     continue;
                 }
             },
-            () = &mut shutdown => break,
+            () = state.drain.accepting_stopped() => break,
         };
+        backoff.accepted();
         let _ = stream.set_nodelay(true);
-        let state = state.clone();
-        let service = hyper::service::service_fn(move |mut req: Request<Incoming>| {
-            req.extensions_mut().insert(Peer(peer));
-            let state = state.clone();
-            async move { Ok::<_, Infallible>(handler(state, req).await) }
-        });
-        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+        let activity = connection::Activity::new();
+        let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
+        let service = {
+            let (state, activity) = (state.clone(), Arc::clone(&activity));
+            hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                req.extensions_mut().insert(Peer(peer));
+                let in_request = activity.request_started();
+                let state = state.clone();
+                async move { Ok::<_, Infallible>(guarded::hold(handler(state, req).await, in_request)) }
+            })
+        };
+        let conn = builder.serve_connection_with_upgrades(io, service);
         let conn = graceful.watch(conn.into_owned());
+        let (limits, metrics, cut) = (state.connections, metrics.clone(), cut.clone());
+        metrics.open.inc();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            tokio::select! {
+                result = conn => if let Err(e) = result {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                },
+                expired = activity.expired(&limits) => {
+                    metrics.closed.get_or_create(&vec![("reason", expired.reason().to_owned())]).inc();
+                    tracing::debug!(%peer, reason = expired.reason(), "closing the connection");
+                }
+                () = cut.cancelled() => {}
             }
+            metrics.open.dec();
+            drop(place);
         });
     }
     drop(listener);
-    tracing::info!("shutting down: waiting for open connections");
-    // Streams can be long: give them a bounded grace period, then drop them.
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!(grace = ?SHUTDOWN_GRACE, "connections still open after the grace period; closing them");
+    tracing::info!("listener closed: waiting for open connections to finish");
+    let finished = graceful.shutdown();
+    tokio::pin!(finished);
+    tokio::select! {
+        () = &mut finished => return,
+        () = state.drain.grace_over() => {}
     }
-    Ok(())
+    // Open responses were just told to end (an error event, or a 503): let them write it.
+    if tokio::time::timeout(LAST_WRITES, finished).await.is_err() {
+        tracing::warn!("connections still open after the grace period; dropping them");
+    }
+    cut.cancel();
 }
 
 /// Route one request. Every response carries `x-request-id`: the client's, when it sent a
@@ -292,6 +350,7 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
         }
         (&Method::GET, "/v1/models") => admin::models(&state),
         (&Method::GET, "/health") => admin::health(&state),
+        (&Method::GET, "/livez") => admin::livez(),
         (&Method::GET, "/metrics") => admin::metrics(&state),
         (method, path) => ApiError::NotFound {
             method: method.to_string(),
@@ -305,29 +364,40 @@ async fn route(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
 /// sending when the connection closes sees a reset, not the answer. Larger bodies are cut off.
 const DRAIN_OVERSIZE_BYTES: u64 = 1 << 20;
 
-/// Read at most `limit` bytes of body.
-async fn read_body(body: Incoming, headers: &HeaderMap, limit: usize) -> Result<Bytes, ApiError> {
+/// Read at most `limit` bytes of body, within `deadline`.
+async fn read_body(
+    body: Incoming,
+    headers: &HeaderMap,
+    limit: usize,
+    deadline: std::time::Duration,
+) -> Result<Bytes, ApiError> {
     let declared = headers
         .get(http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
-        drain(body, limit as u64 + DRAIN_OVERSIZE_BYTES).await;
+        let _ =
+            tokio::time::timeout(deadline, drain(body, limit as u64 + DRAIN_OVERSIZE_BYTES)).await;
         return Err(ApiError::BodyTooLarge { limit });
     }
-    let mut body = body;
-    let mut collected = Vec::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
-        if let Some(data) = frame.data_ref() {
-            if collected.len() + data.len() > limit {
-                drain(body, DRAIN_OVERSIZE_BYTES).await;
-                return Err(ApiError::BodyTooLarge { limit });
+    let read = async {
+        let mut body = body;
+        let mut collected = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| ApiError::BodyRead(e.to_string()))?;
+            if let Some(data) = frame.data_ref() {
+                if collected.len() + data.len() > limit {
+                    drain(body, DRAIN_OVERSIZE_BYTES).await;
+                    return Err(ApiError::BodyTooLarge { limit });
+                }
+                collected.extend_from_slice(data);
             }
-            collected.extend_from_slice(data);
         }
-    }
-    Ok(Bytes::from(collected))
+        Ok(Bytes::from(collected))
+    };
+    tokio::time::timeout(deadline, read)
+        .await
+        .unwrap_or(Err(ApiError::BodyTimeout(deadline)))
 }
 
 /// Read and discard up to `max` more bytes of `body`.
@@ -349,11 +419,39 @@ async fn generate(
     body: Incoming,
 ) -> Response<Body> {
     let arrived = Instant::now();
-    let parsed = match read_body(body, headers, state.max_body_bytes).await {
-        Ok(bytes) => parse(&state, shape, bytes).await,
-        Err(e) => Err(e),
+    let deadline = state.connections.body_read_timeout;
+    let bytes = match read_body(body, headers, state.max_body_bytes, deadline).await {
+        Ok(bytes) => bytes,
+        Err(e) => return reject(&state, shape, &e),
     };
-    let parsed = match parsed {
+    // Admitted once the body is in and before any work on it: a slow client holds a
+    // connection, never a place; the place is held until the response ends.
+    let permit = match state.admission.admit().await {
+        Ok(permit) => permit,
+        Err(refusal) => {
+            let retry_after = state.admission.retry_after();
+            let error = ApiError::Overloaded {
+                refusal,
+                retry_after,
+            };
+            return reject(&state, shape, &error);
+        }
+    };
+    guarded::hold(
+        admitted(state, shape, headers, bytes, arrived).await,
+        permit,
+    )
+}
+
+/// An admitted request: parse, plan, run, answer.
+async fn admitted(
+    state: Arc<AppState>,
+    shape: Shape,
+    headers: &HeaderMap,
+    body: Bytes,
+    arrived: Instant,
+) -> Response<Body> {
+    let parsed = match parse(&state, shape, body).await {
         Ok(p) => p,
         Err(e) => return reject(&state, shape, &e),
     };
@@ -473,7 +571,10 @@ async fn collect(
         route: responder.shape.route(),
         armed: true,
     };
-    let response = collect_events(&state, &responder, first, &mut routing, arrived).await;
+    let response = tokio::select! {
+        response = collect_events(&state, &responder, first, &mut routing, arrived) => response,
+        () = state.drain.grace_over() => reject(&state, responder.shape, &ApiError::ShuttingDown),
+    };
     abandoned.armed = false;
     response
 }

@@ -20,10 +20,19 @@
 //! model = "llama"                              # name reported by /v1/models
 //! max_attempts = 3
 //! min_healthy_endpoints = 1                   # healthy endpoints needed to be ready
-//! max_body_bytes = 33554432
+//! max_body_bytes = 4194304                   # 4 MiB; larger bodies get 413
 //! default_max_tokens = 256
 //! context_length = 32768                      # prompt + completion tokens the model holds
 //! max_prompt_tokens = 32767                   # default: context_length - 1
+//! max_concurrent_requests = 1024              # served at once; more wait in the queue
+//! max_queued_requests = 1024                  # beyond them: 429 with Retry-After
+//! queue_timeout = "5s"                        # the longest wait in the queue
+//! header_read_timeout = "10s"                 # first byte of a request to its whole header
+//! body_read_timeout = "30s"                   # whole header to whole body
+//! keep_alive_timeout = "75s"                  # a connection with no request on it
+//! max_connections = 4096                      # client connections per listener
+//! drain_delay = "5s"                          # SIGTERM: /health 503 this long, then stop accepting
+//! shutdown_grace = "30s"                      # then in-flight requests have this long
 //! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
 //! connect_timeout = "2s"                      # TCP connect to an engine
 //! call_timeout = "120s"                       # a prep_recv or remote_send, a stream's headers
@@ -54,7 +63,7 @@ use std::time::Duration;
 use switchyard_contract::Role;
 use switchyard_policy_host::QuarantineRule;
 
-use crate::api::RequestLimits;
+use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig};
 use crate::microserving::Timeouts;
 use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
@@ -131,7 +140,7 @@ pub struct RouterArgs {
     /// Failed attempts (engine errors, preemptions without progress) before a request fails.
     #[arg(long)]
     pub max_attempts: Option<u32>,
-    /// Largest accepted request body; larger ones get 413.
+    /// Largest accepted request body in bytes; larger ones get 413 [default: 4194304, 4 MiB].
     #[arg(long)]
     pub max_body_bytes: Option<usize>,
     /// `max_tokens` for requests that give none (less when the context leaves less room).
@@ -186,6 +195,44 @@ pub struct RouterArgs {
     /// retries [default: 10].
     #[arg(long)]
     pub retry_budget_min_per_sec: Option<u32>,
+    /// Completion requests served at once, each from admission (its body read) to the end of
+    /// its response, stream included; more wait in a queue [default: 1024].
+    #[arg(long)]
+    pub max_concurrent_requests: Option<u32>,
+    /// Requests that may wait, first come first served, while --max-concurrent-requests are in
+    /// flight; more are refused at once with 429 and Retry-After (0: none wait)
+    /// [default: 1024].
+    #[arg(long)]
+    pub max_queued_requests: Option<u32>,
+    /// The longest a request waits in the queue; still waiting then, it gets 429 with
+    /// Retry-After [default: 5s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub queue_timeout: Option<Duration>,
+    /// Deadline from a request's first byte to its whole header; a connection still sending
+    /// its header then is closed (slowloris) [default: 10s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub header_read_timeout: Option<Duration>,
+    /// Deadline from a request's whole header to its whole body; a slower body gets 408
+    /// [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub body_read_timeout: Option<Duration>,
+    /// How long a client connection stays open with no request on it; keep it above the idle
+    /// timeout of a load balancer in front [default: 75s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub keep_alive_timeout: Option<Duration>,
+    /// Client connections open at once, per listener; at the limit new ones wait in the
+    /// kernel's backlog until one closes [default: 4096].
+    #[arg(long)]
+    pub max_connections: Option<u32>,
+    /// On SIGTERM or SIGINT, how long /health answers 503 while the listeners still accept
+    /// and serve, so a load balancer notices; then they stop accepting [default: 5s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub drain_delay: Option<Duration>,
+    /// Once the listeners stop accepting, how long requests in flight may take to finish;
+    /// streams still open then end with an error event and [DONE]. A second signal ends them
+    /// at once [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub shutdown_grace: Option<Duration>,
 }
 
 /// The validated configuration.
@@ -216,6 +263,12 @@ pub struct Config {
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
     pub limits: RequestLimits,
+    /// How many requests are served at once, and how many may wait.
+    pub admission: AdmissionConfig,
+    /// Client connections: deadlines and a cap.
+    pub connections: ConnectionLimits,
+    /// What SIGTERM does, step by step.
+    pub drain: DrainConfig,
 }
 
 /// How requests find their policy, and what happens when it faults.
@@ -296,6 +349,8 @@ pub enum ConfigError {
     ZeroTimeout(&'static str),
     #[error("--min-healthy-endpoints {wanted} is more than the {endpoints} endpoints configured")]
     MinHealthy { wanted: usize, endpoints: usize },
+    #[error("--{0} must be at least 1")]
+    ZeroLimit(&'static str),
     #[error(
         "--outlier-base-ejection {base:?} must be longer than zero and at most --outlier-max-ejection {max:?}"
     )]
@@ -339,6 +394,15 @@ struct FileConfig {
     outlier_max_ejection: Option<TextDuration>,
     retry_budget_ratio: Option<f64>,
     retry_budget_min_per_sec: Option<u32>,
+    max_concurrent_requests: Option<u32>,
+    max_queued_requests: Option<u32>,
+    queue_timeout: Option<TextDuration>,
+    header_read_timeout: Option<TextDuration>,
+    body_read_timeout: Option<TextDuration>,
+    keep_alive_timeout: Option<TextDuration>,
+    max_connections: Option<u32>,
+    drain_delay: Option<TextDuration>,
+    shutdown_grace: Option<TextDuration>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
 }
@@ -366,7 +430,9 @@ pub const DEFAULT_POLICY: &str = "disagg";
 pub const DEFAULT_FALLBACK_POLICY: &str = "round-robin";
 /// `--fallback-policy none` turns the fallback off.
 pub const NO_FALLBACK: &str = "none";
-pub const DEFAULT_MAX_BODY_BYTES: usize = 32 << 20;
+/// Far above any prompt a model takes as text (a 128k-token context is ~0.5 MiB of text, 1 MiB
+/// as token ids), small enough that many at once do not exhaust memory.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
 pub const DEFAULT_MAX_TOKENS: u32 = 256;
 /// The reference engine's: 2048 KV pages of 16 positions.
 pub const DEFAULT_CONTEXT_LENGTH: u32 = 32768;
@@ -482,6 +548,20 @@ impl Config {
             context_length,
             max_prompt_tokens,
         };
+        let edge = edge_settings(
+            r,
+            EdgeKeys {
+                max_concurrent_requests: file.max_concurrent_requests,
+                max_queued_requests: file.max_queued_requests,
+                queue_timeout: file.queue_timeout,
+                header_read_timeout: file.header_read_timeout,
+                body_read_timeout: file.body_read_timeout,
+                keep_alive_timeout: file.keep_alive_timeout,
+                max_connections: file.max_connections,
+                drain_delay: file.drain_delay,
+                shutdown_grace: file.shutdown_grace,
+            },
+        )?;
         let request_timeout = duration(
             r.request_timeout,
             file.request_timeout,
@@ -582,6 +662,9 @@ impl Config {
             max_body_bytes,
             default_max_tokens,
             limits,
+            admission: edge.admission,
+            connections: edge.connections,
+            drain: edge.drain,
         })
     }
 }
@@ -594,6 +677,94 @@ pub fn endpoints_in_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError> 
         ..ServeArgs::default()
     };
     endpoints(&args, read_file(path)?.endpoints)
+}
+
+/// The server edge's keys of the config file.
+struct EdgeKeys {
+    max_concurrent_requests: Option<u32>,
+    max_queued_requests: Option<u32>,
+    queue_timeout: Option<TextDuration>,
+    header_read_timeout: Option<TextDuration>,
+    body_read_timeout: Option<TextDuration>,
+    keep_alive_timeout: Option<TextDuration>,
+    max_connections: Option<u32>,
+    drain_delay: Option<TextDuration>,
+    shutdown_grace: Option<TextDuration>,
+}
+
+/// Admission, connection limits and drain, validated.
+struct Edge {
+    admission: AdmissionConfig,
+    connections: ConnectionLimits,
+    drain: DrainConfig,
+}
+
+fn edge_settings(r: &RouterArgs, file: EdgeKeys) -> Result<Edge, ConfigError> {
+    let (admission, connections, drain) = (
+        AdmissionConfig::default(),
+        ConnectionLimits::default(),
+        DrainConfig::default(),
+    );
+    let admission = AdmissionConfig {
+        max_concurrent: r
+            .max_concurrent_requests
+            .or(file.max_concurrent_requests)
+            .unwrap_or(admission.max_concurrent),
+        max_queued: r
+            .max_queued_requests
+            .or(file.max_queued_requests)
+            .unwrap_or(admission.max_queued),
+        queue_timeout: duration(r.queue_timeout, file.queue_timeout, admission.queue_timeout),
+    };
+    let connections = ConnectionLimits {
+        header_read_timeout: duration(
+            r.header_read_timeout,
+            file.header_read_timeout,
+            connections.header_read_timeout,
+        ),
+        body_read_timeout: duration(
+            r.body_read_timeout,
+            file.body_read_timeout,
+            connections.body_read_timeout,
+        ),
+        keep_alive_timeout: duration(
+            r.keep_alive_timeout,
+            file.keep_alive_timeout,
+            connections.keep_alive_timeout,
+        ),
+        max_connections: r
+            .max_connections
+            .or(file.max_connections)
+            .unwrap_or(connections.max_connections),
+    };
+    // Zero is a valid drain: no delay (nothing balances load in front), or no grace.
+    let drain = DrainConfig {
+        delay: duration(r.drain_delay, file.drain_delay, drain.delay),
+        grace: duration(r.shutdown_grace, file.shutdown_grace, drain.grace),
+    };
+    for (flag, value) in [
+        ("queue-timeout", admission.queue_timeout),
+        ("header-read-timeout", connections.header_read_timeout),
+        ("body-read-timeout", connections.body_read_timeout),
+        ("keep-alive-timeout", connections.keep_alive_timeout),
+    ] {
+        if value.is_zero() {
+            return Err(ConfigError::ZeroTimeout(flag));
+        }
+    }
+    for (flag, value) in [
+        ("max-concurrent-requests", admission.max_concurrent),
+        ("max-connections", connections.max_connections),
+    ] {
+        if value == 0 {
+            return Err(ConfigError::ZeroLimit(flag));
+        }
+    }
+    Ok(Edge {
+        admission,
+        connections,
+        drain,
+    })
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -811,6 +982,102 @@ mod tests {
         assert_eq!(config.routing, RouterConfig::default());
         assert_eq!(config.timeouts, Timeouts::default());
         assert_eq!(config.outlier, OutlierConfig::default());
+        // The defaults `--help` and the README give.
+        assert_eq!(config.max_body_bytes, 4 << 20);
+        assert_eq!(
+            config.admission,
+            AdmissionConfig {
+                max_concurrent: 1024,
+                max_queued: 1024,
+                queue_timeout: Duration::from_secs(5),
+            }
+        );
+        assert_eq!(
+            config.connections,
+            ConnectionLimits {
+                header_read_timeout: Duration::from_secs(10),
+                body_read_timeout: Duration::from_secs(30),
+                keep_alive_timeout: Duration::from_secs(75),
+                max_connections: 4096,
+            }
+        );
+        assert_eq!(
+            config.drain,
+            DrainConfig {
+                delay: Duration::from_secs(5),
+                grace: Duration::from_secs(30),
+            }
+        );
+    }
+
+    #[test]
+    fn edge_settings_come_from_flags_over_the_file_and_are_checked() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "plugins = {:?}\nmax_concurrent_requests = 8\nmax_queued_requests = 0\n\
+                 queue_timeout = \"250ms\"\nheader_read_timeout = \"2s\"\n\
+                 body_read_timeout = \"3s\"\nkeep_alive_timeout = \"4s\"\nmax_connections = 16\n\
+                 drain_delay = \"0s\"\nshutdown_grace = \"1m\"\n\
+                 [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+                dir.path()
+            ),
+        )
+        .expect("write");
+        let mut a = ServeArgs {
+            config: Some(file),
+            ..ServeArgs::default()
+        };
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(
+            config.admission,
+            AdmissionConfig {
+                max_concurrent: 8,
+                max_queued: 0,
+                queue_timeout: Duration::from_millis(250),
+            }
+        );
+        assert_eq!(
+            config.connections,
+            ConnectionLimits {
+                header_read_timeout: Duration::from_secs(2),
+                body_read_timeout: Duration::from_secs(3),
+                keep_alive_timeout: Duration::from_secs(4),
+                max_connections: 16,
+            }
+        );
+        assert_eq!(
+            config.drain,
+            DrainConfig {
+                delay: Duration::ZERO,
+                grace: Duration::from_secs(60),
+            }
+        );
+        a.router.max_concurrent_requests = Some(2);
+        a.router.drain_delay = Some(Duration::from_secs(1));
+        let config = Config::from_args(&a).expect("valid");
+        assert_eq!(config.admission.max_concurrent, 2);
+        assert_eq!(config.drain.delay, Duration::from_secs(1));
+
+        a.router.max_concurrent_requests = Some(0);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::ZeroLimit("max-concurrent-requests"))
+        ));
+        a.router.max_concurrent_requests = None;
+        a.router.max_connections = Some(0);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::ZeroLimit("max-connections"))
+        ));
+        a.router.max_connections = None;
+        a.router.header_read_timeout = Some(Duration::ZERO);
+        assert!(matches!(
+            Config::from_args(&a),
+            Err(ConfigError::ZeroTimeout("header-read-timeout"))
+        ));
     }
 
     #[test]

@@ -4,6 +4,9 @@
 //! `init`ed and checked; the default must load) → plugins watcher → cluster + health probes →
 //! bind (and the admin port, if any) → serve. `/health` turns 200 once
 //! `--min-healthy-endpoints` endpoints answer `GET /v1/models`.
+//!
+//! Shutdown drains ([`RunningRouter::shutdown`]): `/health` 503 at once, every listener closed
+//! together after the drain delay, what is still open ended after the grace period.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -11,7 +14,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use switchyard_contract::Planner;
@@ -21,7 +23,7 @@ use switchyard_policy_host::{
 };
 
 use crate::Router;
-use crate::api::{self, AdminAccess, AppState, PromptTokenizer, TokenizerError};
+use crate::api::{self, AdminAccess, AppState, DrainConfig, PromptTokenizer, TokenizerError};
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::Config;
 use crate::microserving::{CallError, EngineClient};
@@ -45,37 +47,20 @@ pub enum ServeError {
         addr: SocketAddr,
         source: std::io::Error,
     },
-    #[error("the server failed: {0}")]
-    Serve(std::io::Error),
+    #[error("a listener stopped unexpectedly: {0}")]
+    Listener(tokio::task::JoinError),
 }
 
-/// A started router. Dropping it stops the server (and the admin listener and the watcher).
+/// A started router. Dropping it stops every listener at once (open streams end with an error
+/// event) and the watcher.
 pub struct RunningRouter {
     addr: SocketAddr,
+    admin_addr: Option<SocketAddr>,
     state: Arc<AppState>,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<std::io::Result<()>>,
-    admin: Option<Listener>,
+    drain: DrainConfig,
+    /// The main listener's task and the admin one's, if any; each ends when the drain is over.
+    listeners: Vec<JoinHandle<()>>,
     _watcher: PluginWatcher,
-}
-
-/// A background HTTP server and the way to stop it.
-struct Listener {
-    addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
-    task: JoinHandle<std::io::Result<()>>,
-}
-
-impl Listener {
-    async fn stop(mut self) -> Result<(), ServeError> {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        match (&mut self.task).await {
-            Ok(result) => result.map_err(ServeError::Serve),
-            Err(e) => Err(ServeError::Serve(std::io::Error::other(e))),
-        }
-    }
 }
 
 impl RunningRouter {
@@ -90,7 +75,7 @@ impl RunningRouter {
 
     /// The admin listener's address, when `/admin/*` has a port of its own.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
-        self.admin.as_ref().map(|a| a.addr)
+        self.admin_addr
     }
 
     /// Wait until `/health` would answer 200, at most `timeout`.
@@ -105,29 +90,62 @@ impl RunningRouter {
         true
     }
 
-    /// Stop accepting, let open responses finish, and return.
-    pub async fn shutdown(mut self) -> Result<(), ServeError> {
-        if let Some(admin) = self.admin.take() {
-            admin.stop().await?;
-        }
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        match (&mut self.task).await {
-            Ok(result) => result.map_err(ServeError::Serve),
-            Err(e) => Err(ServeError::Serve(std::io::Error::other(e))),
-        }
+    /// Drain, then return: `/health` answers 503 at once while the listeners keep accepting
+    /// for the drain delay; then every listener closes at once and requests in flight have
+    /// the grace period to finish; streams still open then end with an error event and
+    /// `[DONE]`.
+    pub async fn shutdown(self) -> Result<(), ServeError> {
+        self.shutdown_or_hurry(std::future::pending()).await
+    }
+
+    /// [`RunningRouter::shutdown`], cut short when `hurry` resolves (a second Ctrl-C): what is
+    /// left of the delay and the grace period is skipped.
+    pub async fn shutdown_or_hurry(
+        mut self,
+        hurry: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let drain = self.state.drain.clone();
+        let DrainConfig { delay, grace } = self.drain;
+        let listeners = futures::future::join_all(self.listeners.drain(..));
+        let steps = async {
+            drain.begin();
+            tracing::info!(?delay, ?grace, "draining: /health answers 503");
+            tokio::select! {
+                () = tokio::time::sleep(delay) => {}
+                () = drain.accepting_stopped() => {}
+            }
+            drain.stop_accepting();
+            tokio::pin!(listeners);
+            tokio::select! {
+                ended = &mut listeners => return ended,
+                () = tokio::time::sleep(grace) => tracing::warn!(
+                    ?grace,
+                    "grace period over: ending what is still open with an error"
+                ),
+                () = drain.grace_over() => {}
+            }
+            drain.end_grace();
+            listeners.await
+        };
+        tokio::pin!(steps);
+        let ended = tokio::select! {
+            ended = &mut steps => ended,
+            () = hurry => {
+                tracing::warn!("hurried: ending what is still open now");
+                drain.end_grace();
+                steps.await
+            }
+        };
+        ended
+            .into_iter()
+            .find_map(Result::err)
+            .map_or(Ok(()), |e| Err(ServeError::Listener(e)))
     }
 }
 
 impl Drop for RunningRouter {
     fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(stop) = self.admin.as_mut().and_then(|a| a.stop.take()) {
-            let _ = stop.send(());
-        }
+        self.state.drain.end_grace();
     }
 }
 
@@ -187,41 +205,32 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         })
         .with_forward_headers(config.policies.forward_headers.clone())
         .with_limits(config.limits)
-        .with_models(config.policies.models.keys().cloned().collect()),
+        .with_models(config.policies.models.keys().cloned().collect())
+        .with_edge(config.admission, config.connections),
     );
 
     let (listener, addr) = bind(config.listen).await?;
-    let admin = match config.admin.listen {
+    let mut listeners = Vec::with_capacity(2);
+    let admin_addr = match config.admin.listen {
         Some(admin_addr) => {
             let (admin_listener, admin_addr) = bind(admin_addr).await?;
-            let (stop, stopped) = oneshot::channel::<()>();
-            let task = tokio::spawn(api::serve_admin(
+            listeners.push(tokio::spawn(api::serve_admin(
                 admin_listener,
                 state.clone(),
-                async move {
-                    let _ = stopped.await;
-                },
-            ));
+            )));
             println!("switchyard admin listening on http://{admin_addr}");
-            Some(Listener {
-                addr: admin_addr,
-                stop: Some(stop),
-                task,
-            })
+            Some(admin_addr)
         }
         None => None,
     };
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(api::serve(listener, state.clone(), async move {
-        let _ = stopped.await;
-    }));
+    listeners.push(tokio::spawn(api::serve(listener, state.clone())));
     tracing::info!(%addr, endpoints = config.endpoints.len(), "router listening");
     Ok(RunningRouter {
         addr,
+        admin_addr,
         state,
-        stop: Some(stop),
-        task,
-        admin,
+        drain: config.drain,
+        listeners,
         _watcher: watcher,
     })
 }
@@ -286,10 +295,15 @@ async fn remove_when_idle(cluster: Arc<Cluster>, id: u32) {
     }
 }
 
-/// Run the router until `shutdown` resolves.
-pub async fn run(config: Config, shutdown: impl Future<Output = ()>) -> Result<(), ServeError> {
+/// Run the router until `shutdown` resolves, then drain it ([`RunningRouter::shutdown`]),
+/// skipping what is left of the drain when `hurry` resolves.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()>,
+    hurry: impl Future<Output = ()>,
+) -> Result<(), ServeError> {
     let router = start(&config).await?;
     println!("switchyard router listening on http://{}", router.addr());
     shutdown.await;
-    router.shutdown().await
+    router.shutdown_or_hurry(hurry).await
 }

@@ -7,6 +7,7 @@ mod policy_cli;
 mod policy_new;
 mod up;
 
+use std::future::Future;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -85,8 +86,10 @@ fn serve(args: &switchyard_router::config::ServeArgs) -> anyhow::Result<()> {
             std::process::exit(USAGE_ERROR);
         }
     };
+    raise_open_files_limit();
     let runtime = tokio::runtime::Runtime::new()?;
-    runtime.block_on(switchyard_router::serve::run(config, shutdown_signal()))?;
+    let (shutdown, hurry) = shutdown_signals();
+    runtime.block_on(switchyard_router::serve::run(config, shutdown, hurry))?;
     Ok(())
 }
 
@@ -94,7 +97,8 @@ fn engine(args: switchyard_engine::EngineArgs) -> anyhow::Result<()> {
     if let Some(threads) = args.threads {
         set_model_threads(threads);
     }
-    match switchyard_engine::run(args, shutdown_signal()) {
+    let (shutdown, _) = shutdown_signals();
+    match switchyard_engine::run(args, shutdown) {
         Err(e) if e.is_usage() => {
             eprintln!("switchyard engine: {e}");
             std::process::exit(USAGE_ERROR);
@@ -116,13 +120,34 @@ fn set_model_threads(threads: u16) {
 }
 
 fn up(args: up::UpArgs) -> anyhow::Result<()> {
+    raise_open_files_limit();
     let runtime = tokio::runtime::Runtime::new()?;
-    match runtime.block_on(up::run(args, shutdown_signal())) {
+    let (shutdown, hurry) = shutdown_signals();
+    match runtime.block_on(up::run(args, shutdown, hurry)) {
         Err(up::UpError::Config(e)) => {
             eprintln!("switchyard up: {e}");
             std::process::exit(USAGE_ERROR);
         }
         other => Ok(other?),
+    }
+}
+
+/// Lifts the soft limit on open files to the hard one, as Go's runtime does for every
+/// program: the router holds a connection per client and more to the engines, and the usual
+/// soft limit (1024) would refuse connections long before `--max-connections`.
+fn raise_open_files_limit() {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    if let (Some(current), Some(maximum)) = (limit.current, limit.maximum)
+        && current < maximum
+    {
+        let raised = Rlimit {
+            current: Some(maximum),
+            maximum: Some(maximum),
+        };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            tracing::warn!(error = %e, current, "cannot raise the open files limit");
+        }
     }
 }
 
@@ -140,19 +165,49 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut int), Ok(mut term)) = (
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::terminate()),
-    ) else {
-        // Without signal handlers the process still stops on the default disposition.
-        std::future::pending::<()>().await;
-        return;
+/// Two futures: the first resolves on SIGINT or SIGTERM (shut down, draining), the second on
+/// the next one (stop now). Handlers are installed when the first is first polled, inside the
+/// runtime; until then, and if they cannot be installed, a signal has its default effect.
+fn shutdown_signals() -> (impl Future<Output = ()>, impl Future<Output = ()>) {
+    let (handoff, handed) = tokio::sync::oneshot::channel();
+    let first = async move {
+        let Some(mut signals) = Signals::install() else {
+            return std::future::pending().await;
+        };
+        signals
+            .next("shutting down (send another to stop at once)")
+            .await;
+        let _ = handoff.send(signals);
     };
-    tokio::select! {
-        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+    let second = async move {
+        match handed.await {
+            Ok(mut signals) => signals.next("stopping now").await,
+            Err(_) => std::future::pending().await,
+        }
+    };
+    (first, second)
+}
+
+/// SIGINT and SIGTERM handlers.
+struct Signals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Option<Signals> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Some(Signals {
+            int: signal(SignalKind::interrupt()).ok()?,
+            term: signal(SignalKind::terminate()).ok()?,
+        })
+    }
+
+    /// Waits for the next signal and logs it with `what` happens now.
+    async fn next(&mut self, what: &str) {
+        tokio::select! {
+            _ = self.int.recv() => tracing::info!("SIGINT: {what}"),
+            _ = self.term.recv() => tracing::info!("SIGTERM: {what}"),
+        }
     }
 }

@@ -1,14 +1,17 @@
 //! `switchyard up`: the embedded default (`make run`). Starts `--prefill` + `--decode`
 //! reference engines as child processes of this one (device ranks 0..N, KV peers wired over
 //! the shm transport), runs the router in-process in front of them, prints the URL and a
-//! ready-to-paste request once ready, and stops everything on SIGINT/SIGTERM.
+//! ready-to-paste request once ready, and stops everything on SIGINT/SIGTERM: the router drains
+//! first (the engines serve its requests in flight to the end), then each engine gets SIGTERM,
+//! SIGKILL if it has not exited within [`ENGINE_STOP_TIMEOUT`], and is waited for.
 //!
 //! `--model` names what the engines run (`synthetic`, `smollm2` or a GGUF path; see
 //! `switchyard engine --model`): with a real model the router gets the GGUF's tokenizer, chat
 //! template and name, and the machine's cores are split between the engines (`--threads`).
 //!
-//! Engines never outlive the router: each child is killed when its handle drops, and the
-//! kernel kills it (`PR_SET_PDEATHSIG`) if the router dies without running destructors.
+//! Engines never outlive the router: `up` returns only once every engine has exited, each child
+//! is killed when its handle drops (an error path), and the kernel kills it
+//! (`PR_SET_PDEATHSIG`) if the router dies without running destructors.
 
 use std::process::Stdio;
 use std::time::Duration;
@@ -71,20 +74,51 @@ pub enum UpError {
 }
 
 const ENGINE_READY_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long an engine may take to exit after SIGTERM before it is killed.
+const ENGINE_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A reference engine child process; killed when dropped.
 #[derive(Debug)]
 pub struct EngineChild {
     pub rank: u32,
     pub url: String,
-    /// Held for `kill_on_drop`: the engine dies with this handle.
-    _child: Child,
+    /// `kill_on_drop`: the engine dies with this handle.
+    child: Child,
 }
 
-/// Start engines and the router; run until `shutdown` resolves.
+/// SIGTERM to every engine, then wait for each to exit; SIGKILL those still running after
+/// [`ENGINE_STOP_TIMEOUT`]. Returns once every engine has exited.
+async fn stop_engines(engines: Vec<EngineChild>) {
+    for engine in &engines {
+        let pid = engine
+            .child
+            .id()
+            .and_then(|id| rustix::process::Pid::from_raw(id as i32));
+        if let Some(pid) = pid {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        }
+    }
+    let deadline = tokio::time::Instant::now() + ENGINE_STOP_TIMEOUT;
+    for mut engine in engines {
+        if tokio::time::timeout_at(deadline, engine.child.wait())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                rank = engine.rank,
+                "engine still running after SIGTERM; killing it"
+            );
+            let _ = engine.child.kill().await;
+        }
+    }
+}
+
+/// Start engines and the router; run until `shutdown` resolves, then drain the router (cut
+/// short when `hurry` resolves) and stop the engines.
 pub async fn run(
     mut args: UpArgs,
     shutdown: impl std::future::Future<Output = ()>,
+    hurry: impl std::future::Future<Output = ()>,
 ) -> Result<(), UpError> {
     let model = args
         .router
@@ -120,9 +154,9 @@ pub async fn run(
     }
     print_banner(&router.addr().to_string(), &engines, real);
     shutdown.await;
-    router.shutdown().await?;
-    drop(engines);
-    Ok(())
+    let drained = router.shutdown_or_hurry(hurry).await;
+    stop_engines(engines).await;
+    Ok(drained?)
 }
 
 fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
@@ -232,11 +266,7 @@ pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild
                 rank,
                 after: ENGINE_READY_TIMEOUT,
             })?;
-        started.push(EngineChild {
-            rank,
-            url,
-            _child: child,
-        });
+        started.push(EngineChild { rank, url, child });
     }
     Ok(started)
 }

@@ -24,9 +24,12 @@ use crate::cluster::{Cluster, EndpointError, EndpointSpec, Owner};
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
 /// Readiness: 200 while at least `--min-healthy-endpoints` endpoints are healthy (the policy
-/// is loaded before the server starts), 503 otherwise; the body says which endpoints are down
-/// and why, either way.
+/// is loaded before the server starts), 503 otherwise, and 503 again from the moment the router
+/// starts draining; the body says which endpoints are down and why, either way.
 pub fn health(state: &AppState) -> Response<Body> {
+    if state.drain.is_draining() {
+        return ApiError::Draining.response();
+    }
     let readiness = state.router.executor().cluster().readiness();
     let status = if readiness.ready {
         StatusCode::OK
@@ -42,6 +45,12 @@ pub fn health(state: &AppState) -> Response<Body> {
             "down": readiness.down,
         }),
     )
+}
+
+/// Liveness: 200 while the process can answer at all, draining included, so an orchestrator
+/// never kills a router that is finishing its streams.
+pub fn livez() -> Response<Body> {
+    json_response(StatusCode::OK, &json!({"status": "alive"}))
 }
 
 /// The served model, OpenAI-style; 503 until ready (MLC's readiness check is this route).

@@ -1,5 +1,6 @@
 //! Prometheus metrics for `/metrics`: requests by status, latency histograms, retries,
-//! preemptions, remote_sends skipped, policy call latency, and per endpoint: legs in flight,
+//! preemptions, remote_sends skipped, policy call latency, admission (queued, in flight,
+//! admitted, rejected, queue wait), client connections, and per endpoint: legs in flight,
 //! health (`1` healthy, `0` not ready, `-1` ejected, `-2` draining, `-3` removed) and
 //! ejections.
 
@@ -35,6 +36,43 @@ pub struct Metrics {
     in_flight: Family<Labels, Gauge>,
     health: Family<Labels, Gauge>,
     ejections: Family<Labels, Counter>,
+    admission: AdmissionMetrics,
+    connections: ConnectionMetrics,
+}
+
+/// What admission control reports; cloned into [`super::admission::Admission`].
+#[derive(Debug, Clone)]
+pub struct AdmissionMetrics {
+    pub queued: Gauge,
+    pub in_flight: Gauge,
+    pub admitted: Counter,
+    /// By `reason`: `queue_full`, `queue_timeout`.
+    pub rejected: Family<Labels, Counter>,
+    /// Time admitted requests waited in the queue (0 for those admitted at once).
+    pub queue_wait: Histogram,
+}
+
+/// Unregistered handles (tests); [`Metrics::admission`] gives the registered ones.
+impl Default for AdmissionMetrics {
+    fn default() -> Self {
+        AdmissionMetrics {
+            queued: Gauge::default(),
+            in_flight: Gauge::default(),
+            admitted: Counter::default(),
+            rejected: Family::default(),
+            // 100 µs to ~13 s.
+            queue_wait: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+        }
+    }
+}
+
+/// What the listeners report about client connections.
+#[derive(Debug, Clone, Default)]
+pub struct ConnectionMetrics {
+    pub open: Gauge,
+    /// By `reason`: `header_timeout`, `idle_timeout`.
+    pub closed: Family<Labels, Counter>,
+    pub accept_errors: Counter,
 }
 
 impl Default for Metrics {
@@ -55,6 +93,10 @@ impl Metrics {
         let in_flight = Family::<Labels, Gauge>::default();
         let health = Family::<Labels, Gauge>::default();
         let ejections = Family::<Labels, Counter>::default();
+        let admission = AdmissionMetrics::default();
+        let connections = ConnectionMetrics::default();
+        register_admission(&mut registry, &admission);
+        register_connections(&mut registry, &connections);
         registry.register(
             "requests",
             "Client requests by route and HTTP status",
@@ -111,7 +153,19 @@ impl Metrics {
             in_flight,
             health,
             ejections,
+            admission,
+            connections,
         }
+    }
+
+    /// The handles admission control updates.
+    pub fn admission(&self) -> AdmissionMetrics {
+        self.admission.clone()
+    }
+
+    /// The handles the listeners update.
+    pub fn connections(&self) -> ConnectionMetrics {
+        self.connections.clone()
     }
 
     /// Count a response by route and status code.
@@ -170,4 +224,50 @@ impl Metrics {
         let _ = encode(&mut out, &self.registry);
         out
     }
+}
+
+fn register_admission(registry: &mut Registry, m: &AdmissionMetrics) {
+    registry.register(
+        "admission_queued",
+        "Requests waiting for admission",
+        m.queued.clone(),
+    );
+    registry.register(
+        "admission_in_flight",
+        "Admitted requests whose response has not ended",
+        m.in_flight.clone(),
+    );
+    registry.register(
+        "admission_admitted",
+        "Requests admitted",
+        m.admitted.clone(),
+    );
+    registry.register(
+        "admission_rejected",
+        "Requests refused with 429, by reason (queue_full, queue_timeout)",
+        m.rejected.clone(),
+    );
+    registry.register(
+        "admission_queue_wait_seconds",
+        "Time an admitted request waited in the queue",
+        m.queue_wait.clone(),
+    );
+}
+
+fn register_connections(registry: &mut Registry, m: &ConnectionMetrics) {
+    registry.register(
+        "connections_open",
+        "Open client connections",
+        m.open.clone(),
+    );
+    registry.register(
+        "connections_closed",
+        "Client connections the router closed, by reason (header_timeout, idle_timeout)",
+        m.closed.clone(),
+    );
+    registry.register(
+        "accept_errors",
+        "Failed accepts (out of file descriptors and the like)",
+        m.accept_errors.clone(),
+    );
 }

@@ -1,6 +1,8 @@
 //! The one place where errors become OpenAI error bodies and HTTP status codes:
 //! `{"error": {"message", "type", "param", "code"}}`, as a response or as a terminal SSE event.
 
+use std::time::Duration;
+
 use bytes::Bytes;
 use http::{Response, StatusCode, header};
 use serde::Serialize;
@@ -8,6 +10,7 @@ use switchyard_contract::TranslateError;
 use switchyard_wire::error::{ErrorBody, INVALID_REQUEST_ERROR, SERVER_ERROR};
 use switchyard_wire::sse;
 
+use super::admission::Refusal;
 use super::{Body, full};
 use crate::RouteError;
 use crate::cluster::EndpointError;
@@ -30,6 +33,18 @@ pub enum ApiError {
     BodyTooLarge { limit: usize },
     #[error("cannot read the request body: {0}")]
     BodyRead(String),
+    #[error("the request body did not arrive within {0:?}")]
+    BodyTimeout(Duration),
+    /// Admission control refused the request; the client may try again after `retry_after`.
+    #[error("{refusal}; try again in {}s", retry_after.as_secs())]
+    Overloaded {
+        refusal: Refusal,
+        retry_after: Duration,
+    },
+    #[error("the router is draining: it is shutting down")]
+    Draining,
+    #[error("the router is shutting down and its grace period is over")]
+    ShuttingDown,
     #[error("no route for {method} {path}")]
     NotFound { method: String, path: String },
     #[error("this route needs `Authorization: Bearer <admin token>`")]
@@ -62,6 +77,9 @@ impl ApiError {
                 StatusCode::BAD_REQUEST
             }
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::Draining | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::AdminNotLocal => StatusCode::FORBIDDEN,
@@ -77,10 +95,12 @@ impl ApiError {
 
     /// OpenAI's `type`: the client's fault or ours.
     fn kind(&self) -> &'static str {
-        if self.status().is_client_error() {
-            INVALID_REQUEST_ERROR
-        } else {
-            SERVER_ERROR
+        match self {
+            // A 429 for being at capacity is about the server, not the request (OpenAI's own
+            // "the engine is currently overloaded" is a 429 `server_error` too).
+            ApiError::Overloaded { .. } => SERVER_ERROR,
+            _ if self.status().is_client_error() => INVALID_REQUEST_ERROR,
+            _ => SERVER_ERROR,
         }
     }
 
@@ -98,6 +118,10 @@ impl ApiError {
             ApiError::InvalidField { .. } => "invalid_value",
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::BodyRead(_) => "invalid_body",
+            ApiError::BodyTimeout(_) => "body_read_timeout",
+            ApiError::Overloaded { .. } => "overloaded",
+            ApiError::Draining => "draining",
+            ApiError::ShuttingDown => "shutting_down",
             ApiError::NotFound { .. } => "not_found",
             ApiError::Unauthorized => "unauthorized",
             ApiError::AdminNotLocal => "forbidden",
@@ -134,7 +158,14 @@ impl ApiError {
 
     /// The error as a response.
     pub fn response(&self) -> Response<Body> {
-        json_response(self.status(), &self.body())
+        let mut response = json_response(self.status(), &self.body());
+        if let ApiError::Overloaded { retry_after, .. } = self {
+            response.headers_mut().insert(
+                header::RETRY_AFTER,
+                header::HeaderValue::from(retry_after.as_secs()),
+            );
+        }
+        response
     }
 
     /// The error as the terminal event of an SSE stream (followed by `[DONE]`).
@@ -200,6 +231,20 @@ mod tests {
         let e = ApiError::BodyTooLarge { limit: 10 };
         assert_eq!(e.status(), StatusCode::PAYLOAD_TOO_LARGE);
         assert_eq!(e.body().error.param, None);
+        let e = ApiError::Overloaded {
+            refusal: Refusal::QueueTimeout {
+                waited: Duration::from_secs(5),
+            },
+            retry_after: Duration::from_secs(5),
+        };
+        let response = e.response();
+        assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(response.headers()[header::RETRY_AFTER], "5");
+        assert_eq!(
+            serde_json::to_value(e.body()).expect("serializes"),
+            json!({"error": {"message": "the router is at capacity: no place freed up within 5s; try again in 5s",
+                "type": "server_error", "param": null, "code": "overloaded"}})
+        );
         let e = ApiError::NotReady("engines starting");
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(e.body().error.kind, "server_error");

@@ -1,6 +1,7 @@
 //! SSE framing to the client: one `data: <json>\n\n` per chunk, `data: [DONE]\n\n` last, and
-//! an OpenAI error event before `[DONE]` when the router gives up mid-stream (never a silent
-//! truncation). A stream the client abandons is counted with status 499 in `/metrics`.
+//! an OpenAI error event before `[DONE]` when the router gives up mid-stream or its shutdown
+//! grace period ends (never a silent truncation). A stream the client abandons is counted with
+//! status 499 in `/metrics`.
 //!
 //! The response body drives the request itself ([`Routing`] has no task of its own): each time
 //! hyper asks for more, the body polls the routing, which reads whatever the engine has sent,
@@ -8,6 +9,7 @@
 //! to the client (see [`Coalescer`]).
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -18,6 +20,7 @@ use http::{Response, header};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use tokio::time::Instant;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::openai::Responder;
 use super::respond::ApiError;
@@ -36,6 +39,7 @@ pub fn stream_response(
     let mut opening = Vec::new();
     responder.opening_frame(&mut opening);
     let relay = StreamRelay {
+        grace_over: Box::pin(state.drain.grace_over()),
         state,
         responder,
         routing,
@@ -71,6 +75,8 @@ struct StreamRelay {
     last_text: Option<Instant>,
     done: bool,
     arrived: Instant,
+    /// The router's shutdown grace period is over: end with an error event.
+    grace_over: Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 /// Most bytes of events written to the client in one frame.
@@ -86,6 +92,9 @@ impl Stream for StreamRelay {
         if let Some(first) = this.pending.take() {
             this.frame(first, &mut out);
             events += 1;
+        }
+        if !this.done && this.grace_over.as_mut().poll(cx).is_ready() {
+            this.shut_down(&mut out);
         }
         // Everything the routing has ready goes in this frame.
         while !this.done && out.len() < COALESCE_LIMIT {
@@ -208,6 +217,16 @@ impl StreamRelay {
             &ApiError::NotReady("the request was abandoned by the router"),
             out,
         );
+    }
+
+    /// The router's grace period is over: say so rather than truncate. Dropping the stream
+    /// afterwards cancels its upstream legs.
+    fn shut_down(&mut self, out: &mut Vec<u8>) {
+        let error = ApiError::ShuttingDown;
+        self.state
+            .metrics
+            .request(self.responder.shape.route(), error.status().as_u16());
+        self.end_with(&error, out);
     }
 
     /// End the stream with `error`'s OpenAI error event, then `[DONE]`.
