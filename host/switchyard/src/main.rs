@@ -61,7 +61,13 @@ fn main() -> ExitCode {
         Command::Engine(args) => engine(args),
         Command::Bench(args) => switchyard_bench::run_blocking(args).map_err(Into::into),
         Command::Serve(args) => serve(&args),
-        Command::Up(args) => up(args),
+        Command::Up(mut args) => {
+            // The engines log to the same stderr: in the same format.
+            if cli.log_format == LogFormat::Json {
+                args.engine_args.push("--log-format=json".into());
+            }
+            up(args)
+        }
         Command::Policy(command) => policy_cli::run_cli(command).map_err(Into::into),
     };
     match result {
