@@ -295,11 +295,11 @@ impl RouterProcess {
     }
 
     /// `switchyard up --port 0 --plugins PLUGINS ARGS…` with compiled policies cached in
-    /// `cache_dir` (`SWITCHYARD_CACHE_DIR`), so components that take seconds to compile (Python,
+    /// `cache_dir` (`SWITCHYARD_CACHE`), so components that take seconds to compile (Python,
     /// JavaScript) are compiled once per content rather than once per test, and never into the
     /// user's cache directory.
     pub fn up_with_plugins(plugins: &Path, cache_dir: &Path, args: &[&str]) -> UpProcess {
-        Self::spawn_up(plugins, &[("SWITCHYARD_CACHE_DIR", cache_dir)], args)
+        Self::spawn_up(plugins, &[("SWITCHYARD_CACHE", cache_dir)], args)
     }
 
     fn spawn_up(plugins: &Path, env: &[(&str, &Path)], args: &[&str]) -> UpProcess {

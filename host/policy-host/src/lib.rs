@@ -122,9 +122,10 @@ pub fn default_pool_size() -> usize {
     std::thread::available_parallelism().map_or(2, |n| n.get().clamp(2, 16))
 }
 
-/// `$SWITCHYARD_CACHE_DIR`, else the user's cache directory + `switchyard`.
+/// `$SWITCHYARD_CACHE`, else the user's cache directory + `switchyard`: the one cache compiled
+/// policies and fetched models share (`switchyard_wire::gguf::model_cache_dir` follows the same rule).
 pub fn default_cache_dir() -> Option<PathBuf> {
-    std::env::var_os("SWITCHYARD_CACHE_DIR")
+    std::env::var_os("SWITCHYARD_CACHE")
         .filter(|dir| !dir.is_empty())
         .map(PathBuf::from)
         .or_else(|| dirs::cache_dir().map(|dir| dir.join("switchyard")))

@@ -56,7 +56,7 @@ fn switchyard() -> Command {
     // Compiled components are cached under target/ (never the user's cache directory), shared
     // with the example tests: the Python and JavaScript runtimes take seconds to compile.
     command.env(
-        "SWITCHYARD_CACHE_DIR",
+        "SWITCHYARD_CACHE",
         target_dir().join("examples/compiled"),
     );
     command
