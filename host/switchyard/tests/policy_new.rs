@@ -55,10 +55,7 @@ fn switchyard() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_switchyard"));
     // Compiled components are cached under target/ (never the user's cache directory), shared
     // with the example tests: the Python and JavaScript runtimes take seconds to compile.
-    command.env(
-        "SWITCHYARD_CACHE",
-        target_dir().join("examples/compiled"),
-    );
+    command.env("SWITCHYARD_CACHE", target_dir().join("examples/compiled"));
     command
 }
 
