@@ -245,6 +245,8 @@ async fn up_with_the_real_model_answers_its_banner_question() {
     let up = RouterProcess::up(&["--model", "smollm2", "--prefill", "1", "--decode", "1"]);
     let models = post_or_get(&up.endpoint("/v1/models")).await;
     assert_eq!(models["data"][0]["id"], "SmolLM2-135M-Instruct", "{models}");
+    // The GGUF's context length, which the router now enforces itself.
+    assert_eq!(models["data"][0]["max_model_len"], 8192, "{models}");
     let mut body = json!({
         "messages": [
             {"role": "system", "content": "You are a helpful assistant."},
@@ -273,6 +275,14 @@ async fn up_with_the_real_model_answers_its_banner_question() {
         }
     }
     assert_eq!(joined, text);
+    // A request over the model's 8192 tokens: refused by the router, OpenAI's way.
+    let long = json!({"prompt": vec![504u32; 8100], "max_tokens": 100});
+    let (status, refused) = post(&up.endpoint("/v1/completions"), &long).await;
+    assert_eq!(status, 400, "{refused}");
+    assert!(
+        refused.contains("maximum context length is 8192 tokens"),
+        "{refused}"
+    );
 }
 
 /// Preemption on the real model with its BPE tokenizer: every second decoding request is cut
@@ -327,22 +337,16 @@ async fn real_model_preempted_streams_continue_seamlessly() {
 }
 
 /// The real model behind `switchyard serve`: P and two decode engines (tcp KV), the router
-/// tokenizing with the GGUF's own tokenizer. A decode engine killed mid-stream: the stream
+/// tokenizing with the GGUF's own tokenizer (`--model-dir` names the GGUF). A decode engine killed mid-stream: the stream
 /// continues on the other from the ids already delivered, and the client gets exactly the
 /// uninterrupted single-engine text with a usage counting the engine's tokens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_model_streams_continue_exactly_when_their_decode_engine_is_killed() {
     let gguf = switchyard_wire::gguf::smollm2_path().expect("the model is fetched: make model");
-    let model_dir = tempfile::tempdir().expect("tempdir");
-    switchyard_wire::gguf::GgufMetadata::read(&gguf)
-        .and_then(|meta| meta.model_files())
-        .expect("the GGUF's tokenizer")
-        .write_model_dir(model_dir.path())
-        .expect("write the model dir");
     let real = ["--model", "smollm2", "--threads", "1"];
     let truth = EngineProcess::spawn(&real);
-    let dir = model_dir.path().to_str().expect("UTF-8 temp path");
-    let mut c = disagg_over("tcp", &[&[], &[]], &real, &["--model-dir", dir]);
+    let gguf = gguf.to_str().expect("UTF-8 cache path");
+    let mut c = disagg_over("tcp", &[&[], &[]], &real, &["--model-dir", gguf]);
     let prompt = "Write a short story about a lighthouse keeper who finds a letter:";
     let body = json!({"prompt": prompt, "max_tokens": 48});
     let expected = post_json(&truth.endpoint("/v1/completions"), &body).await;

@@ -381,18 +381,8 @@ async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineEr
     Ok(LoadedModel {
         spec: ModelSpec::Llama(Arc::new(model)),
         tokenizer,
-        default_name: served_name(&path),
+        default_name: switchyard_wire::gguf::served_name(&path),
     })
-}
-
-/// The name a GGUF model is served under by default: its file name up to the first dot
-/// (`SmolLM2-135M-Instruct.Q4_1.gguf` is `SmolLM2-135M-Instruct`).
-pub fn served_name(path: &std::path::Path) -> String {
-    let file = path
-        .file_name()
-        .map(|f| f.to_string_lossy())
-        .unwrap_or_default();
-    file.split('.').next().unwrap_or_default().to_owned()
 }
 
 /// The GGUF at `path` with its tokenizer.

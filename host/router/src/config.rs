@@ -16,7 +16,7 @@
 //! quarantine_window_ms = 30000
 //! admin_token = "s3cret"                      # /admin/* then needs `Authorization: Bearer …`
 //! admin_port = 9001                           # /admin/* on its own port instead of `port`
-//! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json
+//! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json, or a .gguf
 //! model = "llama"                              # name reported by /v1/models
 //! max_attempts = 3
 //! min_healthy_endpoints = 1                   # healthy endpoints needed to be ready
@@ -62,6 +62,7 @@ use std::time::Duration;
 
 use switchyard_contract::Role;
 use switchyard_policy_host::QuarantineRule;
+use switchyard_wire::gguf::{GgufMetadata, ModelFiles, served_name};
 
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig};
@@ -130,8 +131,10 @@ pub struct RouterArgs {
     /// Serve `/admin/*` on this port (same host) instead of the main port.
     #[arg(long)]
     pub admin_port: Option<u16>,
-    /// A model directory with `tokenizer.json` (and `tokenizer_config.json` for chat);
-    /// default: the reference engine's byte-level tokenizer.
+    /// The served model's tokenizer: a directory with `tokenizer.json` (and
+    /// `tokenizer_config.json` for chat), or a GGUF file, whose metadata gives the tokenizer,
+    /// chat template, default `--model` name and default `--context-length`; default: the
+    /// reference engine's byte-level tokenizer.
     #[arg(long)]
     pub model_dir: Option<PathBuf>,
     /// The model name `/v1/models` reports.
@@ -251,7 +254,8 @@ pub struct Config {
     pub plugins: PathBuf,
     pub policies: PolicySettings,
     pub admin: AdminSettings,
-    pub model_dir: Option<PathBuf>,
+    /// Where the tokenizer and chat template come from; `None`: the byte-level tokenizer.
+    pub model_source: Option<ModelSource>,
     pub model: String,
     /// Retries, the retry budget and the request deadline.
     pub routing: RouterConfig,
@@ -291,6 +295,66 @@ pub struct AdminSettings {
     pub token: Option<String>,
     /// A separate listener for `/admin/*`; `None`: the main port serves them.
     pub listen: Option<SocketAddr>,
+}
+
+/// Where the router's tokenizer and chat template come from (`--model-dir`).
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    /// A Hugging Face-style directory: `tokenizer.json`, and `tokenizer_config.json` for chat.
+    Dir(PathBuf),
+    /// A GGUF file: the same, from its metadata (read once, here, without the weights).
+    Gguf {
+        path: PathBuf,
+        files: std::sync::Arc<ModelFiles>,
+    },
+}
+
+impl ModelSource {
+    /// A GGUF file or a directory with a `tokenizer.json`; anything else is refused here,
+    /// before any port is bound.
+    fn open(path: PathBuf) -> Result<Self, ConfigError> {
+        let refuse = |reason: String| ConfigError::ModelDir {
+            path: path.clone(),
+            reason,
+        };
+        if path.is_file() {
+            let files = GgufMetadata::read(&path)
+                .and_then(|meta| meta.model_files())
+                .map_err(|e| refuse(format!("not a usable GGUF: {e}")))?;
+            return Ok(ModelSource::Gguf {
+                files: std::sync::Arc::new(files),
+                path,
+            });
+        }
+        if !path.join("tokenizer.json").is_file() {
+            return Err(refuse(
+                "neither a GGUF file nor a directory with a tokenizer.json".into(),
+            ));
+        }
+        Ok(ModelSource::Dir(path))
+    }
+
+    /// The name `/v1/models` reports unless `--model` says otherwise: the directory's name, or
+    /// the GGUF's as the reference engine serves it.
+    fn default_name(&self) -> String {
+        match self {
+            ModelSource::Dir(dir) => dir
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| DEFAULT_MODEL.to_owned()),
+            ModelSource::Gguf { path, .. } => served_name(path),
+        }
+    }
+
+    /// The context length the GGUF declares (a directory's is not read).
+    fn context_length(&self) -> Option<u32> {
+        match self {
+            ModelSource::Dir(_) => None,
+            ModelSource::Gguf { files, .. } => {
+                files.context_length.and_then(|n| u32::try_from(n).ok())
+            }
+        }
+    }
 }
 
 /// Why the configuration is unusable; each names the flag or key.
@@ -486,26 +550,16 @@ impl Config {
         };
         let policies = policy_settings(&args.router, policy_keys, &plugins)?;
         let admin = admin_settings(&args.router, file.admin_token, file.admin_port, host, port)?;
-        let model_dir = args.router.model_dir.clone().or(file.model_dir);
-        if let Some(dir) = &model_dir
-            && !dir.join("tokenizer.json").is_file()
-        {
-            return Err(ConfigError::ModelDir {
-                path: dir.clone(),
-                reason: "no tokenizer.json in it".into(),
-            });
-        }
+        let model_source = match args.router.model_dir.clone().or(file.model_dir) {
+            Some(path) => Some(ModelSource::open(path)?),
+            None => None,
+        };
         let model = args
             .router
             .model
             .clone()
             .or(file.model)
-            .or_else(|| {
-                model_dir
-                    .as_ref()
-                    .and_then(|d| d.file_name())
-                    .map(|n| n.to_string_lossy().into_owned())
-            })
+            .or_else(|| model_source.as_ref().map(ModelSource::default_name))
             .unwrap_or_else(|| DEFAULT_MODEL.to_owned());
         let defaults = RetryPolicy::default();
         let retry = RetryPolicy::try_new(
@@ -536,6 +590,7 @@ impl Config {
         let context_length = r
             .context_length
             .or(file.context_length)
+            .or_else(|| model_source.as_ref().and_then(ModelSource::context_length))
             .unwrap_or(DEFAULT_CONTEXT_LENGTH);
         let max_prompt_tokens = r
             .max_prompt_tokens
@@ -649,7 +704,7 @@ impl Config {
             plugins,
             policies,
             admin,
-            model_dir,
+            model_source,
             model,
             routing: RouterConfig {
                 retry,
@@ -969,6 +1024,31 @@ mod tests {
             },
             ..ServeArgs::default()
         }
+    }
+
+    #[test]
+    fn model_dir_must_hold_a_tokenizer_or_be_a_gguf() {
+        let plugins = plugins_with("disagg");
+        let with = |path: &Path| {
+            let mut a = args(plugins.path());
+            a.router.model_dir = Some(path.to_owned());
+            Config::from_args(&a)
+        };
+        let empty = tempfile::tempdir().expect("tempdir");
+        let err = with(empty.path()).expect_err("no tokenizer.json");
+        assert!(matches!(err, ConfigError::ModelDir { .. }), "{err}");
+        let not_gguf = empty.path().join("weights.gguf");
+        std::fs::write(&not_gguf, b"GGML but not GGUF").expect("write");
+        let err = with(&not_gguf).expect_err("not a GGUF");
+        assert!(err.to_string().contains("not a usable GGUF"), "{err}");
+        // A directory is named after itself, and leaves the context length at the default.
+        let model = tempfile::tempdir().expect("tempdir");
+        let dir = model.path().join("tiny-llama");
+        std::fs::create_dir(&dir).expect("mkdir");
+        std::fs::write(dir.join("tokenizer.json"), b"{}").expect("write");
+        let config = with(&dir).expect("a model directory");
+        assert_eq!(config.model, "tiny-llama");
+        assert_eq!(config.limits.context_length, DEFAULT_CONTEXT_LENGTH);
     }
 
     #[test]

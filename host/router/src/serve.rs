@@ -25,7 +25,7 @@ use switchyard_policy_host::{
 use crate::Router;
 use crate::api::{self, AdminAccess, AppState, DrainConfig, PromptTokenizer, TokenizerError};
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
-use crate::config::Config;
+use crate::config::{Config, ModelSource};
 use crate::microserving::{CallError, EngineClient};
 use crate::plan::Executor;
 
@@ -164,8 +164,9 @@ fn registry_config(config: &Config) -> RegistryConfig {
 
 /// Load everything, bind, and start serving in the background.
 pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
-    let tokenizer = match &config.model_dir {
-        Some(dir) => PromptTokenizer::from_model_dir(dir)?,
+    let tokenizer = match &config.model_source {
+        Some(ModelSource::Dir(dir)) => PromptTokenizer::from_model_dir(dir)?,
+        Some(ModelSource::Gguf { path, files }) => PromptTokenizer::from_gguf(files, path)?,
         None => PromptTokenizer::byte_level()?,
     };
     let tokenizer = Arc::new(tokenizer);

@@ -125,15 +125,24 @@ pub async fn run(
         .model
         .take()
         .unwrap_or_else(|| "synthetic".into());
-    let real = switchyard_engine::model_path(&model).is_some();
-    if real {
-        let dir = std::env::temp_dir().join(format!("switchyard-up-{}-model", std::process::id()));
-        let name = model_dir(&model, &dir)?;
-        args.router.model_dir = Some(dir);
-        args.router.model = Some(args.served_model_name.clone().unwrap_or(name));
-    } else {
-        args.router.model = args.served_model_name.clone();
+    let gguf = switchyard_engine::model_path(&model);
+    let real = gguf.is_some();
+    if let Some(path) = gguf {
+        if !path.is_file() {
+            let hint = if model == "smollm2" {
+                " (run `make model` to fetch it)"
+            } else {
+                ""
+            };
+            return Err(UpError::Model {
+                reason: format!("{} is not a file{hint}", path.display()),
+                model,
+            });
+        }
+        // The router reads the GGUF's tokenizer, chat template, name and context length itself.
+        args.router.model_dir = Some(path);
     }
+    args.router.model = args.served_model_name.clone();
     // Validate the router's side before starting any process.
     let probe = serve_args(&args, vec!["http://127.0.0.1:1".into()]);
     Config::from_args(&probe)?;
@@ -166,29 +175,6 @@ fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
         config: None,
         router: args.router.clone(),
     }
-}
-
-/// Writes the router's model directory for the GGUF `model` names (tokenizer and chat
-/// template from its metadata) into `dir`; returns the name the engines report.
-fn model_dir(model: &str, dir: &std::path::Path) -> Result<String, UpError> {
-    let fail = |reason: String| UpError::Model {
-        model: model.into(),
-        reason,
-    };
-    let path = switchyard_engine::model_path(model).ok_or_else(|| fail("not a GGUF".into()))?;
-    let meta = switchyard_wire::gguf::GgufMetadata::read(&path).map_err(|e| {
-        let hint = if model == "smollm2" {
-            " (run `make model` to fetch it)"
-        } else {
-            ""
-        };
-        fail(format!("{e}{hint}"))
-    })?;
-    let files = meta.model_files().map_err(|e| fail(e.to_string()))?;
-    files
-        .write_model_dir(dir)
-        .map_err(|e| fail(format!("cannot write {}: {e}", dir.display())))?;
-    Ok(switchyard_engine::served_name(&path))
 }
 
 fn print_banner(addr: &str, engines: &[EngineChild], real: bool) {

@@ -78,6 +78,16 @@ pub fn model_cache_dir(env: impl Fn(&str) -> Option<String>) -> Option<PathBuf> 
     set("HOME").map(|home| PathBuf::from(home).join(".cache").join("switchyard"))
 }
 
+/// The name a GGUF model is served under by default: its file name up to the first dot
+/// (`SmolLM2-135M-Instruct.Q4_1.gguf` is `SmolLM2-135M-Instruct`).
+pub fn served_name(path: &Path) -> String {
+    let file = path
+        .file_name()
+        .map(|f| f.to_string_lossy())
+        .unwrap_or_default();
+    file.split('.').next().unwrap_or_default().to_owned()
+}
+
 /// The fetched SmolLM2 GGUF in the cache this process's environment names.
 pub fn smollm2_path() -> Option<PathBuf> {
     model_cache_dir(|key| std::env::var(key).ok()).map(|dir| dir.join(SMOLLM2_FILE))
@@ -274,17 +284,6 @@ impl ModelFiles {
         self.tokenizer_json
             .parse::<Tokenizer>()
             .map_err(|e| GgufError::Tokenizer(e.to_string()))
-    }
-
-    /// Writes `tokenizer.json` and `tokenizer_config.json` into `dir` (created if missing): a
-    /// directory the router's `--model-dir` loads.
-    pub fn write_model_dir(&self, dir: &Path) -> std::io::Result<()> {
-        std::fs::create_dir_all(dir)?;
-        std::fs::write(dir.join("tokenizer.json"), &self.tokenizer_json)?;
-        std::fs::write(
-            dir.join("tokenizer_config.json"),
-            &self.tokenizer_config_json,
-        )
     }
 }
 

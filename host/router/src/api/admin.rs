@@ -53,16 +53,21 @@ pub fn livez() -> Response<Body> {
     json_response(StatusCode::OK, &json!({"status": "alive"}))
 }
 
-/// The served model, OpenAI-style; 503 until ready (MLC's readiness check is this route).
+/// The served model, OpenAI-style, with its context length under vLLM's name
+/// (`max_model_len`); 503 until ready (MLC's readiness check is this route).
 pub fn models(state: &AppState) -> Response<Body> {
     if !state.is_ready() {
         return ApiError::NotReady("too few endpoints are healthy").response();
     }
     json_response(
         StatusCode::OK,
-        &json!({"object": "list", "data": [
-            {"id": state.model, "object": "model", "created": 0, "owned_by": "switchyard"}
-        ]}),
+        &json!({"object": "list", "data": [{
+            "id": state.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "switchyard",
+            "max_model_len": state.limits.context_length,
+        }]}),
     )
 }
 

@@ -1,5 +1,6 @@
-//! Prompts to token ids: the model's `tokenizer.json` (or the reference engine's embedded
-//! byte-level tokenizer) and, for chat, the model's chat template from `tokenizer_config.json`.
+//! Prompts to token ids: the model's `tokenizer.json` (or a GGUF's tokenizer, or the reference
+//! engine's embedded byte-level tokenizer) and, for chat, the model's chat template from
+//! `tokenizer_config.json` (or the GGUF's metadata).
 //!
 //! Prompts are encoded without special tokens, as MLC's router does: the router needs the
 //! prompt length in the engine's tokens, and the engine adds nothing of its own.
@@ -14,6 +15,7 @@ use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
+use switchyard_wire::gguf::ModelFiles;
 use switchyard_wire::tokenizer::{BYTE_LEVEL_TOKENIZER_CONFIG_JSON, byte_level_tokenizer};
 
 /// The rendering used when a model ships no chat template.
@@ -67,6 +69,23 @@ impl PromptTokenizer {
                 reason: e.to_string(),
             })?;
         Self::assemble(Arc::new(byte_level_tokenizer()), config, "<embedded>")
+    }
+
+    /// A GGUF model's tokenizer and chat template, read from its metadata (`path` names the
+    /// file in errors).
+    pub fn from_gguf(files: &ModelFiles, path: &Path) -> Result<Self, TokenizerError> {
+        let path = path.display().to_string();
+        let tokenizer = files.tokenizer().map_err(|e| TokenizerError::Load {
+            path: path.clone(),
+            reason: e.to_string(),
+        })?;
+        let config = serde_json::from_str(&files.tokenizer_config_json).map_err(|e| {
+            TokenizerError::Config {
+                path: path.clone(),
+                reason: e.to_string(),
+            }
+        })?;
+        Self::assemble(Arc::new(tokenizer), config, &path)
     }
 
     /// `DIR/tokenizer.json`, and `DIR/tokenizer_config.json` when present.
