@@ -38,11 +38,12 @@ endif
 run: setup plugins release $(if $(filter smollm2,$(MODEL)),model)
 	./target/release/switchyard up --host $(HOST) --port $(PORT) --plugins plugins $(RUN_FLAGS)
 
+# The binary users run includes Kubernetes discovery (`serve --discovery k8s`).
 release:
-	$(CARGO) build --release -p switchyard --bin switchyard
+	$(CARGO) build --release -p switchyard --bin switchyard --features k8s
 
 build:
-	$(CARGO) build -p switchyard --bin switchyard
+	$(CARGO) build -p switchyard --bin switchyard --features k8s
 
 ## test: everything CI checks
 test: setup plugins guests examples build lint test-rust test-starvation test-python
@@ -55,14 +56,17 @@ fmt:
 clippy:
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p switchyard-kv -p switchyard-engine -p switchyard --features cuda --all-targets -- -D warnings
+	$(CARGO) clippy -p switchyard-router -p switchyard -p switchyard-tests --features k8s --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
 		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p priority-rust-policy \
 		-p policy-v0-1-0 \
 		-- -D warnings
 
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
+# The `k8s` feature is on, as in the binary `make build` gives: its unit tests and the discovery
+# tests against the fake Kubernetes API server (tests/e2e/k8s.rs) run with the rest.
 test-rust: model
-	env -u SWITCHYARD_BLESS $(CARGO) test --workspace
+	env -u SWITCHYARD_BLESS $(CARGO) test --workspace --features switchyard/k8s,switchyard-tests/k8s
 # The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
 	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-kv -p switchyard-engine --features cuda --lib
 	scripts/check-crate-graph.py --self-test

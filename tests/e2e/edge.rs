@@ -728,6 +728,38 @@ fn help_and_readme_give_every_edge_flag_with_its_default() {
     }
 }
 
+#[test]
+fn help_and_readme_give_the_kubernetes_discovery_flags() {
+    let readme =
+        std::fs::read_to_string(switchyard_tests::checkout().join("README.md")).expect("README.md");
+    let help = std::process::Command::new(switchyard_tests::switchyard_bin())
+        .args(["serve", "--help"])
+        .output()
+        .expect("switchyard runs");
+    let help = String::from_utf8_lossy(&help.stdout);
+    for (flag, default) in [
+        ("discovery", "off"),
+        ("k8s-selector", "required"),
+        ("k8s-namespace", "the kubeconfig's"),
+        ("k8s-resync", "30s"),
+    ] {
+        assert!(
+            help.contains(&format!("--{flag} <")),
+            "`switchyard serve --help` has no --{flag}"
+        );
+        assert!(
+            readme.contains(&format!("| `--{flag}` | {default}")),
+            "README.md has no row `--{flag}` | {default}"
+        );
+    }
+    let resync = help
+        .split("--k8s-resync <")
+        .nth(1)
+        .and_then(|rest| rest.split("\n      --").next())
+        .unwrap_or_default();
+    assert!(resync.contains("[default: 30s]"), "{resync}");
+}
+
 // === the overload benchmark ===
 
 /// Requests the benchmark's router serves at once: 8 per engine.

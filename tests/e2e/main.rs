@@ -4,4 +4,6 @@ mod examples;
 mod faults;
 mod hardening;
 mod http;
+#[cfg(feature = "k8s")]
+mod k8s;
 mod router;

@@ -276,7 +276,28 @@ impl RouterProcess {
         router
     }
 
+    /// `switchyard serve …` with `env` set (e.g. `KUBECONFIG`), returned as soon as it listens,
+    /// ready or not: discovery tests watch it become ready.
+    pub fn serve_listening(
+        endpoints: &[&str],
+        args: &[&str],
+        env: &[(&str, &Path)],
+    ) -> RouterProcess {
+        let full = Self::serve_argv(endpoints, args);
+        Self::spawn_listening(
+            full,
+            env,
+            Stdio::inherit(),
+            "switchyard router listening on ",
+        )
+    }
+
     fn serve_to(endpoints: &[&str], args: &[&str], stderr: Stdio) -> RouterProcess {
+        let full = Self::serve_argv(endpoints, args);
+        Self::spawn(full, &[], stderr, "switchyard router listening on ")
+    }
+
+    fn serve_argv(endpoints: &[&str], args: &[&str]) -> Vec<String> {
         let mut full: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
         full.push("--plugins".into());
         full.push(plugins_dir().display().to_string());
@@ -285,7 +306,7 @@ impl RouterProcess {
             full.push((*e).to_owned());
         }
         full.extend(args.iter().map(|a| (*a).to_owned()));
-        Self::spawn(full, &[], stderr, "switchyard router listening on ")
+        full
     }
 
     /// `switchyard up --port 0 --plugins <checkout>/plugins ARGS…`; waits until `/health`
@@ -318,6 +339,17 @@ impl RouterProcess {
         stderr: Stdio,
         ready_prefix: &'static str,
     ) -> RouterProcess {
+        let router = Self::spawn_listening(args, env, stderr, ready_prefix);
+        wait_for_200(router.addr, "/health", "router", &router.url);
+        router
+    }
+
+    fn spawn_listening(
+        args: Vec<String>,
+        env: &[(&str, &Path)],
+        stderr: Stdio,
+        ready_prefix: &'static str,
+    ) -> RouterProcess {
         let (child, url) = spawn_switchyard(&args, env, stderr, STARTUP_TIMEOUT * 2, move |line| {
             line.strip_prefix(ready_prefix)
                 .map(|url| url.trim().to_owned())
@@ -326,9 +358,7 @@ impl RouterProcess {
             .strip_prefix("http://")
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("unexpected router URL {url:?}"));
-        let router = RouterProcess { child, url, addr };
-        wait_for_200(router.addr, "/health", "router", &router.url);
-        router
+        RouterProcess { child, url, addr }
     }
 
     /// Ready, and every endpoint healthy: tests start from the whole cluster.

@@ -117,6 +117,7 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             url: format!("http://127.0.0.1:{}", 18101 + i),
             role: if i < 4 { Role::Prefill } else { Role::Decode },
             num_gpus: 1,
+            device_rank: None,
         })
         .collect();
     let cluster = Cluster::new(specs, OutlierConfig::default());

@@ -7,7 +7,8 @@
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
 //!   mark_unhealthy(id) / set_health(id, ok) / set_kv_usage(id, usage)
-//!   add(spec, owner) / drain(id) / remove(id)      the live list
+//!   add(spec, owner) / drain(id) / remove(id) / remove_when_idle(id)   the live list
+//!   owned_where(|owner| …)                          what the config file, the API or discovery added
 //!   url(id) / device_rank(id) / is_ready()
 //! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness + KV usage probes
 //! ```
@@ -47,6 +48,10 @@ pub struct EndpointSpec {
     /// GPUs the engine owns; device ranks are the prefix sums of these.
     #[serde(default = "one")]
     pub num_gpus: u32,
+    /// The engine's device rank when it is not the prefix sum (an MLC engine started with an
+    /// explicit `--device-rank`, a pod's `switchyard.io/device-rank` annotation).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_rank: Option<u32>,
 }
 
 fn one() -> u32 {
@@ -71,15 +76,48 @@ impl EndpointSpec {
     }
 }
 
-/// Who put an endpoint in the list: reconciling the config file only ever removes what the
-/// file added.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
+/// Who put an endpoint in the list: reconciling the config file, or a discovery source, only
+/// ever removes what it added.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Owner {
     /// The command line or the `--config` file.
     Static,
     /// `POST /admin/endpoints`.
     Admin,
+    /// Kubernetes discovery, for the pod with this uid.
+    Pod(Arc<str>),
+}
+
+impl Owner {
+    pub fn is_pod(&self) -> bool {
+        matches!(self, Owner::Pod(_))
+    }
+}
+
+/// `static`, `admin` or `k8s:<pod uid>`, as `/admin/endpoints` shows it.
+impl Display for Owner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Owner::Static => f.write_str("static"),
+            Owner::Admin => f.write_str("admin"),
+            Owner::Pod(uid) => write!(f, "k8s:{uid}"),
+        }
+    }
+}
+
+impl serde::Serialize for Owner {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// An endpoint still in the list (serving or draining), with who put it there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwnedEndpoint {
+    pub id: u32,
+    pub owner: Owner,
+    pub spec: EndpointSpec,
+    pub draining: bool,
 }
 
 /// Where an endpoint is in its life.
@@ -99,6 +137,8 @@ pub(crate) struct EndpointState {
     url: Arc<str>,
     role: Role,
     device_rank: u32,
+    /// Whether `device_rank` was given rather than summed.
+    explicit_rank: bool,
     num_gpus: u32,
     owner: Owner,
     phase: Mutex<Phase>,
@@ -122,6 +162,7 @@ impl EndpointState {
             url: spec.base_url().into(),
             role: spec.role,
             device_rank,
+            explicit_rank: spec.device_rank.is_some(),
             num_gpus: spec.num_gpus,
             owner,
             phase: Mutex::new(Phase::Serving),
@@ -164,12 +205,17 @@ pub struct Cluster {
     outlier: OutlierConfig,
     /// Healthy endpoints the router needs to call itself ready.
     min_healthy: usize,
+    /// False until endpoint discovery has listed its source once: a router that has not yet
+    /// seen every pod must not call itself ready on the first one.
+    discovered: AtomicBool,
 }
 
 /// What `/health` says: whether the router can serve, and which endpoints are down.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Readiness {
     pub ready: bool,
+    /// Endpoint discovery (if any) has listed its source once.
+    pub discovered: bool,
     pub healthy: usize,
     pub min_healthy: usize,
     pub down: Vec<Down>,
@@ -220,6 +266,7 @@ impl Cluster {
             endpoints: RwLock::new(Vec::new()),
             outlier,
             min_healthy: 1,
+            discovered: AtomicBool::new(true),
         };
         for spec in &specs {
             cluster.push(spec, Owner::Static);
@@ -231,6 +278,19 @@ impl Cluster {
     pub fn with_min_healthy(mut self, n: usize) -> Self {
         self.min_healthy = n;
         self
+    }
+
+    /// Not ready until [`Cluster::discovery_synced`]: endpoints come from a discovery source.
+    pub fn awaiting_discovery(self) -> Self {
+        self.discovered.store(false, Ordering::Release);
+        self
+    }
+
+    /// Discovery has listed its source once (and added what it found).
+    pub fn discovery_synced(&self) {
+        if !self.discovered.swap(true, Ordering::AcqRel) {
+            tracing::info!("endpoint discovery synced");
+        }
     }
 
     /// Endpoints ever listed, removed ones included: ids are `0..len()`.
@@ -258,8 +318,8 @@ impl Cluster {
         {
             return Err(EndpointError::Duplicate { url, id: e.id });
         }
-        let id = self.push(spec, owner);
-        tracing::info!(endpoint = id, %url, ?owner, "endpoint added");
+        let id = self.push(spec, owner.clone());
+        tracing::info!(endpoint = id, %url, %owner, "endpoint added");
         Ok(id)
     }
 
@@ -267,9 +327,11 @@ impl Cluster {
         let mut endpoints = self.endpoints.write();
         let id = endpoints.len() as u32;
         // MLC's rule: a device rank is the sum of the GPUs of every endpoint before it.
-        let device_rank = endpoints
-            .last()
-            .map_or(0, |e| e.device_rank.saturating_add(e.num_gpus));
+        let device_rank = spec.device_rank.unwrap_or_else(|| {
+            endpoints
+                .last()
+                .map_or(0, |e| e.device_rank.saturating_add(e.num_gpus))
+        });
         endpoints.push(Arc::new(EndpointState::new(id, spec, device_rank, owner)));
         id
     }
@@ -306,21 +368,46 @@ impl Cluster {
         Ok(())
     }
 
+    /// Remove a draining endpoint once nothing is in flight on it (every request ends by its
+    /// deadline, so this ends too).
+    pub async fn remove_when_idle(&self, id: u32) {
+        const POLL: std::time::Duration = std::time::Duration::from_millis(100);
+        while let Err(EndpointError::Busy { .. }) = self.remove(id) {
+            tokio::time::sleep(POLL).await;
+        }
+    }
+
     /// Ids and specs of the endpoints `owner` put in the list and that are not removed.
-    pub fn owned_by(&self, owner: Owner) -> Vec<(u32, EndpointSpec)> {
+    pub fn owned_by(&self, owner: &Owner) -> Vec<(u32, EndpointSpec)> {
+        self.owned_where(|o| o == owner)
+            .into_iter()
+            .map(|e| (e.id, e.spec))
+            .collect()
+    }
+
+    /// The endpoints not removed whose owner `keep` accepts, serving or draining.
+    pub fn owned_where(&self, keep: impl Fn(&Owner) -> bool) -> Vec<OwnedEndpoint> {
         self.endpoints
             .read()
             .iter()
-            .filter(|e| e.owner == owner && !e.is_removed())
-            .map(|e| {
-                (
-                    e.id,
-                    EndpointSpec {
+            .filter(|e| keep(&e.owner))
+            .filter_map(|e| {
+                let draining = match e.phase() {
+                    Phase::Removed => return None,
+                    Phase::Draining => true,
+                    Phase::Serving => false,
+                };
+                Some(OwnedEndpoint {
+                    id: e.id,
+                    owner: e.owner.clone(),
+                    spec: EndpointSpec {
                         url: e.url.to_string(),
                         role: e.role,
                         num_gpus: e.num_gpus,
+                        device_rank: e.explicit_rank.then_some(e.device_rank),
                     },
-                )
+                    draining,
+                })
             })
             .collect()
     }
@@ -356,7 +443,7 @@ impl Cluster {
                     role: e.role,
                     device_rank: e.device_rank,
                     num_gpus: e.num_gpus,
-                    owner: e.owner,
+                    owner: e.owner.clone(),
                     healthy: health.is_healthy(),
                     health,
                     in_flight: e.in_flight.load(Ordering::Acquire),
@@ -463,8 +550,10 @@ impl Cluster {
                 health => down.push(Down { id: e.id, health }),
             }
         }
+        let discovered = self.discovered.load(Ordering::Acquire);
         Readiness {
-            ready: healthy >= self.min_healthy,
+            ready: discovered && healthy >= self.min_healthy,
+            discovered,
             healthy,
             min_healthy: self.min_healthy,
             down,
@@ -492,6 +581,7 @@ mod tests {
             url: url.into(),
             role: Role::Any,
             num_gpus,
+            device_rank: None,
         }
     }
 
@@ -570,6 +660,45 @@ mod tests {
         assert!(!two.is_ready());
         two.set_health(2, true);
         assert!(two.is_ready());
+    }
+
+    #[test]
+    fn a_discovering_cluster_is_not_ready_before_its_first_sync() {
+        let cluster =
+            Cluster::new(vec![spec("http://a", 1)], OutlierConfig::default()).awaiting_discovery();
+        cluster.set_health(0, true);
+        let readiness = cluster.readiness();
+        assert!(!readiness.ready && !readiness.discovered);
+        cluster.discovery_synced();
+        assert!(cluster.is_ready());
+    }
+
+    #[test]
+    fn owners_show_as_text_and_an_explicit_rank_is_kept() {
+        let cluster = Cluster::new(vec![spec("http://a", 2)], OutlierConfig::default());
+        let pod = Owner::Pod("3f2a".into());
+        let ranked = EndpointSpec {
+            device_rank: Some(7),
+            ..spec("http://b", 1)
+        };
+        assert_eq!(cluster.add(&ranked, pod.clone()), Ok(1));
+        assert_eq!(cluster.device_rank(1), Some(7));
+        let owners: Vec<String> = cluster
+            .status()
+            .iter()
+            .map(|e| e.owner.to_string())
+            .collect();
+        assert_eq!(owners, ["static", "k8s:3f2a"]);
+        assert_eq!(
+            serde_json::to_value(&cluster.status()[1].owner).expect("JSON"),
+            "k8s:3f2a"
+        );
+        let discovered = cluster.owned_where(Owner::is_pod);
+        assert_eq!(discovered.len(), 1);
+        assert_eq!(discovered[0].spec, ranked);
+        assert!(!discovered[0].draining);
+        cluster.drain(1).expect("drains");
+        assert!(cluster.owned_where(Owner::is_pod)[0].draining);
     }
 
     #[tokio::test(start_paused = true)]
@@ -670,7 +799,7 @@ mod tests {
             "removed ones are not down"
         );
         let owned: Vec<u32> = cluster
-            .owned_by(Owner::Static)
+            .owned_by(&Owner::Static)
             .iter()
             .map(|(id, _)| *id)
             .collect();

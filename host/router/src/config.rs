@@ -51,6 +51,12 @@
 //!
 //! [model_policies]                            # model name -> policy, for requests without
 //! llama = "round-robin"                        # an x-switchyard-policy header
+//!
+//! [discovery]                                  # engines found while serving (feature `k8s`)
+//! kind = "k8s"                                 # pods from the Kubernetes API
+//! k8s_selector = "app=engine,model=llama"      # one label selector, sent whole
+//! k8s_namespace = "serving"                    # default: the kubeconfig's or the pod's own
+//! k8s_resync = "30s"                           # list again and reconcile this often
 //! ```
 //!
 //! Flags override the file; `--endpoint` flags replace the file's endpoints.
@@ -82,9 +88,46 @@ pub struct ServeArgs {
     /// A TOML config file (see the `config` module docs).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Find engines while serving, beside any --endpoint: `k8s` watches the pods that match
+    /// --k8s-selector through the Kubernetes API (kubeconfig from KUBECONFIG, else the pod's
+    /// service account); needs a build with the `k8s` feature.
+    #[arg(long, value_enum)]
+    pub discovery: Option<DiscoveryKind>,
+    /// With --discovery k8s: the label selector engine pods match, e.g. `app=engine,model=llama`
+    /// (sent whole to the API server).
+    #[arg(long, value_name = "LABELS")]
+    pub k8s_selector: Option<String>,
+    /// With --discovery k8s: the namespace whose pods are watched [default: the kubeconfig's
+    /// namespace, or the router pod's own].
+    #[arg(long, value_name = "NS")]
+    pub k8s_namespace: Option<String>,
+    /// With --discovery k8s: how often the pods are listed afresh and reconciled, so a watch
+    /// that lost events or went silent still converges [default: 30s].
+    #[arg(long, value_parser = humantime::parse_duration)]
+    pub k8s_resync: Option<Duration>,
     #[command(flatten)]
     pub router: RouterArgs,
 }
+
+/// Where endpoints are discovered while the router serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiscoveryKind {
+    /// Pods from the Kubernetes API.
+    K8s,
+}
+
+/// `--discovery k8s`: which pods are engines, and how often they are listed afresh.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct K8sDiscovery {
+    /// A label selector, e.g. `app=engine,model=llama`.
+    pub selector: String,
+    /// `None`: the kubeconfig's default namespace (in a cluster: the router pod's).
+    pub namespace: Option<String>,
+    pub resync: Duration,
+}
+
+pub const DEFAULT_K8S_RESYNC: Duration = Duration::from_secs(30);
 
 /// How the router runs, whoever started the engines: the flags `switchyard serve` and
 /// `switchyard up` share. Each overrides its key in the `--config` file; unset, the file's
@@ -246,6 +289,8 @@ pub struct Config {
     /// The `--config` file whose `[[endpoints]]` a SIGHUP re-reads; `None` when there is no
     /// file or `--endpoint` flags replace its endpoints.
     pub endpoints_file: Option<PathBuf>,
+    /// Endpoints discovered while serving, beside `endpoints`.
+    pub discovery: Option<K8sDiscovery>,
     /// The default policy.
     pub policy_name: String,
     pub policy_path: PathBuf,
@@ -367,8 +412,16 @@ pub enum ConfigError {
     },
     #[error("config file {}: {reason}", path.display())]
     ParseFile { path: PathBuf, reason: String },
-    #[error("no endpoints: give --endpoint URL (repeatable) or [[endpoints]] in --config")]
+    #[error(
+        "no endpoints: give --endpoint URL (repeatable), [[endpoints]] in --config, or --discovery"
+    )]
     NoEndpoints,
+    #[error("--discovery k8s needs --k8s-selector (a label selector, e.g. app=engine)")]
+    NoSelector,
+    #[error("--k8s-selector, --k8s-namespace and --k8s-resync need --discovery k8s")]
+    K8sWithoutDiscovery,
+    #[error("--discovery k8s: this switchyard was built without the `k8s` feature")]
+    DiscoveryNotBuilt,
     #[error("endpoint {index} ({url:?}): {reason}")]
     BadEndpoint {
         index: usize,
@@ -469,6 +522,18 @@ struct FileConfig {
     shutdown_grace: Option<TextDuration>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
+    #[serde(default)]
+    discovery: DiscoveryKeys,
+}
+
+/// The file's `[discovery]` table.
+#[derive(Debug, Default, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DiscoveryKeys {
+    kind: Option<DiscoveryKind>,
+    k8s_selector: Option<String>,
+    k8s_namespace: Option<String>,
+    k8s_resync: Option<TextDuration>,
 }
 
 /// A duration in the TOML file, written as the flags take it: `"500ms"`, `"30s"`, `"10m"`.
@@ -511,7 +576,8 @@ impl Config {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),
         };
-        let endpoints = endpoints(args, file.endpoints)?;
+        let discovery = discovery(args, file.discovery)?;
+        let endpoints = endpoints(args, file.endpoints, discovery.is_some())?;
         let host = args
             .router
             .host
@@ -651,7 +717,8 @@ impl Config {
             .min_healthy_endpoints
             .or(file.min_healthy_endpoints)
             .unwrap_or(1);
-        if min_healthy_endpoints > endpoints.len() {
+        // Discovered endpoints are not known yet: any number may be wanted.
+        if discovery.is_none() && min_healthy_endpoints > endpoints.len() {
             return Err(ConfigError::MinHealthy {
                 wanted: min_healthy_endpoints,
                 endpoints: endpoints.len(),
@@ -698,6 +765,7 @@ impl Config {
             listen: SocketAddr::new(host, port),
             endpoints,
             endpoints_file: args.config.clone().filter(|_| args.endpoints.is_empty()),
+            discovery,
             policy_name,
             policy_path,
             policy_config,
@@ -731,7 +799,41 @@ pub fn endpoints_in_file(path: &Path) -> Result<Vec<EndpointSpec>, ConfigError> 
         config: Some(path.to_owned()),
         ..ServeArgs::default()
     };
-    endpoints(&args, read_file(path)?.endpoints)
+    let file = read_file(path)?;
+    let discovered = file.discovery.kind.is_some();
+    endpoints(&args, file.endpoints, discovered)
+}
+
+/// `--discovery` and its flags over the file's `[discovery]`, checked.
+fn discovery(args: &ServeArgs, file: DiscoveryKeys) -> Result<Option<K8sDiscovery>, ConfigError> {
+    let Some(DiscoveryKind::K8s) = args.discovery.or(file.kind) else {
+        let k8s_flags = args.k8s_selector.is_some()
+            || args.k8s_namespace.is_some()
+            || args.k8s_resync.is_some();
+        return if k8s_flags {
+            Err(ConfigError::K8sWithoutDiscovery)
+        } else {
+            Ok(None)
+        };
+    };
+    if !cfg!(feature = "k8s") {
+        return Err(ConfigError::DiscoveryNotBuilt);
+    }
+    let selector = args
+        .k8s_selector
+        .clone()
+        .or(file.k8s_selector)
+        .filter(|s| !s.trim().is_empty())
+        .ok_or(ConfigError::NoSelector)?;
+    let resync = duration(args.k8s_resync, file.k8s_resync, DEFAULT_K8S_RESYNC);
+    if resync.is_zero() {
+        return Err(ConfigError::ZeroTimeout("k8s-resync"));
+    }
+    Ok(Some(K8sDiscovery {
+        selector,
+        namespace: args.k8s_namespace.clone().or(file.k8s_namespace),
+        resync,
+    }))
 }
 
 /// The server edge's keys of the config file.
@@ -833,9 +935,11 @@ fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
     })
 }
 
+/// The static endpoints; none is an error unless `discovered` ones will come.
 fn endpoints(
     args: &ServeArgs,
     from_file: Vec<EndpointSpec>,
+    discovered: bool,
 ) -> Result<Vec<EndpointSpec>, ConfigError> {
     let specs = if args.endpoints.is_empty() {
         if !args.endpoint_num_gpus.is_empty() {
@@ -864,10 +968,11 @@ fn endpoints(
                 url: url.clone(),
                 role: Role::Any,
                 num_gpus,
+                device_rank: None,
             })
             .collect()
     };
-    if specs.is_empty() {
+    if specs.is_empty() && !discovered {
         return Err(ConfigError::NoEndpoints);
     }
     for (index, spec) in specs.iter().enumerate() {
@@ -1360,6 +1465,83 @@ mod tests {
         assert!(matches!(
             Config::from_args(&with_file),
             Err(ConfigError::BadModelPolicy { .. })
+        ));
+    }
+
+    #[test]
+    fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        std::fs::write(
+            &file,
+            format!(
+                "plugins = {:?}\n[discovery]\nkind = \"k8s\"\n\
+                 k8s_selector = \"app=engine,tier=serve\"\nk8s_resync = \"5s\"\n",
+                dir.path()
+            ),
+        )
+        .expect("write");
+        let from_file = ServeArgs {
+            config: Some(file),
+            ..ServeArgs::default()
+        };
+        let flags = ServeArgs {
+            discovery: Some(DiscoveryKind::K8s),
+            k8s_selector: Some("app=engine".into()),
+            k8s_namespace: Some("serving".into()),
+            endpoints: Vec::new(),
+            ..args(dir.path())
+        };
+        if !cfg!(feature = "k8s") {
+            assert!(matches!(
+                Config::from_args(&from_file),
+                Err(ConfigError::DiscoveryNotBuilt)
+            ));
+            return;
+        }
+        // No static endpoint is needed, and any number may be wanted healthy.
+        let config = Config::from_args(&from_file).expect("valid");
+        assert!(config.endpoints.is_empty());
+        assert_eq!(
+            config.discovery,
+            Some(K8sDiscovery {
+                selector: "app=engine,tier=serve".into(),
+                namespace: None,
+                resync: Duration::from_secs(5),
+            })
+        );
+        let config = Config::from_args(&flags).expect("valid");
+        assert_eq!(
+            config.discovery,
+            Some(K8sDiscovery {
+                selector: "app=engine".into(),
+                namespace: Some("serving".into()),
+                resync: DEFAULT_K8S_RESYNC,
+            })
+        );
+        let no_selector = ServeArgs {
+            k8s_selector: Some(" ".into()),
+            ..flags.clone()
+        };
+        assert!(matches!(
+            Config::from_args(&no_selector),
+            Err(ConfigError::NoSelector)
+        ));
+        let zero = ServeArgs {
+            k8s_resync: Some(Duration::ZERO),
+            ..flags.clone()
+        };
+        assert!(matches!(
+            Config::from_args(&zero),
+            Err(ConfigError::ZeroTimeout("k8s-resync"))
+        ));
+        let stray = ServeArgs {
+            discovery: None,
+            ..flags
+        };
+        assert!(matches!(
+            Config::from_args(&stray),
+            Err(ConfigError::K8sWithoutDiscovery)
         ));
     }
 

@@ -11,6 +11,7 @@
 //!  → microserving   the HTTP client for the engines' calls
 //! cluster    endpoints, health probes, in-flight counts: the snapshot policies see
 //! config     flags and TOML, parsed once;   serve   wires it all up and listens
+//! discovery  (feature `k8s`) engine pods from the Kubernetes API, fed into the cluster
 //! ```
 //!
 //! Nothing flows backwards but the outcome report to the policy. The router depends on the wire
@@ -22,6 +23,8 @@
 pub mod api;
 pub mod cluster;
 pub mod config;
+#[cfg(feature = "k8s")]
+pub mod discovery;
 pub mod microserving;
 pub mod plan;
 mod router;

@@ -2,8 +2,9 @@
 //!
 //! Startup order: tokenizer → policies (every `*.wasm` of the plugins directory loaded,
 //! `init`ed and checked; the default must load) → plugins watcher → cluster + health probes →
-//! bind (and the admin port, if any) → serve. `/health` turns 200 once
-//! `--min-healthy-endpoints` endpoints answer `GET /v1/models`.
+//! discovery (`--discovery k8s`, feature `k8s`) → bind (and the admin port, if any) → serve.
+//! `/health` turns 200 once `--min-healthy-endpoints` endpoints answer `GET /v1/models` and
+//! discovery, if any, has reconciled its first full list.
 //!
 //! Shutdown drains ([`RunningRouter::shutdown`]): `/health` 503 at once, every listener closed
 //! together after the drain delay, what is still open ended after the grace period.
@@ -47,6 +48,9 @@ pub enum ServeError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[cfg(feature = "k8s")]
+    #[error(transparent)]
+    Discovery(#[from] crate::discovery::DiscoveryError),
     #[error("a listener stopped unexpectedly: {0}")]
     Listener(tokio::task::JoinError),
 }
@@ -61,6 +65,8 @@ pub struct RunningRouter {
     /// The main listener's task and the admin one's, if any; each ends when the drain is over.
     listeners: Vec<JoinHandle<()>>,
     _watcher: PluginWatcher,
+    #[cfg(feature = "k8s")]
+    _discovery: Option<crate::discovery::Discovery>,
 }
 
 impl RunningRouter {
@@ -175,16 +181,23 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
     let planner: Arc<dyn Planner> = policies.clone();
 
-    let cluster = Arc::new(
-        Cluster::new(config.endpoints.clone(), config.outlier)
-            .with_min_healthy(config.min_healthy_endpoints),
-    );
+    let mut cluster = Cluster::new(config.endpoints.clone(), config.outlier)
+        .with_min_healthy(config.min_healthy_endpoints);
+    if config.discovery.is_some() {
+        cluster = cluster.awaiting_discovery();
+    }
+    let cluster = Arc::new(cluster);
     let client = EngineClient::new(config.timeouts)?;
     spawn_probes(&cluster, &client, ProbeConfig::default());
     let executor = Executor::new(cluster, client);
     if let Some(path) = &config.endpoints_file {
         reload_endpoints_on_sighup(path.clone(), executor.clone());
     }
+    #[cfg(feature = "k8s")]
+    let discovery = match &config.discovery {
+        Some(settings) => Some(crate::discovery::start(settings, executor.clone()).await?),
+        None => None,
+    };
     let router = Arc::new(Router::new(
         executor,
         planner,
@@ -233,6 +246,8 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         drain: config.drain,
         listeners,
         _watcher: watcher,
+        #[cfg(feature = "k8s")]
+        _discovery: discovery,
     })
 }
 
@@ -268,7 +283,7 @@ fn reload_endpoints_on_sighup(path: PathBuf, executor: Executor) {
 /// Make the file's endpoints (`Owner::Static`) those of `specs`, matched by URL.
 fn reconcile(executor: &Executor, specs: &[EndpointSpec]) {
     let cluster = executor.cluster();
-    let current = cluster.owned_by(Owner::Static);
+    let current = cluster.owned_by(&Owner::Static);
     let base = |url: &str| url.trim_end_matches('/').to_owned();
     for spec in specs {
         if !current.iter().any(|(_, c)| base(&c.url) == base(&spec.url))
@@ -279,19 +294,8 @@ fn reconcile(executor: &Executor, specs: &[EndpointSpec]) {
     }
     for (id, old) in current {
         if !specs.iter().any(|s| base(&s.url) == base(&old.url)) && cluster.drain(id).is_ok() {
-            tokio::spawn(remove_when_idle(Arc::clone(cluster), id));
-        }
-    }
-}
-
-/// Remove a draining endpoint once nothing is in flight on it (every request ends by its
-/// deadline, so this ends too).
-async fn remove_when_idle(cluster: Arc<Cluster>, id: u32) {
-    const POLL: Duration = Duration::from_millis(100);
-    loop {
-        match cluster.remove(id) {
-            Err(crate::cluster::EndpointError::Busy { .. }) => tokio::time::sleep(POLL).await,
-            _ => return,
+            let cluster = Arc::clone(cluster);
+            tokio::spawn(async move { cluster.remove_when_idle(id).await });
         }
     }
 }

@@ -172,8 +172,8 @@ fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
     ServeArgs {
         endpoint_num_gpus: vec![1; endpoints.len()],
         endpoints,
-        config: None,
         router: args.router.clone(),
+        ..ServeArgs::default()
     }
 }
 

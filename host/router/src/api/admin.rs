@@ -42,6 +42,7 @@ pub fn health(state: &AppState) -> Response<Body> {
             "status": if readiness.ready { "ready" } else { "not_ready" },
             "healthy_endpoints": readiness.healthy,
             "min_healthy_endpoints": readiness.min_healthy,
+            "discovery_synced": readiness.discovered,
             "down": readiness.down,
         }),
     )

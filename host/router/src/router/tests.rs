@@ -256,6 +256,7 @@ impl Harness {
             url: format!("http://127.0.0.1:{port}"),
             role: Role::Any,
             num_gpus: 1,
+            device_rank: None,
         };
         let cluster = Arc::new(Cluster::new(
             vec![spec(1), spec(2)],

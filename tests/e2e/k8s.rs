@@ -1,0 +1,295 @@
+//! Kubernetes discovery (`serve --discovery k8s`, feature `k8s`) against a fake API server
+//! (`fake_api`) over HTTP: the router's real `kube` watcher and reconciler follow engine pods
+//! that are reference engines on loopback (pod IP 127.0.0.1, the engine's port as the
+//! container port named `http`), under steady streaming load.
+//!
+//! Every selector the router sends must hold both labels of a two-label selector, or the fake
+//! refuses it: a selector sent in part fails the test.
+
+mod fake_api;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use switchyard_tests::{EngineProcess, RouterProcess};
+
+use crate::faults::{Load, Truth, let_run};
+use crate::http::client;
+use crate::router::{eventually, post_or_get};
+use fake_api::FakeApi;
+
+const NAMESPACE: &str = "serving";
+const SELECTOR: &str = "app=engine,tier=serve";
+/// How long a change may take to reach the router's endpoint list.
+const CONVERGE: Duration = Duration::from_secs(30);
+
+/// A pod named `name` (uid `uid`) running `engine`, matching [`SELECTOR`].
+fn pod(name: &str, uid: &str, engine: &EngineProcess, ready: bool) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name, "namespace": NAMESPACE, "uid": uid,
+            "labels": {"app": "engine", "tier": "serve"},
+            "annotations": {"switchyard.io/protocol": "mlc"},
+        },
+        "spec": {"containers": [{
+            "name": "engine",
+            "image": "switchyard",
+            "ports": [{"name": "http", "containerPort": engine.http_addr.port()}],
+        }]},
+        "status": {
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}],
+        },
+    })
+}
+
+/// A kubeconfig for `fake` in a temporary directory (kept alive by the first value).
+fn kubeconfig(fake: &FakeApi) -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("kubeconfig");
+    std::fs::write(&path, fake.kubeconfig()).expect("write the kubeconfig");
+    (dir, path)
+}
+
+/// `switchyard serve --discovery k8s` with `args`, talking to the fake through `config`.
+fn router(endpoints: &[&str], config: &std::path::Path, args: &[&str]) -> RouterProcess {
+    let mut all = vec![
+        "--discovery",
+        "k8s",
+        "--k8s-selector",
+        SELECTOR,
+        "--policy",
+        "round-robin",
+    ];
+    all.extend(args);
+    RouterProcess::serve_listening(endpoints, &all, &[("KUBECONFIG", config)])
+}
+
+async fn rows(router: &RouterProcess) -> Vec<Value> {
+    post_or_get(&router.endpoint("/admin/endpoints")).await["endpoints"]
+        .as_array()
+        .expect("a list of endpoints")
+        .clone()
+}
+
+/// The rows not removed.
+async fn listed(router: &RouterProcess) -> Vec<Value> {
+    let mut rows = rows(router).await;
+    rows.retain(|row| row["health"] != "removed");
+    rows
+}
+
+/// The listed, healthy endpoint owned by `owner` that satisfies `check`, if any.
+async fn serving_row(
+    router: &RouterProcess,
+    owner: &str,
+    check: &impl Fn(&Value) -> bool,
+) -> Result<Value, String> {
+    let rows = listed(router).await;
+    rows.iter()
+        .find(|r| r["owner"] == owner && r["healthy"] == true && check(r))
+        .cloned()
+        .ok_or_else(|| format!("no such healthy endpoint of {owner} in {rows:?}"))
+}
+
+/// Waits until a listed, healthy endpoint is owned by `owner` and satisfies `check`; its row.
+async fn wait_serving(
+    router: &RouterProcess,
+    owner: &str,
+    check: impl Fn(&Value) -> bool,
+) -> Value {
+    eventually(CONVERGE, || async {
+        serving_row(router, owner, &check).await.err()
+    })
+    .await;
+    serving_row(router, owner, &check)
+        .await
+        .expect("it stays serving")
+}
+
+/// Waits until no listed endpoint is owned by `owner`.
+async fn wait_gone(router: &RouterProcess, owner: &str) {
+    eventually(CONVERGE, || async {
+        let rows = listed(router).await;
+        rows.iter()
+            .any(|r| r["owner"] == owner)
+            .then(|| format!("{owner} is still listed: {rows:?}"))
+    })
+    .await;
+}
+
+async fn health(router: &RouterProcess) -> (u16, Value) {
+    let response = client()
+        .get(router.endpoint("/health"))
+        .send()
+        .await
+        .expect("router reachable");
+    let status = response.status().as_u16();
+    (status, response.json().await.expect("JSON"))
+}
+
+async fn wait_ready(router: &RouterProcess) {
+    eventually(CONVERGE, || async {
+        let (status, body) = health(router).await;
+        (status != 200).then(|| format!("/health {status}: {body}"))
+    })
+    .await;
+}
+
+/// The fake saw only whole selectors and refused none.
+fn assert_selectors_whole(fake: &FakeApi) {
+    let (seen, refused) = fake.selectors();
+    assert_eq!(refused, 0, "selectors refused: {seen:?}");
+    assert!(!seen.is_empty());
+    assert!(seen.iter().all(|s| s == SELECTOR), "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pods_that_come_change_and_go_are_followed_under_load_and_no_request_fails() {
+    let truth = Arc::new(Truth::new(41, 16).await);
+    let (a, b, c) = (
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+    );
+    let by_hand = EngineProcess::spawn(&[]);
+    let outsider = EngineProcess::spawn(&[]);
+    let fake = FakeApi::start(NAMESPACE, SELECTOR);
+    fake.apply(pod("engine-a", "uid-a", &a, true));
+    fake.apply(pod("engine-b", "uid-b", &b, false));
+    // Half the selector: a router that sent only `app=engine` would route to it.
+    let mut half = pod("outsider", "uid-outsider", &outsider, true);
+    half["metadata"]["labels"] = json!({"app": "engine"});
+    fake.apply(half);
+    let (_dir, config) = kubeconfig(&fake);
+    // A long resync: every change below reaches the router through the watch alone.
+    let router = router(&[], &config, &["--k8s-resync", "10m"]);
+    wait_ready(&router).await;
+    let first = listed(&router).await;
+    assert_eq!(first.len(), 1, "only the ready pod: {first:?}");
+    assert_eq!(first[0]["owner"], "k8s:uid-a");
+    assert_eq!(first[0]["url"], a.url.as_str());
+
+    // An endpoint added by hand, which no reconciliation may touch.
+    let response = client()
+        .post(router.endpoint("/admin/endpoints"))
+        .json(&json!({"url": by_hand.url}))
+        .send()
+        .await
+        .expect("router reachable");
+    assert_eq!(response.status(), 201);
+    wait_serving(&router, "admin", |_| true).await;
+
+    let load = Load::start(&router, &truth, 4);
+    let_run(&load, 8).await;
+
+    // Ready late: it joins when its Ready condition turns true.
+    fake.edit("engine-b", |p| {
+        p["status"]["conditions"][0]["status"] = json!("True");
+    });
+    let b_row = wait_serving(&router, "k8s:uid-b", |r| r["url"] == b.url.as_str()).await;
+    let_run(&load, 8).await;
+
+    // An annotation changes what the endpoint is: the old one drains, a new one replaces it.
+    fake.edit("engine-b", |p| {
+        p["metadata"]["annotations"]["switchyard.io/device-rank"] = json!("7");
+    });
+    let moved = wait_serving(&router, "k8s:uid-b", |r| r["device_rank"] == 7).await;
+    assert_ne!(moved["id"], b_row["id"], "a new endpoint");
+    let_run(&load, 8).await;
+
+    // Deleted normally: terminating first (drained at once), then gone.
+    fake.terminate("engine-a");
+    wait_gone(&router, "k8s:uid-a").await;
+    fake.delete("engine-a");
+    let_run(&load, 8).await;
+
+    // Replaced at the same address by a pod with a new uid: a new endpoint.
+    fake.apply(pod("engine-a", "uid-a2", &a, true));
+    let replaced = wait_serving(&router, "k8s:uid-a2", |r| r["url"] == a.url.as_str()).await;
+    assert_ne!(replaced["id"], first[0]["id"]);
+    let_run(&load, 8).await;
+
+    // Force-deleted: the DELETED event is the only sign, no deletion timestamp before it.
+    fake.delete("engine-a");
+    wait_gone(&router, "k8s:uid-a2").await;
+
+    // Relabelled out of the selector: the watch says DELETED, the pod itself lives on.
+    fake.edit("engine-b", |p| {
+        p["metadata"]["labels"] = json!({"app": "engine"});
+    });
+    wait_gone(&router, "k8s:uid-b").await;
+    let_run(&load, 8).await;
+
+    // 410 Gone ends the watch: the watcher lists again and finds what changed meanwhile.
+    let lists = fake.lists();
+    fake.expire();
+    fake.apply(pod("engine-c", "uid-c", &c, true));
+    wait_serving(&router, "k8s:uid-c", |r| r["url"] == c.url.as_str()).await;
+    assert!(fake.lists() > lists, "a 410 makes the watcher list again");
+    let_run(&load, 8).await;
+
+    // A protocol the router does not serve yet: the pod is skipped, its endpoint retired.
+    fake.edit("engine-c", |p| {
+        p["metadata"]["annotations"]["switchyard.io/protocol"] = json!("vllm");
+    });
+    wait_gone(&router, "k8s:uid-c").await;
+    let_run(&load, 8).await;
+
+    let tally = load.stop().await;
+    tally.report("pods changing under load");
+    assert_eq!(tally.error_events, 0, "no request failed");
+    let left = listed(&router).await;
+    assert_eq!(left.len(), 1, "only the endpoint added by hand: {left:?}");
+    assert_eq!(left[0]["owner"], "admin");
+    assert_eq!(left[0]["healthy"], true);
+    assert!(
+        rows(&router)
+            .await
+            .iter()
+            .all(|r| r["url"] != outsider.url.as_str()),
+        "a pod matching half the selector is never an endpoint"
+    );
+    assert_selectors_whole(&fake);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_the_first_list_and_a_silent_watch_converges_on_resync() {
+    let (a, b, fixed) = (
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+    );
+    let fake = FakeApi::start(NAMESPACE, SELECTOR);
+    fake.set_failing_lists(true);
+    fake.apply(pod("engine-a", "uid-a", &a, true));
+    let (_dir, config) = kubeconfig(&fake);
+    let router = router(
+        &[&fixed.url],
+        &config,
+        &["--k8s-namespace", NAMESPACE, "--k8s-resync", "500ms"],
+    );
+    // The static endpoint is healthy, yet the router is not ready before discovery has listed.
+    wait_serving(&router, "static", |_| true).await;
+    let (status, body) = health(&router).await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["discovery_synced"], false, "{body}");
+    fake.set_failing_lists(false);
+    wait_ready(&router).await;
+    wait_serving(&router, "k8s:uid-a", |_| true).await;
+
+    // The watch goes silent: changes reach the router only through the periodic re-list.
+    fake.set_silent(true);
+    let lists = fake.lists();
+    fake.delete("engine-a");
+    fake.apply(pod("engine-b", "uid-b", &b, true));
+    wait_gone(&router, "k8s:uid-a").await;
+    wait_serving(&router, "k8s:uid-b", |r| r["url"] == b.url.as_str()).await;
+    assert!(fake.lists() > lists, "converged by listing again");
+    wait_serving(&router, "static", |_| true).await;
+    assert_selectors_whole(&fake);
+}
