@@ -9,7 +9,8 @@
 # `make bench-peers` builds them first.
 #
 # Knobs: ROUNDS (3), WRK_SECONDS (5), BENCH_SECONDS (3), BASE_PORT (18300, 20 ports from it),
-# SKIP=name,name (targets to leave out), OUT (target/bench-peers).
+# SKIP=name,name (targets to leave out), OUT (target/bench-peers), BASE_BIN (another switchyard
+# binary, run beside BIN as "switchyard-base": before/after in one run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -60,6 +60,9 @@ PASSTHROUGH = os.environ.get("PASSTHROUGH", "target/release/examples/passthrough
 VENV = os.environ.get("VENV", "target/bench-peers/venv")
 # smg's wheel installs an `smg` command, as sglang-router's does: it gets a venv of its own.
 VENV_SMG = os.environ.get("VENV_SMG", "target/bench-peers/venv-smg")
+# Another switchyard binary to run beside BIN as target "switchyard-base" (a before/after
+# comparison in one run), e.g. a copy of main's build.
+BASE_BIN = os.environ.get("BASE_BIN")
 # Targets to leave out, comma-separated names (e.g. SKIP=sglang-router).
 SKIP = set(filter(None, os.environ.get("SKIP", "").split(",")))
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -126,6 +129,7 @@ PORT_NAMES = [
     "vllm-router-metrics-json", "vllm-router-metrics-sse",
     "sglang-router-metrics-json", "sglang-router-metrics-sse",
     "smg-json", "smg-sse", "smg-metrics-json", "smg-metrics-sse",
+    "switchyard-base-json", "switchyard-base-sse",
 ]
 
 
@@ -141,8 +145,9 @@ def router_argv(target: str, kind: str) -> list[str]:
     """How each router is started in forward / round-robin mode in front of the responder."""
     upstream = url("null-" + kind)
     listen = port(f"{target}-{kind}")
-    if target == "switchyard":
-        return [BIN, "serve", "--port", str(listen), "--plugins", "plugins",
+    if target in ("switchyard", "switchyard-base"):
+        binary = BIN if target == "switchyard" else BASE_BIN
+        return [binary, "serve", "--port", str(listen), "--plugins", "plugins",
                 "--policy", "round-robin", "--endpoint", upstream]
     if target == "passthrough":
         return [PASSTHROUGH, str(listen), upstream]
@@ -301,8 +306,8 @@ LOADS = [
 ]
 
 # In table order; "null engine" is the responder alone (no router: the floor of the floor).
-TARGETS = ["null engine", "nginx-proxy", "passthrough", "switchyard", "vllm-router",
-           "sglang-router", "smg"]
+TARGETS = ["null engine", "nginx-proxy", "passthrough"] + (
+    ["switchyard-base"] if BASE_BIN else []) + ["switchyard", "vllm-router", "sglang-router", "smg"]
 
 
 def target_url(target: str, kind: str) -> str:
