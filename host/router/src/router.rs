@@ -267,6 +267,11 @@ impl State {
 /// read, reframed and written to the client in one task, and chunks that arrive together
 /// leave together. Dropping it drops every upstream leg and reports the request to its
 /// policy as cancelled.
+///
+/// The queue is read without registering a waker: only `run`, polled from here, fills it, so
+/// whatever it queued is found right after. A registered waker would be the polling task's
+/// own, and each event queued would wake that task while it runs, which the multi-thread
+/// runtime answers by unparking another worker to steal it.
 pub struct Routing {
     /// `None` once the request is over (its sender is then gone: the queue ends).
     run: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
@@ -277,13 +282,25 @@ pub struct Routing {
 /// the pace, and a slow client holds back the engine's stream rather than the router's memory.
 const EVENT_QUEUE: usize = 64;
 
+impl Routing {
+    /// The next queued event, `Ready(None)` once the run is over and the queue drained, else
+    /// `Pending` (with no waker registered).
+    fn queued(&mut self) -> Poll<Option<Event>> {
+        match self.events.try_recv() {
+            Ok(event) => Poll::Ready(Some(event)),
+            Err(mpsc::error::TryRecvError::Disconnected) => Poll::Ready(None),
+            Err(mpsc::error::TryRecvError::Empty) => Poll::Pending,
+        }
+    }
+}
+
 impl Stream for Routing {
     type Item = Event;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
         let this = self.get_mut();
         loop {
-            if let Poll::Ready(event) = this.events.poll_recv(cx) {
+            if let Poll::Ready(event) = this.queued() {
                 return Poll::Ready(event);
             }
             // Nothing queued: drive the request until it queues an event or waits.
@@ -294,7 +311,8 @@ impl Stream for Routing {
             if run.as_mut().poll(cx).is_ready() {
                 this.run = None;
             } else {
-                return this.events.poll_recv(cx);
+                // The run waits on an engine or a timer, whose wakers are `cx`'s.
+                return this.queued();
             }
         }
     }

@@ -36,6 +36,24 @@ async fn a_header_still_incomplete_at_the_deadline_closes_the_connection() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_header_begun_while_the_watchdog_sleeps_still_closes_at_its_deadline() {
+    let activity = Activity::new();
+    let watchdog = {
+        let activity = Arc::clone(&activity);
+        tokio::spawn(async move { activity.expired(&limits()).await })
+    };
+    let (mut client, server) = tokio::io::duplex(64);
+    let mut server = Watched::new(server, Arc::clone(&activity));
+    tokio::time::sleep(Duration::from_millis(30_500)).await;
+    client.write_all(b"P").await.expect("write");
+    let mut byte = [0u8; 1];
+    server.read_exact(&mut byte).await.expect("read");
+    let first_byte = Instant::now();
+    assert_eq!(watchdog.await.expect("no panic"), Expired::Header);
+    assert_eq!(first_byte.elapsed(), Duration::from_secs(2));
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_request_in_progress_never_expires_and_idleness_counts_from_its_end() {
     let activity = Activity::new();
     let (mut client, server) = tokio::io::duplex(64);

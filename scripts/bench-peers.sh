@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# switchyard against vllm-router and sglang-router, side by side in one interleaved run, in
+# front of one nginx static responder (the null engine): `make bench-peers`, not part of
+# `make test`. What runs and how it is measured: scripts/bench_peers.py.
+#
+# Installs what is missing: wrk and nginx (Debian packages) and the peers' PyPI wheels, at
+# the pinned versions below, into venvs under $OUT (never committed: target/ is ignored).
+# Needs target/release/switchyard, target/release/examples/passthrough and plugins/*.wasm:
+# `make bench-peers` builds them first.
+#
+# Knobs: ROUNDS (3), WRK_SECONDS (5), BENCH_SECONDS (3), BASE_PORT (18300, 20 ports from it),
+# SKIP=name,name (targets to leave out), OUT (target/bench-peers), BASE_BIN (another switchyard
+# binary, run beside BIN as "switchyard-base": before/after in one run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-target/bench-peers}
+VLLM_ROUTER_VERSION=0.1.17
+SGLANG_ROUTER_VERSION=0.3.2
+SMG_VERSION=1.13.0
+export VENV=$OUT/venv VENV_SMG=$OUT/venv-smg BIN=${BIN:-target/release/switchyard}
+export PASSTHROUGH=${PASSTHROUGH:-target/release/examples/passthrough}
+
+for need in "$BIN" "$PASSTHROUGH" plugins/round-robin.wasm; do
+    [[ -e $need ]] || { echo "missing $need: run 'make bench-peers'" >&2; exit 1; }
+done
+
+if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx-light
+fi
+
+# install_venv DIR PIN...: a venv at DIR holding exactly these pins (made again when they change).
+install_venv() {
+    local dir=$1
+    shift
+    if [[ ! -f $dir/.installed ]] || [[ $(cat "$dir/.installed") != "$*" ]]; then
+        rm -rf "$dir"
+        python3 -m venv "$dir"
+        "$dir/bin/pip" install --quiet "$@"
+        echo "$*" >"$dir/.installed"
+    fi
+}
+pins="vllm-router==$VLLM_ROUTER_VERSION sglang-router==$SGLANG_ROUTER_VERSION"
+# shellcheck disable=SC2086 # one argument per pin
+install_venv "$VENV" $pins
+install_venv "$VENV_SMG" "smg==$SMG_VERSION"
+
+mkdir -p "$OUT"
+{
+    echo "machine: $(nproc) vCPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
+    echo "peers: $pins smg==$SMG_VERSION; $(wrk --version 2>&1 | head -1 | cut -d' ' -f1-2); $(nginx -v 2>&1)"
+    echo "uptime before: $(uptime)"
+} | tee "$OUT/machine.txt"
+python3 scripts/bench_peers.py "$OUT"
+cat "$OUT/machine.txt" "$OUT/summary.md" >"$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.md"
+echo "uptime after: $(uptime)" | tee -a "$OUT/summary.md"

@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""switchyard against its peers, side by side in one run, in front of one null engine.
+
+The null engine is an nginx static responder (nginx_conf below): it answers every completion
+with the same 2-token body without reading the request, so the engine costs as little as a
+server on this machine can. Every router under test (switchyard, the pass-through floor,
+vllm-router, sglang-router, smg, nginx as a keep-alive reverse proxy) runs at once, each in forward
+/ round-robin mode in front of the same responder, and the load generators visit them in turn:
+round by round, every target gets each load before any gets the next round, so whatever else
+the machine does hits all of them alike.
+
+Loads: wrk (-t1, non-streaming, the body of ISSUE_BODY, 1 and 32 connections) and
+`switchyard bench` (closed loop, concurrency 1 and 32, streaming and non-streaming). A
+streaming request needs an SSE answer, so the responder listens on two ports, one answering
+JSON and one SSE, and every router runs twice, once in front of each.
+
+CPU per request is the router's user+system time (all its processes and threads, from
+/proc/PID/stat) over the run, divided by the requests the run completed. Results:
+OUT/runs.json (every run) and OUT/summary.md (medians over the rounds, ratios to vllm-router).
+
+Usage: bench_peers.py OUT  (scripts/bench-peers.sh sets it up; environment knobs there)
+"""
+
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ISSUE_BODY = '{"model":"m","prompt":"The capital of France is","max_tokens":2}'
+
+# The responder's answers: a 2-token completion as one JSON body, and as an SSE stream.
+COMPLETION = (
+    '{"id":"cmpl-null","object":"text_completion","created":0,"model":"m",'
+    '"choices":[{"index":0,"text":" Paris.","logprobs":null,"finish_reason":"length"}],'
+    '"usage":{"prompt_tokens":6,"completion_tokens":2,"total_tokens":8}}'
+)
+SSE = (
+    'data: {"id":"cmpl-null","object":"text_completion","created":0,"model":"m",'
+    '"choices":[{"index":0,"text":" Paris","logprobs":null,"finish_reason":null}]}\\n\\n'
+    'data: {"id":"cmpl-null","object":"text_completion","created":0,"model":"m",'
+    '"choices":[{"index":0,"text":".","logprobs":null,"finish_reason":"length"}],'
+    '"usage":{"prompt_tokens":6,"completion_tokens":2,"total_tokens":8}}\\n\\n'
+    "data: [DONE]\\n\\n"
+)
+MODELS = '{"object":"list","data":[{"id":"m","object":"model","owned_by":"null"}]}'
+
+BASE_PORT = int(os.environ.get("BASE_PORT", "18300"))
+ROUNDS = int(os.environ.get("ROUNDS", "3"))
+WRK_SECONDS = int(os.environ.get("WRK_SECONDS", "5"))
+BENCH_SECONDS = float(os.environ.get("BENCH_SECONDS", "3"))
+BIN = os.environ.get("BIN", "target/release/switchyard")
+PASSTHROUGH = os.environ.get("PASSTHROUGH", "target/release/examples/passthrough")
+VENV = os.environ.get("VENV", "target/bench-peers/venv")
+# smg's wheel installs an `smg` command, as sglang-router's does: it gets a venv of its own.
+VENV_SMG = os.environ.get("VENV_SMG", "target/bench-peers/venv-smg")
+# Another switchyard binary to run beside BIN as target "switchyard-base" (a before/after
+# comparison in one run), e.g. a copy of main's build.
+BASE_BIN = os.environ.get("BASE_BIN")
+# Targets to leave out, comma-separated names (e.g. SKIP=sglang-router).
+SKIP = set(filter(None, os.environ.get("SKIP", "").split(",")))
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def nginx_conf(prefix: Path, listen: str) -> str:
+    """One nginx worker, access log off: the responder on both ports, or `listen` as the proxy."""
+    common = f"""
+daemon off;
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    keepalive_requests 1000000;
+"""
+    if listen == "responder":
+        return common + f"""
+    server {{
+        listen 127.0.0.1:{port("null-json")};
+        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
+        location = /metrics {{ default_type text/plain; return 200 ''; }}
+        location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
+    }}
+    server {{
+        listen 127.0.0.1:{port("null-sse")};
+        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
+        location = /metrics {{ default_type text/plain; return 200 ''; }}
+        location / {{ default_type text/event-stream; return 200 '{SSE}'; }}
+    }}
+}}
+"""
+    servers = ""
+    for kind in ("json", "sse"):
+        servers += f"""
+    upstream null_{kind} {{ server 127.0.0.1:{port("null-" + kind)}; keepalive 64; }}
+    server {{
+        listen 127.0.0.1:{port("nginx-proxy-" + kind)};
+        location / {{
+            proxy_pass http://null_{kind};
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+"""
+    return common + servers + "}\n"
+
+
+# Every listening port, by name; a router's two instances are NAME-json and NAME-sse.
+PORT_NAMES = [
+    "null-json", "null-sse",
+    "nginx-proxy-json", "nginx-proxy-sse",
+    "switchyard-json", "switchyard-sse",
+    "passthrough-json", "passthrough-sse",
+    "vllm-router-json", "vllm-router-sse",
+    "sglang-router-json", "sglang-router-sse",
+    "vllm-router-metrics-json", "vllm-router-metrics-sse",
+    "sglang-router-metrics-json", "sglang-router-metrics-sse",
+    "smg-json", "smg-sse", "smg-metrics-json", "smg-metrics-sse",
+    "switchyard-base-json", "switchyard-base-sse",
+]
+
+
+def port(name: str) -> int:
+    return BASE_PORT + PORT_NAMES.index(name)
+
+
+def url(name: str) -> str:
+    return f"http://127.0.0.1:{port(name)}"
+
+
+def router_argv(target: str, kind: str) -> list[str]:
+    """How each router is started in forward / round-robin mode in front of the responder."""
+    upstream = url("null-" + kind)
+    listen = port(f"{target}-{kind}")
+    if target in ("switchyard", "switchyard-base"):
+        binary = BIN if target == "switchyard" else BASE_BIN
+        return [binary, "serve", "--port", str(listen), "--plugins", "plugins",
+                "--policy", "round-robin", "--endpoint", upstream]
+    if target == "passthrough":
+        return [PASSTHROUGH, str(listen), upstream]
+    if target in ("vllm-router", "sglang-router", "smg"):
+        argv = {"vllm-router": [f"{VENV}/bin/vllm-router"],
+                "sglang-router": [f"{VENV}/bin/sglang-router", "launch"],
+                "smg": [f"{VENV_SMG}/bin/smg", "launch"]}[target]
+        return argv + ["--host", "127.0.0.1", "--port", str(listen),
+                       "--worker-urls", upstream, "--policy", "round_robin",
+                       "--prometheus-host", "127.0.0.1",
+                       "--prometheus-port", str(port(f"{target}-metrics-{kind}")),
+                       "--log-level", "warning" if target == "vllm-router" else "warn"]
+    raise ValueError(target)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+
+    def cpu_ticks(self) -> int:
+        """utime+stime of the process and every descendant (a Python launcher's Rust router
+        may run in a child)."""
+        total = 0
+        for pid in [self.popen.pid] + descendants(self.popen.pid):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += int(fields[11]) + int(fields[12])
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
+
+def descendants(pid: int) -> list[int]:
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            children += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return children + [d for c in children for d in descendants(c)]
+
+
+@dataclass
+class Fleet:
+    """Every process this run started; `stop` ends them all, whatever happened."""
+    out: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+
+    def start(self, name: str, argv: list[str]) -> Proc:
+        log = open(self.out / "logs" / f"{name}.log", "wb")
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+        proc = Proc(name, popen)
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.popen.poll() is None:
+                os.killpg(proc.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.popen.pid, signal.SIGKILL)
+                proc.popen.wait()
+
+
+def wait_ok(fleet: Fleet, name: str, probe: str, seconds: float = 60) -> None:
+    """Poll `probe` until it answers 2xx to a completion POST (routers are ready only once
+    they have registered the responder)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if fleet.procs[name].popen.poll() is not None:
+            raise SystemExit(f"{name} exited; see {fleet.out}/logs/{name}.log")
+        try:
+            request = urllib.request.Request(
+                probe + "/v1/completions", data=ISSUE_BODY.encode(),
+                headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(request, timeout=2) as answer:
+                if 200 <= answer.status < 300:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{name} did not answer a completion within {seconds} s "
+                     f"(logs in {fleet.out}/logs)")
+
+
+WRK_LUA = f"""
+wrk.method = "POST"
+wrk.body = '{ISSUE_BODY}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def parse_wrk(text: str) -> dict:
+    """Requests, req/s, latency percentiles (µs) and failures from `wrk --latency` output."""
+    def micros(value: str) -> float:
+        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", value).groups()
+        return float(number) * {"us": 1, "ms": 1e3, "s": 1e6, "m": 60e6}[unit]
+
+    percentiles = dict(re.findall(r"^\s+(50|99)(?:\.000)?%\s+(\S+)", text, re.M))
+    requests = int(re.search(r"(\d+) requests in", text).group(1))
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    return {
+        "requests": requests,
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1)),
+        "p50_us": micros(percentiles["50"]),
+        "p99_us": micros(percentiles["99"]),
+        "failed": (int(non_2xx.group(1)) if non_2xx else 0)
+        + (sum(map(int, errors.groups())) if errors else 0),
+    }
+
+
+def run_wrk(out: Path, target_url: str, connections: int) -> dict:
+    script = out / "post.lua"
+    result = subprocess.run(
+        ["wrk", "-t1", f"-c{connections}", f"-d{WRK_SECONDS}s", "--latency",
+         "-s", str(script), target_url + "/v1/completions"],
+        capture_output=True, text=True, timeout=WRK_SECONDS + 60, check=True)
+    return parse_wrk(result.stdout)
+
+
+def run_bench(out: Path, target_url: str, concurrency: int, stream: bool, tag: str) -> dict:
+    """`switchyard bench`, closed loop, for BENCH_SECONDS."""
+    path = out / "bench" / f"{tag}.json"
+    subprocess.run(
+        [BIN, "bench", "--url", target_url, "--model", "m", "--concurrency", str(concurrency),
+         "--num-requests", "1000000", "--duration", str(BENCH_SECONDS),
+         "--input-len", "24", "--output-len", "2", "--seed", "1", "--json", str(path),
+         "--stream" if stream else "--no-stream"],
+        capture_output=True, text=True, timeout=BENCH_SECONDS + 120, check=True)
+    data = json.loads(path.read_text())
+    metric = "ttft" if stream else "e2el"
+    return {
+        "requests": data["completed"],
+        "rps": data["request_throughput"],
+        "p50_us": data[f"p50_{metric}_ms"] * 1e3,
+        "p99_us": data[f"p99_{metric}_ms"] * 1e3,
+        "failed": data["failed"],
+    }
+
+
+# (load name, kind of responder, how to run it)
+LOADS = [
+    ("wrk c=1", "json", lambda out, u, tag: run_wrk(out, u, 1)),
+    ("wrk c=32", "json", lambda out, u, tag: run_wrk(out, u, 32)),
+    ("bench c=1", "json", lambda out, u, tag: run_bench(out, u, 1, False, tag)),
+    ("bench c=32", "json", lambda out, u, tag: run_bench(out, u, 32, False, tag)),
+    ("bench stream c=1", "sse", lambda out, u, tag: run_bench(out, u, 1, True, tag)),
+    ("bench stream c=32", "sse", lambda out, u, tag: run_bench(out, u, 32, True, tag)),
+]
+
+# In table order; "null engine" is the responder alone (no router: the floor of the floor).
+TARGETS = ["null engine", "nginx-proxy", "passthrough"] + (
+    ["switchyard-base"] if BASE_BIN else []) + ["switchyard", "vllm-router", "sglang-router", "smg"]
+
+
+def target_url(target: str, kind: str) -> str:
+    return url("null-" + kind) if target == "null engine" else url(f"{target}-{kind}")
+
+
+def start_all(fleet: Fleet, out: Path) -> None:
+    for role in ("responder", "proxy"):
+        prefix = out / "nginx" / role
+        for sub in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (prefix / sub).mkdir(parents=True, exist_ok=True)
+        (prefix / "nginx.conf").write_text(nginx_conf(prefix, role))
+    name = "null engine"
+    fleet.start(name, ["nginx", "-p", str(out / "nginx/responder"), "-c",
+                       str(out / "nginx/responder/nginx.conf")])
+    for kind in ("json", "sse"):
+        wait_ok(fleet, name, url("null-" + kind))
+    fleet.start("nginx-proxy", ["nginx", "-p", str(out / "nginx/proxy"), "-c",
+                                str(out / "nginx/proxy/nginx.conf")])
+    for target in TARGETS[2:]:
+        if target in SKIP:
+            continue
+        for kind in ("json", "sse"):
+            fleet.start(f"{target}-{kind}", router_argv(target, kind))
+    for target in TARGETS[1:]:
+        if target in SKIP:
+            continue
+        for kind in ("json", "sse"):
+            name = target if target == "nginx-proxy" else f"{target}-{kind}"
+            wait_ok(fleet, name, target_url(target, kind))
+
+
+def proc_for(fleet: Fleet, target: str, kind: str) -> Proc:
+    return fleet.procs[target if target in ("null engine", "nginx-proxy") else f"{target}-{kind}"]
+
+
+def measure(fleet: Fleet, out: Path) -> list[dict]:
+    runs = []
+    targets = [t for t in TARGETS if t not in SKIP]
+    for round_no in range(1, ROUNDS + 1):
+        for load, kind, run in LOADS:
+            for target in targets:
+                proc = proc_for(fleet, target, kind)
+                tag = f"{target.replace(' ', '-')}-{load.replace(' ', '-').replace('=', '')}-{round_no}"
+                before = proc.cpu_ticks()
+                result = run(out, target_url(target, kind), tag)
+                ticks = proc.cpu_ticks() - before
+                result.update(target=target, load=load, round=round_no,
+                              cpu_us_per_req=ticks / CLK_TCK * 1e6 / max(1, result["requests"]))
+                runs.append(result)
+                print(f"round {round_no} {load:18} {target:14} {result['rps']:9.0f} req/s "
+                      f"p50 {result['p50_us']:7.0f} µs p99 {result['p99_us']:7.0f} µs "
+                      f"cpu {result['cpu_us_per_req']:5.0f} µs/req failed {result['failed']}",
+                      flush=True)
+    return runs
+
+
+def summary(runs: list[dict], header: str) -> str:
+    """Medians over the rounds; the ratio columns compare each target with vllm-router in the
+    same load (req/s: higher is better; p50 and CPU: lower is better)."""
+    def median(target, load, key):
+        values = [r[key] for r in runs if r["target"] == target and r["load"] == load]
+        return statistics.median(values) if values else None
+
+    lines = [header, "",
+             "| load | target | req/s | p50 µs | p99 µs | CPU µs/req | req/s ÷ vllm-router "
+             "| p50 ÷ vllm-router | CPU ÷ vllm-router | failed |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for load, _, _ in LOADS:
+        for target in TARGETS:
+            rps = median(target, load, "rps")
+            if rps is None:
+                continue
+            p50, p99 = median(target, load, "p50_us"), median(target, load, "p99_us")
+            cpu = median(target, load, "cpu_us_per_req")
+            failed = sum(r["failed"] for r in runs if r["target"] == target and r["load"] == load)
+            ref = {k: median("vllm-router", load, k) for k in ("rps", "p50_us", "cpu_us_per_req")}
+
+            def ratio(value, key):
+                return f"{value / ref[key]:.2f}" if ref[key] else "–"
+            lines.append(f"| {load} | {target} | {rps:.0f} | {p50:.0f} | {p99:.0f} | {cpu:.0f} "
+                         f"| {ratio(rps, 'rps')} | {ratio(p50, 'p50_us')} "
+                         f"| {ratio(cpu, 'cpu_us_per_req')} | {failed} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    out = Path(sys.argv[1]).resolve()
+    for sub in ("logs", "bench"):
+        (out / sub).mkdir(parents=True, exist_ok=True)
+    (out / "post.lua").write_text(WRK_LUA)
+    fleet = Fleet(out)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        start_all(fleet, out)
+        load_before = os.getloadavg()
+        runs = measure(fleet, out)
+    finally:
+        fleet.stop()
+    (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    header = (f"{os.cpu_count()} vCPUs; load average before {load_before[0]:.2f}, after "
+              f"{os.getloadavg()[0]:.2f}; {ROUNDS} interleaved rounds, medians; wrk -t1 "
+              f"{WRK_SECONDS} s, switchyard bench {BENCH_SECONDS:g} s per run. p50/p99: wrk's "
+              "latency, bench's E2E (non-streaming) or TTFT (streaming).")
+    table = summary(runs, header)
+    (out / "summary.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
