@@ -65,8 +65,11 @@ clippy:
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
 # The `k8s` feature is on, as in the binary `make build` gives: its unit tests and the discovery
 # tests against the fake Kubernetes API server (tests/e2e/k8s.rs) run with the rest.
+# test-starvation selects the same way, so it reuses these test binaries instead of building a
+# second set (5 min on 2 cores).
+TEST_SELECTION := --workspace --features switchyard/k8s,switchyard-tests/k8s
 test-rust: model
-	env -u SWITCHYARD_BLESS $(CARGO) test --workspace --features switchyard/k8s,switchyard-tests/k8s
+	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION)
 # The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
 	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-kv -p switchyard-engine --features cuda --lib
 	scripts/check-crate-graph.py --self-test
@@ -74,7 +77,7 @@ test-rust: model
 # A Python policy on a machine this test saturates itself (every core, for about 30 s): it must
 # run alone, after every other test binary, one test at a time. Needs `make examples`.
 test-starvation: examples
-	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-policy-host --test starvation -- \
+	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION) --test starvation -- \
 		--ignored --test-threads=1
 
 # The official OpenAI Python client against `switchyard up` (the venv is created on first use).
