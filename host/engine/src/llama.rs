@@ -116,18 +116,15 @@ impl LlamaConfig {
     }
 }
 
-/// One transformer block. Weights that read the same input are stacked into one matmul (Q, K
-/// and V; gate and up): a Q8_0 row's dot product does not depend on the rows beside it, so
-/// stacking changes no bit, and a token then costs 4 matmuls per layer instead of 7, each a
-/// round of candle's worker threads.
 struct Layer {
     attn_norm: Vec<f32>,
-    /// Q, K and V stacked: each output row is `[q (heads × hd) | k (kv_dim) | v (kv_dim)]`.
-    wqkv: QMatMul,
+    wq: QMatMul,
+    wk: QMatMul,
+    wv: QMatMul,
     wo: QMatMul,
     ffn_norm: Vec<f32>,
-    /// Gate and up stacked: each output row is `[gate (ffn) | up (ffn)]`.
-    w_gate_up: QMatMul,
+    w_gate: QMatMul,
+    w_up: QMatMul,
     w_down: QMatMul,
 }
 
@@ -205,10 +202,13 @@ impl Llama {
             let mut t = |name: &str| tensor(&format!("blk.{l}.{name}.weight"));
             layers.push(Layer {
                 attn_norm: vector(t("attn_norm")?)?,
-                wqkv: stacked_matmul(&[t("attn_q")?, t("attn_k")?, t("attn_v")?])?,
+                wq: matmul(t("attn_q")?)?,
+                wk: matmul(t("attn_k")?)?,
+                wv: matmul(t("attn_v")?)?,
                 wo: matmul(t("attn_output")?)?,
                 ffn_norm: vector(t("ffn_norm")?)?,
-                w_gate_up: stacked_matmul(&[t("ffn_gate")?, t("ffn_up")?])?,
+                w_gate: matmul(t("ffn_gate")?)?,
+                w_up: matmul(t("ffn_up")?)?,
                 w_down: matmul(t("ffn_down")?)?,
             });
         }
@@ -273,30 +273,31 @@ impl Llama {
                 x.extend_from_slice(row);
             }
         }
-        let q_dim = cfg.heads * hd;
-        let qkv_dim = q_dim + 2 * kv_dim;
-        let mut attn = vec![0.0f32; n * q_dim];
+        let mut attn = vec![0.0f32; n * cfg.heads * hd];
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
-            let mut qkv = apply(&layer.wqkv, h, n, hidden)?;
+            let mut q = apply(&layer.wq, h.clone(), n, hidden)?;
+            let mut k = apply(&layer.wk, h.clone(), n, hidden)?;
+            let v = apply(&layer.wv, h, n, hidden)?;
             for (r, &(c, pos)) in rows.iter().enumerate() {
-                let row = &mut qkv[r * qkv_dim..(r + 1) * qkv_dim];
-                let (q, kv_new) = row.split_at_mut(q_dim);
-                self.rope(q, pos);
-                self.rope(&mut kv_new[..kv_dim], pos);
-                // This layer's K then V, as the slot lays them out.
+                self.rope(&mut q[r * cfg.heads * hd..(r + 1) * cfg.heads * hd], pos);
+                self.rope(&mut k[r * kv_dim..(r + 1) * kv_dim], pos);
                 let base = pos * slot + l * 2 * kv_dim;
-                chunks[c].kv[base..base + 2 * kv_dim].copy_from_slice(kv_new);
+                let kv = &mut chunks[c].kv;
+                kv[base..base + kv_dim].copy_from_slice(&k[r * kv_dim..(r + 1) * kv_dim]);
+                kv[base + kv_dim..base + 2 * kv_dim]
+                    .copy_from_slice(&v[r * kv_dim..(r + 1) * kv_dim]);
             }
             let kvs: Vec<&[f32]> = chunks.iter().map(|ch| ch.kv.as_slice()).collect();
             let layer_attention = |first: usize, out: &mut [f32]| {
                 let mut scores = Vec::new();
-                for (i, row_out) in out.chunks_exact_mut(q_dim).enumerate() {
+                let width = cfg.heads * hd;
+                for (i, row_out) in out.chunks_exact_mut(width).enumerate() {
                     let r = first + i;
                     let (c, pos) = rows[r];
                     for (head, head_out) in row_out.chunks_exact_mut(hd).enumerate() {
                         let kvh = head / (cfg.heads / cfg.kv_heads);
-                        let qh = &qkv[r * qkv_dim + head * hd..r * qkv_dim + (head + 1) * hd];
+                        let qh = &q[(r * cfg.heads + head) * hd..(r * cfg.heads + head + 1) * hd];
                         let at = Window {
                             pos,
                             offset: l * 2 * kv_dim + kvh * hd,
@@ -313,24 +314,19 @@ impl Llama {
                 layer_attention(0, &mut attn);
             } else {
                 std::thread::scope(|s| {
-                    for (i, part) in attn.chunks_mut(per_thread * q_dim).enumerate() {
+                    for (i, part) in attn.chunks_mut(per_thread * cfg.heads * hd).enumerate() {
                         let layer_attention = &layer_attention;
                         s.spawn(move || layer_attention(i * per_thread, part));
                     }
                 });
             }
-            let o = apply(&layer.wo, attn.clone(), n, q_dim)?;
+            let o = apply(&layer.wo, attn.clone(), n, cfg.heads * hd)?;
             add(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps);
-            let gate_up = apply(&layer.w_gate_up, h, n, hidden)?;
-            let ffn = gate_up.len() / n / 2;
-            let act: Vec<f32> = gate_up
-                .chunks_exact(2 * ffn)
-                .flat_map(|row| {
-                    let (gate, up) = row.split_at(ffn);
-                    gate.iter().zip(up).map(|(&g, &u)| silu(g) * u)
-                })
-                .collect();
+            let gate = apply(&layer.w_gate, h.clone(), n, hidden)?;
+            let up = apply(&layer.w_up, h, n, hidden)?;
+            let ffn = gate.len() / n;
+            let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
             let down = apply(&layer.w_down, act, n, ffn)?;
             add(&mut x, &down);
         }
@@ -385,41 +381,6 @@ fn matmul(t: QTensor) -> Result<QMatMul, LlamaError> {
         QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
     };
     Ok(QMatMul::from_qtensor(t)?)
-}
-
-/// Weights that read the same input, as one Q8_0 `QMatMul` whose output rows are theirs in
-/// order: each is converted as [`matmul`] would, and their Q8_0 blocks are laid end to end
-/// (a weight's blocks run row by row, so that is stacking the rows).
-fn stacked_matmul(parts: &[QTensor]) -> Result<QMatMul, LlamaError> {
-    let mut bytes = Vec::new();
-    let mut rows = 0;
-    let mut width = None;
-    for part in parts {
-        let q8 = if part.dtype() == GgmlDType::Q8_0 {
-            part.data()?.into_owned()
-        } else {
-            QTensor::quantize(&part.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
-                .data()?
-                .into_owned()
-        };
-        let (r, k) = part.shape().dims2()?;
-        if *width.get_or_insert(k) != k {
-            return Err(LlamaError::Unsupported {
-                what: "stacked weights".into(),
-                reason: format!("input widths {} and {k} differ", width.unwrap_or(k)),
-            });
-        }
-        rows += r;
-        bytes.extend_from_slice(&q8);
-    }
-    let dims = vec![rows, width.unwrap_or(0)];
-    let stacked = candle_core::quantized::ggml_file::qtensor_from_ggml(
-        GgmlDType::Q8_0,
-        &bytes,
-        dims,
-        &Device::Cpu,
-    )?;
-    Ok(QMatMul::from_qtensor(stacked)?)
 }
 
 fn vector(t: QTensor) -> Result<Vec<f32>, LlamaError> {
