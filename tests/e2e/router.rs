@@ -353,19 +353,9 @@ async fn real_model_streams_continue_exactly_when_their_decode_engine_is_killed(
     let mut stream_body = body.clone();
     stream_body["stream"] = json!(true);
     stream_body["stream_options"] = json!({"include_usage": true});
-    let mut response = client()
-        .post(c.router.endpoint("/v1/completions"))
-        .json(&stream_body)
-        .send()
-        .await
-        .expect("router reachable");
-    assert_eq!(response.status(), 200);
-    let mut received = response
-        .chunk()
-        .await
-        .expect("body")
-        .expect("a first chunk")
-        .to_vec();
+    let (mut response, first) =
+        open_stream(&c.router.endpoint("/v1/completions"), &stream_body).await;
+    let mut received = first.to_vec();
     // Kill whichever decode engine is generating it.
     let generating = router_in_flight(&c.router)
         .await
@@ -735,18 +725,7 @@ async fn a_client_disconnect_cancels_every_upstream_leg() {
     let c = disagg(1, &["--profile", "llama3-8b-h100"], &[]);
     let (p, d) = (&c.engines[0], &c.engines[1]);
     let body = json!({"prompt": prompt, "max_tokens": LONG_MAX_TOKENS, "stream": true});
-    let mut response = client()
-        .post(c.router.endpoint("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("router reachable");
-    assert_eq!(response.status(), 200);
-    let first = response
-        .chunk()
-        .await
-        .expect("body")
-        .expect("a first chunk");
+    let (response, first) = open_stream(&c.router.endpoint("/v1/completions"), &body).await;
     assert!(first.starts_with(b"data: "), "{first:?}");
 
     // The generation is live on D and counted by the router. D's gauges are set at the end of
@@ -843,19 +822,8 @@ async fn a_stream_that_cannot_continue_ends_with_an_error_event_then_done() {
     let engine = EngineProcess::spawn(&["--profile", "llama3-8b-h100"]);
     let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
     let body = json!({"prompt": prompt, "max_tokens": LONG_MAX_TOKENS, "stream": true});
-    let mut response = client()
-        .post(router.endpoint("/v1/completions"))
-        .json(&body)
-        .send()
-        .await
-        .expect("router reachable");
-    assert_eq!(response.status(), 200);
-    let mut received = response
-        .chunk()
-        .await
-        .expect("body")
-        .expect("a first chunk")
-        .to_vec();
+    let (mut response, first) = open_stream(&router.endpoint("/v1/completions"), &body).await;
+    let mut received = first.to_vec();
     drop(engine);
     let rest = tokio::time::timeout(Duration::from_secs(30), async {
         let mut rest = Vec::new();
@@ -1066,4 +1034,21 @@ async fn every_leg_carries_exactly_the_spec_fields() {
         (json!(0), json!(5))
     );
     assert_eq!(generate["begin"], 5);
+}
+
+/// POST a streaming `body` to `url`; the 200 response, still open, and its first chunk.
+async fn open_stream(url: &str, body: &Value) -> (reqwest::Response, Bytes) {
+    let mut response = client()
+        .post(url)
+        .json(body)
+        .send()
+        .await
+        .expect("router reachable");
+    assert_eq!(response.status(), 200);
+    let first = response
+        .chunk()
+        .await
+        .expect("body")
+        .expect("a first chunk");
+    (response, first)
 }
