@@ -356,6 +356,15 @@ pub fn model_path(model: &str) -> Option<PathBuf> {
     }
 }
 
+/// What to add to an error about `--model`: how to fetch it, where fetching is ours to do.
+pub fn fetch_hint(model: &str) -> &'static str {
+    if model == "smollm2" {
+        " (run `make model` to fetch it)"
+    } else {
+        ""
+    }
+}
+
 async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineError> {
     let Some(path) = model_path(model) else {
         return Ok(LoadedModel {
@@ -366,11 +375,7 @@ async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineEr
     };
     let fail = |reason: String| EngineError::Model {
         model: path.display().to_string(),
-        reason: if model == "smollm2" {
-            format!("{reason} (run `make model` to fetch it)")
-        } else {
-            reason
-        },
+        reason: format!("{reason}{}", fetch_hint(model)),
     };
     let load_path = path.clone();
     // Loading requantizes every weight: seconds of CPU, off the async threads.

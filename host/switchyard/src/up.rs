@@ -129,13 +129,12 @@ pub async fn run(
     let real = gguf.is_some();
     if let Some(path) = gguf {
         if !path.is_file() {
-            let hint = if model == "smollm2" {
-                " (run `make model` to fetch it)"
-            } else {
-                ""
-            };
             return Err(UpError::Model {
-                reason: format!("{} is not a file{hint}", path.display()),
+                reason: format!(
+                    "{} is not a file{}",
+                    path.display(),
+                    switchyard_engine::fetch_hint(&model)
+                ),
                 model,
             });
         }
