@@ -9,7 +9,7 @@ VENV   := .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: all run test setup model build release lint fmt clippy test-rust test-starvation test-python bench clean
+.PHONY: all run test setup model build release lint fmt clippy test-build test-rust test-starvation test-python bench clean
 
 all: build plugins
 
@@ -46,7 +46,18 @@ build:
 	$(CARGO) build -p switchyard --bin switchyard --features k8s
 
 ## test: everything CI checks
-test: setup plugins guests examples build lint test-rust test-starvation test-python
+# CI's disk is small (a clean `make test` once filled it): every Rust step below shares one
+# package and feature selection, so the dependencies are compiled once, and the one-shot build
+# keeps no incremental state (2.5 GB that a clean run never reads back).
+test: export CARGO_INCREMENTAL = 0
+test: setup plugins guests examples lint test-build test-rust test-starvation test-python
+
+# The `k8s` feature is on, as in the binary `make build` gives: its unit tests and the discovery
+# tests against the fake Kubernetes API server (tests/e2e/k8s.rs) run with the rest. So is
+# `cuda`: the GPU KV path compiles and its tests run everywhere; without a GPU they report
+# SKIPPED. `cargo test` builds target/debug/switchyard with this selection too, for the e2e and
+# Python tests.
+TEST_SELECTION := --workspace --features switchyard/k8s,switchyard/cuda,switchyard-tests/k8s
 
 lint: fmt clippy
 
@@ -54,29 +65,24 @@ fmt:
 	$(CARGO) fmt --all --check
 
 clippy:
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p switchyard-kv -p switchyard-engine -p switchyard --features cuda --all-targets -- -D warnings
-	$(CARGO) clippy -p switchyard-router -p switchyard -p switchyard-tests --features k8s --all-targets -- -D warnings
+	$(CARGO) clippy $(TEST_SELECTION) --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
 		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p priority-rust-policy \
 		-p policy-v0-1-0 \
 		-- -D warnings
 
+## test-build: every test binary and target/debug/switchyard, with the selection above
+test-build:
+	$(CARGO) test $(TEST_SELECTION) --no-run
+
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
-# The `k8s` feature is on, as in the binary `make build` gives: its unit tests and the discovery
-# tests against the fake Kubernetes API server (tests/e2e/k8s.rs) run with the rest.
-# test-starvation selects the same way, so it reuses these test binaries instead of building a
-# second set (5 min on 2 cores).
-TEST_SELECTION := --workspace --features switchyard/k8s,switchyard-tests/k8s
-test-rust: model
+test-rust: model test-build
 	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION)
-# The GPU KV path compiles and its tests run everywhere; without a GPU they report SKIPPED.
-	env -u SWITCHYARD_BLESS $(CARGO) test -p switchyard-kv -p switchyard-engine --features cuda --lib
 	scripts/check-crate-graph.py --self-test
 
 # A Python policy on a machine this test saturates itself (every core, for about 30 s): it must
 # run alone, after every other test binary, one test at a time. Needs `make examples`.
-test-starvation: examples
+test-starvation: examples test-build
 	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION) --test starvation -- \
 		--ignored --test-threads=1
 
@@ -86,7 +92,7 @@ $(VENV)/.installed: tests/python/requirements.txt
 	$(VENV)/bin/pip install --quiet -r tests/python/requirements.txt
 	touch $@
 
-test-python: $(VENV)/.installed build plugins
+test-python: $(VENV)/.installed test-build plugins
 	SWITCHYARD_BIN=$(CURDIR)/target/debug/switchyard $(VENV)/bin/pytest -q tests/python
 	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
 
