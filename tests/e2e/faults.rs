@@ -42,6 +42,13 @@ impl Truth {
         }
         Truth { prompts, answers }
     }
+
+    /// A random prompt of the set: its text, `max_tokens`, and the single engine's answer.
+    pub(crate) fn sample(&self, rng: &mut StdRng) -> (&str, u32, &str) {
+        let (prompt, max_tokens) = &self.prompts[rng.random_range(0..self.prompts.len())];
+        let answer = &self.answers[&(prompt.clone(), *max_tokens)];
+        (prompt, *max_tokens, answer)
+    }
 }
 
 /// How the streams of a load ended.
@@ -66,10 +73,11 @@ pub(crate) struct Load {
 const MAX_REQUESTS_PER_CLIENT: usize = 2_000;
 
 impl Load {
-    pub(crate) fn start(router: &RouterProcess, truth: &Arc<Truth>, clients: u64) -> Load {
+    /// `clients` clients streaming completions from the router (or load balancer) at `base`.
+    pub(crate) fn start(base: &str, truth: &Arc<Truth>, clients: u64) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let tally = Arc::new(Mutex::new(Tally::default()));
-        let url = router.endpoint("/v1/completions");
+        let url = format!("{base}/v1/completions");
         let clients = (0..clients)
             .map(|seed| {
                 let (stop, tally, truth, url) =
@@ -80,10 +88,8 @@ impl Load {
                         if stop.load(Ordering::Acquire) {
                             return;
                         }
-                        let (prompt, max_tokens) =
-                            &truth.prompts[rng.random_range(0..truth.prompts.len())];
-                        let expected = &truth.answers[&(prompt.clone(), *max_tokens)];
-                        let ended = stream_one(&url, prompt, *max_tokens, expected).await;
+                        let (prompt, max_tokens, expected) = truth.sample(&mut rng);
+                        let ended = stream_one(&url, prompt, max_tokens, expected).await;
                         let mut t = tally.lock();
                         match ended {
                             Ok(true) => t.exact += 1,
@@ -185,6 +191,26 @@ pub(crate) async fn let_run(load: &Load, n: u32) {
 /// reservation, and no reservation ever freed by its TTL. Polls for at most 30 s and returns
 /// how long it took.
 pub(crate) async fn assert_engines_idle(engines: &[&EngineProcess]) -> Duration {
+    let took = wait_engines_idle(engines).await;
+    for (i, engine) in engines.iter().enumerate() {
+        let expired = reservations_expired(engine).await;
+        assert_eq!(expired, 0.0, "engine {i} freed a reservation by its TTL");
+    }
+    took
+}
+
+/// Reservations `engine` freed because no `start_generate` came for them within its TTL.
+pub(crate) async fn reservations_expired(engine: &EngineProcess) -> f64 {
+    metric(
+        &engine.endpoint("/metrics"),
+        "switchyard_engine_reservations_expired",
+    )
+    .await
+}
+
+/// Waits (at most 30 s) until every engine has nothing running or waiting, no KV page in use
+/// and no reservation; returns how long it took.
+pub(crate) async fn wait_engines_idle(engines: &[&EngineProcess]) -> Duration {
     let started = Instant::now();
     eventually(Duration::from_secs(30), || async {
         for (i, engine) in engines.iter().enumerate() {
@@ -205,16 +231,7 @@ pub(crate) async fn assert_engines_idle(engines: &[&EngineProcess]) -> Duration 
         None
     })
     .await;
-    let took = started.elapsed();
-    for (i, engine) in engines.iter().enumerate() {
-        let expired = metric(
-            &engine.endpoint("/metrics"),
-            "switchyard_engine_reservations_expired",
-        )
-        .await;
-        assert_eq!(expired, 0.0, "engine {i} freed a reservation by its TTL");
-    }
-    took
+    started.elapsed()
 }
 
 /// `/admin/endpoints`' row for endpoint `id`.
@@ -249,13 +266,13 @@ impl Tally {
 
 /// A decode step of ~1.6 ms (the Llama-3-8B profile at 0.3): streams last long enough for
 /// faults to land in them.
-const SLOW: [&str; 4] = ["--profile", "llama3-8b-h100", "--time-scale", "0.3"];
+pub(crate) const SLOW: [&str; 4] = ["--profile", "llama3-8b-h100", "--time-scale", "0.3"];
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_engines_lose_no_request_and_come_back() {
     let truth = Arc::new(Truth::new(21, 24).await);
     let mut c = disagg_over("tcp", &[&[], &[]], &SLOW, &[]);
-    let load = Load::start(&c.router, &truth, 4);
+    let load = Load::start(&c.router.url, &truth, 4);
     // P, a decode engine, both in turn, again and again: 13 kills.
     let rounds: [&[usize]; 9] = [
         &[0],
@@ -317,7 +334,7 @@ async fn a_frozen_decode_engine_is_routed_around_and_readmitted() {
             "2",
         ],
     );
-    let load = Load::start(&c.router, &truth, 8);
+    let load = Load::start(&c.router.url, &truth, 8);
     let_run(&load, 8).await;
     // Freeze it while it serves several streams: each stalls, and two failures in a row
     // eject it.

@@ -127,7 +127,7 @@ async fn endpoints_added_drained_and_removed_under_load_fail_no_request() {
     let truth = Arc::new(Truth::new(31, 16).await);
     let (p, d1, d2) = prefill_and_two_decodes();
     let router = RouterProcess::serve(&[&p.url, &d1.url], &[]);
-    let load = Load::start(&router, &truth, 4);
+    let load = Load::start(&router.url, &truth, 4);
     let_run(&load, 8).await;
 
     // A third engine joins: it gets the next id and device rank, and soon its share of work.
@@ -203,6 +203,12 @@ async fn sighup_reloads_the_config_files_endpoints_and_leaves_admin_ones() {
     )
     .await;
     assert_eq!(status, 201);
+    // A new endpoint serves once its first probe answers.
+    eventually(Duration::from_secs(30), || async {
+        let health = endpoint_row(&router, 2).await["health"].clone();
+        (health != "healthy").then(|| format!("endpoint 2 is {health}"))
+    })
+    .await;
 
     // The file now lists P only: D1 drains and goes, d2 (admin's) stays.
     write(&[&p.url]);

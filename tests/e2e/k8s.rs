@@ -27,6 +27,11 @@ const CONVERGE: Duration = Duration::from_secs(30);
 
 /// A pod named `name` (uid `uid`) running `engine`, matching [`SELECTOR`].
 fn pod(name: &str, uid: &str, engine: &EngineProcess, ready: bool) -> Value {
+    pod_on(name, uid, engine.http_addr.port(), ready)
+}
+
+/// A pod named `name` (uid `uid`) serving on loopback port `port`, matching [`SELECTOR`].
+fn pod_on(name: &str, uid: &str, port: u16, ready: bool) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Pod",
@@ -38,7 +43,7 @@ fn pod(name: &str, uid: &str, engine: &EngineProcess, ready: bool) -> Value {
         "spec": {"containers": [{
             "name": "engine",
             "image": "switchyard",
-            "ports": [{"name": "http", "containerPort": engine.http_addr.port()}],
+            "ports": [{"name": "http", "containerPort": port}],
         }]},
         "status": {
             "podIP": "127.0.0.1",
@@ -184,7 +189,7 @@ async fn pods_that_come_change_and_go_are_followed_under_load_and_no_request_fai
     assert_eq!(response.status(), 201);
     wait_serving(&router, "admin", |_| true).await;
 
-    let load = Load::start(&router, &truth, 4);
+    let load = Load::start(&router.url, &truth, 4);
     let_run(&load, 8).await;
 
     // Ready late: it joins when its Ready condition turns true.
@@ -292,4 +297,133 @@ async fn readiness_waits_for_the_first_list_and_a_silent_watch_converges_on_resy
     assert!(fake.lists() > lists, "converged by listing again");
     wait_serving(&router, "static", |_| true).await;
     assert_selectors_whole(&fake);
+}
+
+// === the fake's wire format, as real clients read it ===
+
+/// Lines a child process prints, read on a thread of their own so a test can wait for one
+/// with a bound.
+struct Lines {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Lines {
+    fn spawn(command: &mut std::process::Command) -> Lines {
+        let mut child = command
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {command:?}: {e}"));
+        let stdout = child.stdout.take().expect("piped stdout");
+        let (send, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufRead::lines(std::io::BufReader::new(stdout)) {
+                let Ok(line) = line else { return };
+                if send.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        Lines { child, lines }
+    }
+
+    /// The next line, waiting at most [`CONVERGE`].
+    fn next(&self, what: &str) -> String {
+        self.lines
+            .recv_timeout(CONVERGE)
+            .unwrap_or_else(|e| panic!("no line from {what} within {CONVERGE:?}: {e}"))
+    }
+}
+
+impl Drop for Lines {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Lists the pods, prints `{"names": [...]}`, then watches from the list's version and prints
+/// `{"type": ..., "name": ..., "port": ...}` per event: the official client's own models
+/// parse every object, so a field of the wrong shape fails here.
+const PYTHON_CLIENT: &str = r#"
+import json, sys
+from kubernetes import client, config, watch
+kubeconfig, namespace, selector = sys.argv[1:4]
+config.load_kube_config(config_file=kubeconfig)
+api = client.CoreV1Api()
+pods = api.list_namespaced_pod(namespace, label_selector=selector)
+print(json.dumps({"names": [p.metadata.name for p in pods.items]}), flush=True)
+for event in watch.Watch().stream(api.list_namespaced_pod, namespace,
+                                  label_selector=selector,
+                                  resource_version=pods.metadata.resource_version,
+                                  timeout_seconds=60):
+    pod = event["object"]
+    print(json.dumps({"type": event["type"], "name": pod.metadata.name,
+                      "port": pod.spec.containers[0].ports[0].container_port}), flush=True)
+"#;
+
+#[test]
+fn kubectl_and_the_python_client_list_and_watch_the_fake() {
+    let fake = FakeApi::start(NAMESPACE, SELECTOR);
+    fake.apply(pod_on("a", "uid-a", 8001, true));
+    let (dir, config) = kubeconfig(&fake);
+    let kubectl = || {
+        let mut command = std::process::Command::new(switchyard_tests::kubectl());
+        command
+            .env("KUBECONFIG", &config)
+            .arg("--cache-dir")
+            .arg(dir.path().join("kube-cache"))
+            .args(["get", "pods", "-l", SELECTOR]);
+        command
+    };
+
+    // kubectl: discovery, a list, and a watch that sees a pod arrive.
+    let listed = kubectl()
+        .args(["-o", "json"])
+        .output()
+        .expect("run kubectl");
+    assert!(
+        listed.status.success(),
+        "kubectl get pods: {}",
+        String::from_utf8_lossy(&listed.stderr)
+    );
+    let list: Value = serde_json::from_slice(&listed.stdout).expect("kubectl prints JSON");
+    assert_eq!(list["items"][0]["metadata"]["name"], "a", "{list}");
+    let watching = Lines::spawn(kubectl().args(["--watch", "-o", "name"]));
+    assert_eq!(watching.next("kubectl --watch"), "pod/a");
+    fake.apply(pod_on("b", "uid-b", 8002, false));
+    assert_eq!(watching.next("kubectl --watch"), "pod/b");
+    drop(watching);
+
+    // The Python client: a list, then a watch from its version that sees an add, a change
+    // and a delete, each parsed into the client's models.
+    let python = Lines::spawn(
+        std::process::Command::new(switchyard_tests::venv_tool("python"))
+            .args(["-c", PYTHON_CLIENT])
+            .arg(&config)
+            .args([NAMESPACE, SELECTOR]),
+    );
+    let first: Value = serde_json::from_str(&python.next("the Python client")).expect("JSON");
+    assert_eq!(first["names"], json!(["a", "b"]));
+    fake.apply(pod_on("c", "uid-c", 8003, true));
+    fake.edit("b", |pod| {
+        pod["spec"]["containers"][0]["ports"][0]["containerPort"] = json!(8012)
+    });
+    fake.delete("a");
+    let events: Vec<Value> = (0..3)
+        .map(|_| serde_json::from_str(&python.next("the Python watch")).expect("JSON"))
+        .collect();
+    assert_eq!(
+        events,
+        [
+            json!({"type": "ADDED", "name": "c", "port": 8003}),
+            json!({"type": "MODIFIED", "name": "b", "port": 8012}),
+            json!({"type": "DELETED", "name": "a", "port": 8001}),
+        ]
+    );
+    let (selectors, refused) = fake.selectors();
+    assert_eq!(
+        refused, 0,
+        "every client sent the whole selector: {selectors:?}"
+    );
 }

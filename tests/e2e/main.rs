@@ -6,4 +6,5 @@ mod hardening;
 mod http;
 #[cfg(feature = "k8s")]
 mod k8s;
+mod replicas;
 mod router;

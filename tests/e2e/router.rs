@@ -163,6 +163,19 @@ pub(crate) fn disagg_over(
     engine_args: &[&str],
     router_args: &[&str],
 ) -> Disagg {
+    let engines = engines_over(transport, decodes, engine_args);
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let router = RouterProcess::serve(&urls, router_args);
+    Disagg { engines, router }
+}
+
+/// A prefill engine (rank 0, first) and one decode engine per entry of `decodes` (ranks 1..),
+/// P able to push KV to each over `transport`.
+pub(crate) fn engines_over(
+    transport: &str,
+    decodes: &[&[&str]],
+    engine_args: &[&str],
+) -> Vec<EngineProcess> {
     let mut engines = Vec::new();
     let mut peers = Vec::new();
     for (rank, own) in (1..).zip(decodes) {
@@ -196,9 +209,7 @@ pub(crate) fn disagg_over(
     args.extend(engine_args.iter().map(|a| (*a).to_owned()));
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     engines.insert(0, EngineProcess::spawn(&refs));
-    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
-    let router = RouterProcess::serve(&urls, router_args);
-    Disagg { engines, router }
+    engines
 }
 
 pub(crate) async fn metric(url: &str, name: &str) -> f64 {

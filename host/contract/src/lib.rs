@@ -9,14 +9,11 @@
 //!
 //! ```
 //! use switchyard_contract::{
-//!     EndpointSnapshot, Health, Plan, Role, SendBegin, Step, ValidPlan, validate,
+//!     EndpointSnapshot, Plan, SendBegin, Step, ValidPlan, validate,
 //! };
 //!
 //! let endpoints: Vec<EndpointSnapshot> = (0..2)
-//!     .map(|id| EndpointSnapshot {
-//!         id, role: Role::Any, device_rank: id, health: Health::Healthy, in_flight: 0,
-//!         kv_usage: None,
-//!     })
+//!     .map(|id| EndpointSnapshot { id, device_rank: id, ..EndpointSnapshot::default() })
 //!     .collect();
 //! let plan = Plan {
 //!     steps: vec![
@@ -36,7 +33,7 @@ mod planner;
 mod policy;
 mod validate;
 
-pub use endpoint::{EndpointSnapshot, Health, Role};
+pub use endpoint::{EndpointSnapshot, Health, Role, address_hash};
 pub use plan::{EndpointId, Plan, SendBegin, Step};
 pub use planner::{Planner, PlanningError};
 pub use policy::{

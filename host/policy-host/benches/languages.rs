@@ -160,6 +160,12 @@ fn context(i: u32) -> PolicyContext {
                 health: Health::Healthy,
                 in_flight: (i + id * 3) % 5,
                 kv_usage: None,
+                running: Some(id % 3),
+                waiting: Some(id % 2),
+                address_hash: switchyard_contract::address_hash(&format!(
+                    "http://127.0.0.1:{}",
+                    8000 + id
+                )),
             })
             .collect(),
     }

@@ -35,6 +35,12 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             health: Health::Healthy,
             in_flight: (id * 7) % 5,
             kv_usage: Some(0.1 * id as f32),
+            running: Some(id % 3),
+            waiting: Some(id % 2),
+            address_hash: switchyard_contract::address_hash(&format!(
+                "http://127.0.0.1:{}",
+                8000 + id
+            )),
         })
         .collect()
 }

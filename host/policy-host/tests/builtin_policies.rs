@@ -55,6 +55,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
             health: Health::Healthy,
             in_flight,
             kv_usage: None,
+            ..EndpointSnapshot::default()
         })
         .collect()
 }

@@ -59,6 +59,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
             health: Health::Healthy,
             in_flight,
             kv_usage: None,
+            ..EndpointSnapshot::default()
         })
         .collect()
 }
@@ -157,6 +158,7 @@ fn every_example_passes_policy_check_and_describes_itself() {
     // (name, language, prompt tokens, stateless): the Python policy remembers prefixes.
     for (name, language, prompt_tokens, stateless) in [
         ("priority-rust", "rust", 0, true),
+        ("affinity-rust", "rust", 1024, true),
         ("prefix-aware-python", "python", 64, false),
         ("slo-js", "javascript", 0, true),
     ] {
@@ -173,7 +175,12 @@ fn every_example_passes_policy_check_and_describes_itself() {
 
 #[test]
 fn every_example_refuses_an_unknown_config_key() {
-    for name in ["priority-rust", "prefix-aware-python", "slo-js"] {
+    for name in [
+        "priority-rust",
+        "affinity-rust",
+        "prefix-aware-python",
+        "slo-js",
+    ] {
         match load(name, r#"{"no_such_key": 1}"#) {
             Err(LoadError::Init { message, .. }) => {
                 assert!(message.contains("no_such_key"), "{name}: {message}")
@@ -213,6 +220,67 @@ fn priority_rust_forwards_priority_requests_and_disaggregates_the_rest() {
     };
     // MLC's disaggregated plan: P = endpoint 0, D = least in-flight among the rest.
     assert_eq!(translate(&policy, &plain, loads()), Ok(disagg(0, 2)));
+}
+
+// === affinity-rust ===
+
+/// Endpoint 0 prefills, the rest decode; endpoint `i` has address hash `hashes[i]`.
+fn addressed(hashes: &[u64]) -> Vec<EndpointSnapshot> {
+    let mut snapshot = endpoints(&vec![0; hashes.len()]);
+    for (e, &hash) in snapshot.iter_mut().zip(hashes) {
+        e.role = if e.id == 0 {
+            Role::Prefill
+        } else {
+            Role::Decode
+        };
+        e.address_hash = hash;
+    }
+    snapshot
+}
+
+#[test]
+fn affinity_rust_agrees_across_replicas_through_the_component() {
+    let policy = load("affinity-rust", "{}").expect("loads");
+    // What two replicas see: the same prefill engine (hash 1) and three decode engines, in
+    // another id order.
+    let here = [1, 0xaaaa, 0xbbbb, 0xcccc];
+    let there = [1, 0xcccc, 0xaaaa, 0xbbbb];
+    let mut chosen = std::collections::BTreeSet::new();
+    for seed in 0..60 {
+        let p = prompt(200, seed);
+        let req = Req {
+            prompt: &p,
+            ..Req::default()
+        };
+        let d_here = decode_endpoint(&translate(&policy, &req, addressed(&here)).expect("plan"));
+        let d_there = decode_endpoint(&translate(&policy, &req, addressed(&there)).expect("plan"));
+        assert_eq!(
+            here[d_here as usize], there[d_there as usize],
+            "seed {seed}"
+        );
+        chosen.insert(here[d_here as usize]);
+    }
+    assert_eq!(chosen.len(), 3, "prefixes spread over every decode engine");
+}
+
+#[test]
+fn affinity_rust_reads_the_load_engines_report() {
+    let policy = load("affinity-rust", r#"{"max_waiting": 1}"#).expect("loads");
+    let p = prompt(100, 7);
+    let req = Req {
+        prompt: &p,
+        ..Req::default()
+    };
+    let hashes = [1, 0xaaaa, 0xbbbb];
+    let favourite = decode_endpoint(&translate(&policy, &req, addressed(&hashes)).expect("plan"));
+    let mut queueing = addressed(&hashes);
+    queueing[favourite as usize].running = Some(4);
+    queueing[favourite as usize].waiting = Some(2);
+    let other = decode_endpoint(&translate(&policy, &req, queueing).expect("plan"));
+    assert_ne!(
+        other, favourite,
+        "an engine queueing past max_waiting is passed over"
+    );
 }
 
 // === slo-js ===

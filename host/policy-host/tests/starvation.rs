@@ -193,6 +193,7 @@ fn endpoints(id: u64) -> Vec<EndpointSnapshot> {
             health: Health::Healthy,
             in_flight: ((id + u64::from(e) * 3) % 5) as u32,
             kv_usage: Some(0.5),
+            ..EndpointSnapshot::default()
         })
         .collect()
 }

@@ -6,11 +6,11 @@
 //!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
-//!   mark_unhealthy(id) / set_health(id, ok) / set_kv_usage(id, usage)
+//!   mark_unhealthy(id) / set_health(id, ok) / set_engine_load(id, load)
 //!   add(spec, owner) / drain(id) / remove(id) / remove_when_idle(id)   the live list
 //!   owned_where(|owner| …)                          what the config file, the API or discovery added
 //!   url(id) / device_rank(id) / is_ready()
-//! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness + KV usage probes
+//! health::spawn_probes(Arc<Cluster>, EngineClient, ProbeConfig)   background readiness + engine load probes
 //! ```
 //!
 //! An endpoint is healthy in the snapshot when its readiness probe answers, it is not ejected,
@@ -28,6 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::{Mutex, RwLock};
+use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
@@ -145,21 +146,22 @@ pub(crate) struct EndpointState {
     /// The readiness probe answers (and no call failed to connect since).
     ready: AtomicBool,
     in_flight: AtomicU32,
-    /// The engine's KV pool usage as `f32` bits; [`NO_KV_USAGE`] when unknown.
-    kv_usage: AtomicU32,
+    /// The load the engine last reported (its `/metrics`).
+    load: Mutex<EngineLoad>,
+    /// `switchyard_contract::address_hash` of `url`: the key every router replica agrees on.
+    address_hash: u64,
     outlier: Mutex<Outlier>,
     /// The model ids its `/v1/models` last listed.
     models: RwLock<Vec<String>>,
 }
 
-/// `kv_usage` bits meaning "unknown": a NaN, which no measured usage in `[0, 1]` can be.
-const NO_KV_USAGE: u32 = u32::MAX;
-
 impl EndpointState {
     fn new(id: u32, spec: &EndpointSpec, device_rank: u32, owner: Owner) -> Self {
+        let url: Arc<str> = spec.base_url().into();
         EndpointState {
             id,
-            url: spec.base_url().into(),
+            address_hash: switchyard_contract::address_hash(&url),
+            url,
             role: spec.role,
             device_rank,
             explicit_rank: spec.device_rank.is_some(),
@@ -168,15 +170,10 @@ impl EndpointState {
             phase: Mutex::new(Phase::Serving),
             ready: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
-            kv_usage: AtomicU32::new(NO_KV_USAGE),
+            load: Mutex::new(EngineLoad::default()),
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
         }
-    }
-
-    fn kv_usage(&self) -> Option<f32> {
-        let bits = self.kv_usage.load(Ordering::Acquire);
-        (bits != NO_KV_USAGE).then(|| f32::from_bits(bits))
     }
 
     fn phase(&self) -> Phase {
@@ -241,6 +238,8 @@ pub struct EndpointStatus {
     pub health: Health,
     pub in_flight: u32,
     pub kv_usage: Option<f32>,
+    pub running: Option<u32>,
+    pub waiting: Option<u32>,
     pub outlier: OutlierView,
 }
 
@@ -418,13 +417,19 @@ impl Cluster {
         self.endpoints
             .read()
             .iter()
-            .map(|e| EndpointSnapshot {
-                id: e.id,
-                role: e.role,
-                device_rank: e.device_rank,
-                health: e.health(now),
-                in_flight: e.in_flight.load(Ordering::Acquire),
-                kv_usage: e.kv_usage(),
+            .map(|e| {
+                let load = *e.load.lock();
+                EndpointSnapshot {
+                    id: e.id,
+                    role: e.role,
+                    device_rank: e.device_rank,
+                    health: e.health(now),
+                    in_flight: e.in_flight.load(Ordering::Acquire),
+                    kv_usage: load.kv_usage,
+                    running: load.running,
+                    waiting: load.waiting,
+                    address_hash: e.address_hash,
+                }
             })
             .collect()
     }
@@ -437,6 +442,7 @@ impl Cluster {
             .iter()
             .map(|e| {
                 let health = e.health(now);
+                let load = *e.load.lock();
                 EndpointStatus {
                     id: e.id,
                     url: e.url.to_string(),
@@ -447,7 +453,9 @@ impl Cluster {
                     healthy: health.is_healthy(),
                     health,
                     in_flight: e.in_flight.load(Ordering::Acquire),
-                    kv_usage: e.kv_usage(),
+                    kv_usage: load.kv_usage,
+                    running: load.running,
+                    waiting: load.waiting,
                     outlier: e.outlier.lock().view(now),
                 }
             })
@@ -513,12 +521,13 @@ impl Cluster {
         }
     }
 
-    /// The share of the endpoint's KV pool in use, as its engine last reported it (`None`:
-    /// unknown). Values are clamped to `[0, 1]`.
-    pub fn set_kv_usage(&self, id: u32, usage: Option<f32>) {
+    /// The load the endpoint's engine last reported; KV usage is clamped to `[0, 1]`.
+    pub fn set_engine_load(&self, id: u32, load: EngineLoad) {
         if let Some(e) = self.endpoint(id) {
-            let bits = usage.map_or(NO_KV_USAGE, |u| u.clamp(0.0, 1.0).to_bits());
-            e.kv_usage.store(bits, Ordering::Release);
+            *e.load.lock() = EngineLoad {
+                kv_usage: load.kv_usage.map(|u| u.clamp(0.0, 1.0)),
+                ..load
+            };
         }
     }
 
@@ -618,19 +627,49 @@ mod tests {
     }
 
     #[test]
-    fn kv_usage_is_unknown_until_reported_and_clamped() {
+    fn engine_load_is_unknown_until_reported_and_usage_clamped() {
         let cluster = Cluster::new(
             vec![spec("http://a", 1), spec("http://b", 1)],
             OutlierConfig::default(),
         );
-        assert_eq!(cluster.snapshot()[0].kv_usage, None);
-        cluster.set_kv_usage(0, Some(0.25));
-        cluster.set_kv_usage(1, Some(1.5));
-        let usage: Vec<_> = cluster.snapshot().iter().map(|e| e.kv_usage).collect();
-        assert_eq!(usage, [Some(0.25), Some(1.0)]);
-        assert_eq!(cluster.status()[0].kv_usage, Some(0.25));
-        cluster.set_kv_usage(0, None);
-        assert_eq!(cluster.snapshot()[0].kv_usage, None);
+        let unknown = (None, None, None);
+        let load = |e: &EndpointSnapshot| (e.running, e.waiting, e.kv_usage);
+        assert_eq!(load(&cluster.snapshot()[0]), unknown);
+        let reported = |kv_usage| EngineLoad {
+            running: Some(3),
+            waiting: Some(1),
+            kv_usage: Some(kv_usage),
+        };
+        cluster.set_engine_load(0, reported(0.25));
+        cluster.set_engine_load(1, reported(1.5));
+        let loads: Vec<_> = cluster.snapshot().iter().map(load).collect();
+        assert_eq!(
+            loads,
+            [
+                (Some(3), Some(1), Some(0.25)),
+                (Some(3), Some(1), Some(1.0))
+            ]
+        );
+        let status = &cluster.status()[0];
+        assert_eq!((status.running, status.kv_usage), (Some(3), Some(0.25)));
+        cluster.set_engine_load(0, EngineLoad::default());
+        assert_eq!(load(&cluster.snapshot()[0]), unknown);
+    }
+
+    #[test]
+    fn address_hashes_follow_the_url_not_the_id() {
+        let one = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
+        let other = Cluster::new(
+            vec![spec("http://b", 1), spec("http://a", 1)],
+            OutlierConfig::default(),
+        );
+        let (one, other) = (one.snapshot(), other.snapshot());
+        assert_eq!(one[0].address_hash, other[1].address_hash);
+        assert_eq!(one[1].address_hash, other[0].address_hash);
+        assert_ne!(one[0].address_hash, one[1].address_hash);
     }
 
     #[test]

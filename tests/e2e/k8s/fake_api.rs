@@ -6,7 +6,9 @@
 //! for that watch, one relabelled in is `ADDED`), and a watch from a compacted version gets a
 //! `410 Gone` ERROR event. What tests add: selectors that lack a required term are refused
 //! with 400 (so a selector sent in part fails loudly), lists can be made to fail, and the
-//! server can go silent: watches stay open and deliver nothing.
+//! server can go silent: watches stay open and deliver nothing. Enough discovery (`/api`,
+//! `/apis`, `/api/v1`) is served for kubectl to find pods; `tests/e2e/k8s.rs` checks the wire
+//! format with kubectl and the official Python client.
 //!
 //! It runs on a thread of its own with its own runtime, so tests that block (starting a
 //! process, waiting for it) never starve it; dropping it stops it and closes every watch.
@@ -242,7 +244,17 @@ async fn accept(listener: tokio::net::TcpListener, state: Arc<Mutex<State>>) {
 fn handle(state: &Mutex<State>, req: Request<Incoming>) -> Response<Body> {
     let mut state = state.lock();
     let path = format!("/api/v1/namespaces/{}/pods", state.namespace);
-    if req.method() != hyper::Method::GET || req.uri().path() != path {
+    if req.method() != hyper::Method::GET {
+        return status(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "only GET",
+        );
+    }
+    if let Some(answer) = discovery(req.uri().path()) {
+        return json_response(StatusCode::OK, &answer);
+    }
+    if req.uri().path() != path {
         return status(StatusCode::NOT_FOUND, "NotFound", "only pods are served");
     }
     let query = query(req.uri().query().unwrap_or(""));
@@ -283,6 +295,24 @@ fn handle(state: &Mutex<State>, req: Request<Incoming>) -> Response<Body> {
         "items": items,
     });
     json_response(StatusCode::OK, &list)
+}
+
+/// The legacy discovery documents kubectl reads before it can name `pods`: the core group's
+/// versions, no other group, and v1's one resource. (kubectl asks for aggregated discovery
+/// first and accepts plain JSON, as from API servers before 1.26.)
+fn discovery(path: &str) -> Option<Value> {
+    match path {
+        "/api" => Some(json!({"kind": "APIVersions", "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": "127.0.0.1"}]})),
+        "/apis" => Some(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": []})),
+        "/api/v1" => Some(
+            json!({"kind": "APIResourceList", "groupVersion": "v1", "resources": [{
+                "name": "pods", "singularName": "pod", "namespaced": true, "kind": "Pod",
+                "verbs": ["get", "list", "watch"], "shortNames": ["po"], "categories": ["all"],
+            }]}),
+        ),
+        _ => None,
+    }
 }
 
 /// Replay what happened after `from`, then stream what happens next.

@@ -31,6 +31,7 @@ fn snapshot(count: u32, unhealthy: &[u32]) -> Vec<EndpointSnapshot> {
             },
             in_flight: 0,
             kv_usage: None,
+            ..EndpointSnapshot::default()
         })
         .collect()
 }

@@ -1,6 +1,7 @@
 //! `switchyard:policy@0.2.0` (`wit/policy.wit`), the newest contract: 0.1.0 plus a policy's
-//! declaration of whether it keeps state between calls (`policy-info.state`) and why an
-//! endpoint is down (`endpoint.down-reason`).
+//! declaration of whether it keeps state between calls (`policy-info.state`), why an endpoint
+//! is down (`endpoint.down-reason`), the load each engine reports (`endpoint.running`,
+//! `endpoint.waiting`) and a key every router replica agrees on (`endpoint.address-hash`).
 
 mod generated {
     wasmtime::component::bindgen!({
@@ -31,5 +32,8 @@ fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> wit::Endpoint {
         },
         in_flight: e.in_flight,
         kv_usage: e.kv_usage,
+        running: e.running,
+        waiting: e.waiting,
+        address_hash: e.address_hash,
     }
 }

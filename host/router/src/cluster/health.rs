@@ -7,17 +7,18 @@
 //! dead one being hammered. Calls that fail to connect mark an endpoint unhealthy at once
 //! (`Cluster::mark_unhealthy`); only a probe marks it healthy again.
 //!
-//! KV usage rides on the same probe: a ready endpoint's `GET /metrics` is read for the
-//! reference engine's gauges `switchyard_engine_kv_pages_used` and `…_kv_pages_free`, and
-//! `used / (used + free)` becomes the snapshot's `kv_usage`. That is one small GET per
-//! endpoint per probe interval, off the request path. An engine whose metrics lack those
-//! gauges (an MLC engine's `/metrics` reports other names) or that is down reports `None`:
-//! policies must treat usage as optional, and a stale number is worse than none.
+//! The engine's own load rides on the same probe: a ready endpoint's `GET /metrics` is read
+//! for the requests it runs and queues and its KV usage (the reference engine's, vLLM's or
+//! SGLang's gauges: `switchyard_wire::metrics::EngineLoad`). That is one small GET per
+//! endpoint per probe interval, off the request path, and every router replica reads the
+//! same figures. An engine whose metrics lack those gauges (an MLC engine's `/metrics`
+//! reports other names) or that is down reports `None`: policies must treat load as
+//! optional, and a stale number is worse than none.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use switchyard_wire::metrics::{KV_PAGES_FREE, KV_PAGES_USED};
+use switchyard_wire::metrics::EngineLoad;
 
 use super::Cluster;
 use crate::microserving::EngineClient;
@@ -70,14 +71,17 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         drop(endpoint);
         let models = client.ready(&url).await;
         let ok = models.is_some();
-        let kv_usage = if ok {
-            client.metrics(&url).await.as_deref().and_then(kv_usage)
-        } else {
-            None
+        let load = match ok {
+            true => client
+                .metrics(&url)
+                .await
+                .as_deref()
+                .map(EngineLoad::from_prometheus),
+            false => None,
         };
         let Some(c) = cluster.upgrade() else { return };
         c.set_health(id, ok);
-        c.set_kv_usage(id, kv_usage);
+        c.set_engine_load(id, load.unwrap_or_default());
         if let Some(models) = models {
             c.set_models(id, models);
         }
@@ -91,44 +95,5 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
             wait
         };
         tokio::time::sleep(wait).await;
-    }
-}
-
-/// The share of the KV pool requests hold, from an engine's Prometheus text.
-fn kv_usage(metrics: &str) -> Option<f32> {
-    let used = gauge(metrics, KV_PAGES_USED)?;
-    let free = gauge(metrics, KV_PAGES_FREE)?;
-    let total = used + free;
-    (total > 0.0).then(|| (used / total) as f32)
-}
-
-/// The value of an unlabelled sample `NAME VALUE` in Prometheus text.
-fn gauge(metrics: &str, name: &str) -> Option<f64> {
-    metrics.lines().find_map(|line| {
-        let value = line.strip_prefix(name)?.strip_prefix(' ')?;
-        value.trim().parse().ok()
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kv_usage_reads_the_engine_gauges() {
-        // As the reference engine renders them (its own test checks the names).
-        let metrics = format!(
-            "# TYPE {KV_PAGES_USED} gauge\n{KV_PAGES_USED} 3\n# TYPE {KV_PAGES_FREE} gauge\n\
-             {KV_PAGES_FREE} 9\nswitchyard_engine_kv_pages_cached 5\n"
-        );
-        assert_eq!(kv_usage(&metrics), Some(0.25));
-    }
-
-    #[test]
-    fn kv_usage_is_unknown_without_both_gauges_or_pages() {
-        assert_eq!(kv_usage("switchyard_engine_kv_pages_used 3\n"), None);
-        assert_eq!(kv_usage("vllm:gpu_cache_usage_perc 0.5\n"), None);
-        let empty = "switchyard_engine_kv_pages_used 0\nswitchyard_engine_kv_pages_free 0\n";
-        assert_eq!(kv_usage(empty), None);
     }
 }
