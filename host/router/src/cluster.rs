@@ -146,6 +146,8 @@ pub(crate) struct EndpointState {
     /// The readiness probe answers (and no call failed to connect since).
     ready: AtomicBool,
     in_flight: AtomicU32,
+    /// Woken when `in_flight` drops to zero, for `remove_when_idle`.
+    idle: tokio::sync::Notify,
     /// The load the engine last reported (its `/metrics`).
     load: Mutex<EngineLoad>,
     /// `switchyard_contract::address_hash` of `url`: the key every router replica agrees on.
@@ -170,6 +172,7 @@ impl EndpointState {
             phase: Mutex::new(Phase::Serving),
             ready: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
+            idle: tokio::sync::Notify::new(),
             load: Mutex::new(EngineLoad::default()),
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
@@ -370,9 +373,16 @@ impl Cluster {
     /// Remove a draining endpoint once nothing is in flight on it (every request ends by its
     /// deadline, so this ends too).
     pub async fn remove_when_idle(&self, id: u32) {
-        const POLL: std::time::Duration = std::time::Duration::from_millis(100);
-        while let Err(EndpointError::Busy { .. }) = self.remove(id) {
-            tokio::time::sleep(POLL).await;
+        let Some(e) = self.endpoint(id) else { return };
+        loop {
+            // Registered before the check, so a last leg ending in between still wakes us.
+            let idle = e.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            match self.remove(id) {
+                Err(EndpointError::Busy { .. }) => idle.await,
+                _ => return,
+            }
         }
     }
 
@@ -654,6 +664,30 @@ mod tests {
         assert_eq!((status.running, status.kv_usage), (Some(3), Some(0.25)));
         cluster.set_engine_load(0, EngineLoad::default());
         assert_eq!(load(&cluster.snapshot()[0]), unknown);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn remove_when_idle_returns_when_the_last_leg_ends_not_on_a_timer() {
+        let cluster = Arc::new(Cluster::new(
+            vec![spec("http://a", 1)],
+            OutlierConfig::default(),
+        ));
+        let legs = [cluster.in_flight(0), cluster.in_flight(0)];
+        cluster.drain(0).expect("drains");
+        let started = Instant::now();
+        let removing = tokio::spawn({
+            let cluster = Arc::clone(&cluster);
+            async move { cluster.remove_when_idle(0).await }
+        });
+        let [first, second] = legs;
+        drop(first);
+        tokio::task::yield_now().await;
+        assert!(!removing.is_finished(), "a leg is still in flight");
+        drop(second);
+        removing.await.expect("the removal ends");
+        assert_eq!(cluster.remove(0), Err(EndpointError::Removed(0)));
+        // The clock is paused and advances only when every task sleeps: no timer was needed.
+        assert_eq!(started.elapsed(), std::time::Duration::ZERO);
     }
 
     #[test]

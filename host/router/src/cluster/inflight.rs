@@ -25,6 +25,8 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.endpoint.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if self.endpoint.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.endpoint.idle.notify_waiters();
+        }
     }
 }
