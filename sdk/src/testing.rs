@@ -141,10 +141,27 @@ impl Cluster {
         }
     }
 
+    /// Endpoint `id` was removed: it leaves the snapshot, as the router leaves removed
+    /// endpoints out (ids are not positions).
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn removed(mut self, id: EndpointId) -> Cluster {
+        let at = self.position(id);
+        self.endpoints.remove(at);
+        self
+    }
+
     fn endpoint_mut(&mut self, id: EndpointId) -> &mut Endpoint {
+        let at = self.position(id);
+        &mut self.endpoints[at]
+    }
+
+    fn position(&self, id: EndpointId) -> usize {
         let n = self.endpoints.len();
         self.endpoints
-            .get_mut(id as usize)
+            .iter()
+            .position(|e| e.id == id)
             .unwrap_or_else(|| panic!("endpoint {id} is not in this {n}-endpoint snapshot"))
     }
 }
@@ -244,7 +261,7 @@ pub fn load_patterns(n: u32, seed: u32) -> Vec<Vec<u32>> {
 pub fn check_plan(plan: &Plan, prompt_len: u32, endpoints: &[Endpoint]) -> Result<(), String> {
     for step in &plan.steps {
         for id in step_endpoints(step) {
-            match endpoints.get(id as usize) {
+            match endpoints.iter().find(|e| e.id == id) {
                 None => return Err(format!("endpoint {id} does not exist")),
                 Some(e) if !e.healthy => return Err(format!("endpoint {id} is unhealthy")),
                 Some(_) => {}
@@ -420,6 +437,21 @@ mod tests {
         truncated.steps.pop();
         assert!(check_plan(&truncated, 5, &eps).is_err());
         assert!(check_plan(&Plan { steps: vec![] }, 5, &eps).is_err());
+    }
+
+    #[test]
+    fn removed_endpoints_leave_the_snapshot_and_ids_stay_ids() {
+        let cluster = endpoints(4).removed(1).role(3, Role::Decode);
+        let ids: Vec<_> = cluster.endpoints().iter().map(|e| e.id).collect();
+        assert_eq!(ids, [0, 2, 3]);
+        let eps = cluster.context().endpoints;
+        assert_eq!(eps[2].role, Role::Decode, "endpoint 3, now at position 2");
+        assert_eq!(check_plan(&Plan::disagg(2, 3, -1), 5, &eps), Ok(()));
+        assert!(
+            check_plan(&Plan::forward(1), 5, &eps)
+                .unwrap_err()
+                .contains("does not exist")
+        );
     }
 
     #[test]

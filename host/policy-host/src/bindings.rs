@@ -180,8 +180,8 @@ impl Guest {
 /// and outcome have 0.1.0's shape), the calls, and the `log` import; `stateless` reads a
 /// `policy-info`'s declaration. Expanded inside a version module whose generated `types`
 /// interface is `wit`, whose world is `Guest` and whose world imports trait is `GuestImports`,
-/// and which converts an endpoint itself (`fn endpoint(&EndpointSnapshot) -> wit::Endpoint`:
-/// 0.2.0's says why an endpoint is down).
+/// and which converts an endpoint itself (`fn endpoint(&EndpointSnapshot) ->
+/// Option<wit::Endpoint>`: 0.2.0's says why an endpoint is down and leaves removed ones out).
 /// A version whose types diverge (0.2.0's steps, once it gains endpoint protocols) writes those
 /// parts itself.
 macro_rules! shared_with_v0_1_0 {
@@ -279,7 +279,7 @@ macro_rules! shared_with_v0_1_0 {
             }
         }
 
-        fn context(ctx: &PolicyContext) -> wit::Context {
+        pub(super) fn context(ctx: &PolicyContext) -> wit::Context {
             wit::Context {
                 attempt: ctx.attempt,
                 last_failure: ctx.last_failure.map(|f| wit::Failure {
@@ -290,7 +290,7 @@ macro_rules! shared_with_v0_1_0 {
                     },
                     endpoint: f.endpoint,
                 }),
-                endpoints: ctx.endpoints.iter().map(endpoint).collect(),
+                endpoints: ctx.endpoints.iter().filter_map(endpoint).collect(),
             }
         }
 

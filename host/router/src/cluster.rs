@@ -15,9 +15,10 @@
 //!
 //! An endpoint is healthy in the snapshot when its readiness probe answers, it is not ejected,
 //! draining or removed; plans may name only healthy endpoints. Ids are positions in the list
-//! and are never reused: a removed endpoint stays in the snapshot as a tombstone (unhealthy,
-//! `removed`), so `snapshot[id].id == id` holds for every policy. A new endpoint's device rank
-//! follows MLC's prefix-sum rule over the whole list.
+//! and are never reused: a removed endpoint stays in the snapshot as a tombstone (`removed`),
+//! so `snapshot[id].id == id` holds here and for 0.1.0 policies; the 0.2.0 bindings leave
+//! tombstones out of what a policy sees. A new endpoint's device rank follows MLC's
+//! prefix-sum rule over the whole list.
 
 mod health;
 mod inflight;

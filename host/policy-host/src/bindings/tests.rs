@@ -4,7 +4,7 @@
 use switchyard_contract::{Plan, Step};
 use switchyard_tests::{Guest, guest_bytes};
 
-use super::v0_2_0;
+use super::{v0_1_0, v0_2_0};
 use crate::tests::{host, outcome, request, translate, translate_with_headers};
 use crate::{Contract, Policy, check};
 
@@ -17,6 +17,43 @@ fn only_the_requested_prompt_prefix_crosses_into_the_guest() {
     assert_eq!(wit.prompt_prefix, (0..8).collect::<Vec<u32>>());
     assert_eq!(v0_2_0::request(&request, u32::MAX).prompt_prefix.len(), 100);
     assert!(v0_2_0::request(&request, 0).prompt_prefix.is_empty());
+}
+
+#[test]
+fn removed_endpoints_reach_0_1_0_guests_only() {
+    use switchyard_contract::{EndpointSnapshot, Health, PolicyContext};
+    let health = [
+        Health::Removed,
+        Health::Healthy,
+        Health::Draining,
+        Health::Removed,
+    ];
+    let ctx = PolicyContext {
+        attempt: 1,
+        last_failure: None,
+        endpoints: (0u32..)
+            .zip(health)
+            .map(|(id, health)| EndpointSnapshot {
+                id,
+                health,
+                ..EndpointSnapshot::default()
+            })
+            .collect(),
+    };
+    // 0.1.0 keeps its promise, `endpoints[id].id == id`: removed ones stay, unhealthy.
+    let old: Vec<_> = v0_1_0::context(&ctx)
+        .endpoints
+        .iter()
+        .map(|e| (e.id, e.healthy))
+        .collect();
+    assert_eq!(old, [(0, false), (1, true), (2, false), (3, false)]);
+    // 0.2.0 lists what is still there, by id.
+    let new: Vec<_> = v0_2_0::context(&ctx)
+        .endpoints
+        .iter()
+        .map(|e| (e.id, e.healthy))
+        .collect();
+    assert_eq!(new, [(1, true), (2, false)]);
 }
 
 // === components of both contract versions ===

@@ -15,13 +15,14 @@ use generated::switchyard::policy::types as wit;
 
 super::shared_with_v0_1_0!(stateless: |_| false);
 
-fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> wit::Endpoint {
-    wit::Endpoint {
+/// Every endpoint, removed ones included (unhealthy): 0.1.0 promises `endpoints[id].id == id`.
+fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> {
+    Some(wit::Endpoint {
         id: e.id,
         role: role(e.role),
         device_rank: e.device_rank,
         healthy: e.health.is_healthy(),
         in_flight: e.in_flight,
         kv_usage: e.kv_usage,
-    }
+    })
 }

@@ -16,24 +16,28 @@ use generated::switchyard::policy::types as wit;
 
 super::shared_with_v0_1_0!(stateless: |info| info.state == wit::State::Stateless);
 
-fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> wit::Endpoint {
+/// The endpoint as a 0.2.0 policy sees it; `None` for a removed one, which 0.2.0 leaves out
+/// (ids are never reused, so a long-lived router would otherwise send every endpoint it ever
+/// had across the sandbox boundary on every call).
+fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> {
     use switchyard_contract::Health;
-    wit::Endpoint {
+    let down_reason = match e.health {
+        Health::Removed => return None,
+        Health::Healthy => None,
+        Health::NotReady => Some(wit::DownReason::NotReady),
+        Health::Ejected => Some(wit::DownReason::Ejected),
+        Health::Draining => Some(wit::DownReason::Draining),
+    };
+    Some(wit::Endpoint {
         id: e.id,
         role: role(e.role),
         device_rank: e.device_rank,
         healthy: e.health.is_healthy(),
-        down_reason: match e.health {
-            Health::Healthy => None,
-            Health::NotReady => Some(wit::DownReason::NotReady),
-            Health::Ejected => Some(wit::DownReason::Ejected),
-            Health::Draining => Some(wit::DownReason::Draining),
-            Health::Removed => Some(wit::DownReason::Removed),
-        },
+        down_reason,
         in_flight: e.in_flight,
         kv_usage: e.kv_usage,
         running: e.running,
         waiting: e.waiting,
         address_hash: e.address_hash,
-    }
+    })
 }
