@@ -5,6 +5,7 @@
 
 use std::collections::BTreeSet;
 use std::convert::Infallible;
+use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -221,8 +222,19 @@ pub(crate) async fn metric(url: &str, name: &str) -> f64 {
         .text()
         .await
         .expect("text");
+    // `name`'s samples (a counter's carry `_total`) summed over their label sets, or those whose
+    // labels start as `name{…` says; never another metric whose name merely starts the same
+    // (`…_reservations` vs `…_reservations_expired_total`).
+    let total = format!("{name}_total");
     text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| match name.contains('{') {
+            true => l.starts_with(name),
+            false => {
+                let sample = l.split(['{', ' ']).next().unwrap_or_default();
+                sample == name || sample == total
+            }
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
@@ -871,6 +883,12 @@ const KV_META: &str = "CwAAAAAAAABbMSw0MDk2LDYzXQ==";
 
 /// A tiny engine that records every body and answers as the spec says.
 async fn mock_engine(log: Log) -> String {
+    mock_engine_requiring(log, None).await
+}
+
+/// [`mock_engine`] started with an API key: every request without `Authorization: Bearer
+/// KEY`, probes included, gets 401 and is logged under the path `401 <path>`.
+async fn mock_engine_requiring(log: Log, key: Option<&'static str>) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .expect("bind");
@@ -887,6 +905,19 @@ async fn mock_engine(log: Log) -> String {
                         let log = log.clone();
                         async move {
                             let path = req.uri().path().to_owned();
+                            let auth = req.headers().get("authorization").cloned();
+                            if let Some(key) = key
+                                && auth.as_ref().and_then(|a| a.to_str().ok())
+                                    != Some(format!("Bearer {key}").as_str())
+                            {
+                                log.lock()
+                                    .expect("log")
+                                    .push((format!("401 {path}"), Value::Null));
+                                return Ok(hyper::Response::builder()
+                                    .status(401)
+                                    .body(Full::new(Bytes::from_static(b"{}")))
+                                    .expect("response"));
+                            }
                             let bytes = req
                                 .into_body()
                                 .collect()
@@ -967,6 +998,70 @@ fn keys(body: &Value) -> BTreeSet<String> {
         .keys()
         .cloned()
         .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_with_api_keys_get_theirs_on_every_call_and_nobody_sees_them() {
+    let log: Log = Arc::default();
+    let p = mock_engine_requiring(log.clone(), Some("sk-prefill")).await;
+    let d = mock_engine_requiring(log.clone(), Some("sk-decode")).await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("router.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[endpoints]]\nurl = \"{p}\"\nrole = \"prefill\"\napi_key = \"sk-prefill\"\n\
+             [[endpoints]]\nurl = \"{d}\"\nrole = \"decode\"\n\
+             api_key = {{ env = \"SWITCHYARD_TEST_DECODE_KEY\" }}\n"
+        ),
+    )
+    .expect("write the config");
+    let router = tokio::task::spawn_blocking(move || {
+        let config = config.display().to_string();
+        let env = [("SWITCHYARD_TEST_DECODE_KEY", Path::new("sk-decode"))];
+        RouterProcess::serve_listening(&[], &["--config", &config], &env)
+    })
+    .await
+    .expect("router starts");
+    // Ready only once both probes were let in: they carry the keys too.
+    eventually(Duration::from_secs(30), || async {
+        let status = client()
+            .get(router.endpoint("/health"))
+            .send()
+            .await
+            .map(|r| r.status().as_u16());
+        (status.as_ref().ok() != Some(&200)).then(|| format!("/health: {status:?}"))
+    })
+    .await;
+    for stream in [false, true] {
+        let (status, text) = post(
+            &router.endpoint("/v1/completions"),
+            &json!({"prompt": "abcdef", "max_tokens": 5, "stream": stream}),
+        )
+        .await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let log = log.lock().expect("log").clone();
+    let paths: Vec<&str> = log.iter().map(|(p, _)| p.as_str()).collect();
+    assert!(!paths.iter().any(|p| p.starts_with("401")), "{paths:?}");
+    assert_eq!(paths.len(), 6, "three legs per request: {paths:?}");
+    // The admin API does not show them, and will not read one from the router's environment
+    // for an endpoint of the caller's choosing.
+    let rows = post_or_get(&router.endpoint("/admin/endpoints")).await;
+    assert!(!rows.to_string().contains("sk-"), "{rows}");
+    let (status, text) = post(
+        &router.endpoint("/admin/endpoints"),
+        &json!({"url": "http://127.0.0.1:9", "api_key": {"env": "SWITCHYARD_TEST_DECODE_KEY"}}),
+    )
+    .await;
+    assert_eq!(status, 400, "{text}");
+    let (status, text) = post(
+        &router.endpoint("/admin/endpoints"),
+        &json!({"url": "http://127.0.0.1:9", "api_key": "sk-given"}),
+    )
+    .await;
+    assert_eq!(status, 201, "{text}");
+    assert!(!text.contains("sk-"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -118,6 +118,7 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             role: if i < 4 { Role::Prefill } else { Role::Decode },
             num_gpus: 1,
             device_rank: None,
+            api_key: None,
         })
         .collect();
     let cluster = Cluster::new(specs, OutlierConfig::default());

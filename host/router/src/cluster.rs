@@ -30,6 +30,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::{Mutex, RwLock};
 use switchyard_wire::metrics::EngineLoad;
+
+use crate::microserving::Upstream;
 use tokio::time::Instant;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
@@ -54,10 +56,73 @@ pub struct EndpointSpec {
     /// explicit `--device-rank`, a pod's `switchyard.io/device-rank` annotation).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_rank: Option<u32>,
+    /// Sent as `Authorization: Bearer …` on every call to the engine (one started with
+    /// `--api-key`): `api_key = "…"`, or `api_key = { env = "NAME" }` to read it from the
+    /// router's environment. Never shown by `/admin/endpoints` nor logged.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<ApiKey>,
 }
 
 fn one() -> u32 {
     1
+}
+
+/// An engine's API key, as the `Authorization` header it becomes. Its `Debug` never shows it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct ApiKey {
+    header: http::HeaderValue,
+    /// The environment variable it was read from, if any.
+    env: Option<String>,
+}
+
+impl ApiKey {
+    /// `key` as a bearer credential; refused when empty or not a valid header value.
+    pub fn new(key: &str) -> Result<ApiKey, String> {
+        Self::with_source(key, None)
+    }
+
+    fn with_source(key: &str, env: Option<String>) -> Result<ApiKey, String> {
+        if key.trim().is_empty() {
+            return Err("the API key is empty".into());
+        }
+        let mut header = http::HeaderValue::from_str(&format!("Bearer {key}"))
+            .map_err(|_| "the API key has characters a header cannot carry".to_owned())?;
+        header.set_sensitive(true);
+        Ok(ApiKey { header, env })
+    }
+
+    /// Whether it came from the router's environment (`{ env = "NAME" }`).
+    pub fn is_from_env(&self) -> bool {
+        self.env.is_some()
+    }
+}
+
+impl std::fmt::Debug for ApiKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.env {
+            Some(name) => write!(f, "ApiKey(from ${name})"),
+            None => f.write_str("ApiKey(<redacted>)"),
+        }
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ApiKey {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged, deny_unknown_fields)]
+        enum Source {
+            Literal(String),
+            Env { env: String },
+        }
+        let key = match Source::deserialize(deserializer)? {
+            Source::Literal(key) => ApiKey::new(&key),
+            Source::Env { env } => match std::env::var(&env) {
+                Ok(key) => ApiKey::with_source(&key, Some(env)),
+                Err(_) => Err(format!("the environment variable {env} is not set")),
+            },
+        };
+        key.map_err(serde::de::Error::custom)
+    }
 }
 
 impl EndpointSpec {
@@ -137,6 +202,9 @@ enum Phase {
 pub(crate) struct EndpointState {
     id: u32,
     url: Arc<str>,
+    /// The URL and credentials every call to the engine takes.
+    upstream: Upstream,
+    api_key: Option<ApiKey>,
     role: Role,
     device_rank: u32,
     /// Whether `device_rank` was given rather than summed.
@@ -164,6 +232,11 @@ impl EndpointState {
         EndpointState {
             id,
             address_hash: switchyard_contract::address_hash(&url),
+            upstream: Upstream::new(
+                Arc::clone(&url),
+                spec.api_key.as_ref().map(|k| k.header.clone()),
+            ),
+            api_key: spec.api_key.clone(),
             url,
             role: spec.role,
             device_rank,
@@ -415,6 +488,7 @@ impl Cluster {
                         role: e.role,
                         num_gpus: e.num_gpus,
                         device_rank: e.explicit_rank.then_some(e.device_rank),
+                        api_key: e.api_key.clone(),
                     },
                     draining,
                 })
@@ -503,6 +577,11 @@ impl Cluster {
     /// The endpoint's base URL; `None` for an id out of range.
     pub fn url(&self, id: u32) -> Option<Arc<str>> {
         self.endpoint(id).map(|e| Arc::clone(&e.url))
+    }
+
+    /// What a call to the endpoint takes (URL and credentials); `None` for an id out of range.
+    pub fn upstream(&self, id: u32) -> Option<Upstream> {
+        self.endpoint(id).map(|e| e.upstream.clone())
     }
 
     pub fn device_rank(&self, id: u32) -> Option<u32> {
@@ -602,6 +681,7 @@ mod tests {
             role: Role::Any,
             num_gpus,
             device_rank: None,
+            api_key: None,
         }
     }
 
@@ -665,6 +745,30 @@ mod tests {
         assert_eq!((status.running, status.kv_usage), (Some(3), Some(0.25)));
         cluster.set_engine_load(0, EngineLoad::default());
         assert_eq!(load(&cluster.snapshot()[0]), unknown);
+    }
+
+    #[test]
+    fn api_keys_come_from_the_file_or_the_environment_and_never_show() {
+        let parse = |toml_value: &str| {
+            toml::from_str::<EndpointSpec>(&format!(
+                "url = \"http://a:1\"\napi_key = {toml_value}\n"
+            ))
+        };
+        let literal = parse("\"sk-123\"").expect("a literal key");
+        let key = literal.api_key.expect("a key");
+        assert_eq!(key.header, "Bearer sk-123");
+        assert!(!key.is_from_env());
+        assert!(!format!("{key:?}").contains("sk-123"));
+        // PATH is set wherever tests run; its value is not the point.
+        let from_env = parse("{ env = \"PATH\" }").expect("a key from the environment");
+        assert!(from_env.api_key.expect("a key").is_from_env());
+        let unset = parse("{ env = \"SWITCHYARD_NO_SUCH_VARIABLE_SET\" }").unwrap_err();
+        assert!(unset.to_string().contains("not set"), "{unset}");
+        assert!(parse("\"\"").is_err(), "an empty key");
+        assert!(parse("\"a\\nb\"").is_err(), "a key a header cannot carry");
+        // What the admin API and SIGHUP reconciliation compare and show: never the key.
+        let shown = serde_json::to_string(&parse("\"sk-123\"").expect("a key")).expect("JSON");
+        assert!(!shown.contains("sk-"), "{shown}");
     }
 
     #[tokio::test(start_paused = true)]

@@ -47,6 +47,7 @@
 //! url = "http://127.0.0.1:8081"
 //! role = "prefill"    # any | prefill | decode (a hint for the policy)
 //! num_gpus = 1
+//! api_key = { env = "ENGINE_API_KEY" }  # or "…": sent as `Authorization: Bearer` on every call
 //!
 //!
 //! [model_policies]                            # model name -> policy, for requests without
@@ -969,6 +970,7 @@ fn endpoints(
                 role: Role::Any,
                 num_gpus,
                 device_rank: None,
+                api_key: None,
             })
             .collect()
     };

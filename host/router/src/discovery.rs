@@ -172,6 +172,7 @@ mod tests {
             role,
             num_gpus: 1,
             device_rank: None,
+            api_key: None,
         }
     }
 

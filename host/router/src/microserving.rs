@@ -3,14 +3,17 @@
 //!
 //! ```text
 //! EngineClient::new(Timeouts)                         one pooled keep-alive client for all engines
-//!   prep_recv(url, &PrepRecvRequest)        -> PrepRecvResponse
-//!   remote_send(url, &RemoteSendRequest)    -> ()
-//!   start_generate(url, &StartGenerateRequest) -> ChunkStream   (SSE, or one JSON as one chunk)
-//!   forward(url, &CompletionRequest)        -> ChunkStream
-//!   release(url, &StartGenerateRequest)     -> Release          (frees a prep_recv reservation)
-//!   ready(url)                              -> bool             (GET /v1/models == 200)
-//!   metrics(url)                            -> Option<String>   (GET /metrics, Prometheus text)
+//!   prep_recv(&Upstream, &PrepRecvRequest)   -> PrepRecvResponse
+//!   remote_send(&Upstream, &RemoteSendRequest) -> ()
+//!   start_generate(&Upstream, &StartGenerateRequest) -> ChunkStream (SSE, or one JSON as one chunk)
+//!   forward(&Upstream, &CompletionRequest)   -> ChunkStream
+//!   release(&Upstream, &StartGenerateRequest) -> Release        (frees a prep_recv reservation)
+//!   ready(&Upstream)                         -> Option<models>  (GET /v1/models == 200)
+//!   metrics(&Upstream)                       -> Option<String>  (GET /metrics, Prometheus text)
 //! ```
+//!
+//! An [`Upstream`] is an engine's base URL and, for an engine that wants an API key, its
+//! `Authorization: Bearer …` header, sent on every call, probes included.
 //!
 //! The router always asks engines to stream, even for a non-streaming client: one code path
 //! relays, counts and resumes every generation, and time to first token is measurable.
@@ -18,6 +21,7 @@
 #[cfg(test)]
 mod tests;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
@@ -119,6 +123,57 @@ pub enum Release {
     Later(String),
 }
 
+/// One engine as every call to it needs it: its base URL and, when it wants one, the
+/// `Authorization` header (marked sensitive: never logged, and shown as redacted).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Upstream {
+    base: Arc<str>,
+    auth: Option<http::HeaderValue>,
+}
+
+impl Upstream {
+    /// `base` (`http://host:port`, no trailing slash), called with `auth` when given.
+    pub fn new(base: Arc<str>, auth: Option<http::HeaderValue>) -> Upstream {
+        Upstream { base, auth }
+    }
+
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    fn post(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
+        self.authorized(http.post(format!("{}{path}", self.base)))
+    }
+
+    fn get(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
+        self.authorized(http.get(format!("{}{path}", self.base)))
+    }
+
+    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+        match &self.auth {
+            Some(auth) => request.header(http::header::AUTHORIZATION, auth.clone()),
+            None => request,
+        }
+    }
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let auth = self.auth.as_ref().map(|_| "<redacted>");
+        f.debug_struct("Upstream")
+            .field("base", &self.base)
+            .field("auth", &auth)
+            .finish()
+    }
+}
+
+impl From<&str> for Upstream {
+    /// An engine that wants no credentials.
+    fn from(base: &str) -> Upstream {
+        Upstream::new(base.into(), None)
+    }
+}
+
 /// One HTTP client shared by every call to every engine (connections are pooled per host).
 #[derive(Debug, Clone)]
 pub struct EngineClient {
@@ -148,16 +203,21 @@ impl EngineClient {
     /// Ask the decode engine to reserve KV slots for `[0, end)`.
     pub async fn prep_recv(
         &self,
-        base: &str,
+        engine: &Upstream,
         body: &PrepRecvRequest,
     ) -> Result<PrepRecvResponse, CallError> {
-        self.call_json(base, "/microserving/prep_recv", body).await
+        self.call_json(engine, "/microserving/prep_recv", body)
+            .await
     }
 
     /// Ask the prefill engine to compute the prompt and push KV into the decode engine.
-    pub async fn remote_send(&self, base: &str, body: &RemoteSendRequest) -> Result<(), CallError> {
+    pub async fn remote_send(
+        &self,
+        engine: &Upstream,
+        body: &RemoteSendRequest,
+    ) -> Result<(), CallError> {
         let _: serde_json::Value = self
-            .call_json(base, "/microserving/remote_send", body)
+            .call_json(engine, "/microserving/remote_send", body)
             .await?;
         Ok(())
     }
@@ -165,20 +225,20 @@ impl EngineClient {
     /// Start generating on the decode engine; the answer is streamed.
     pub async fn start_generate(
         &self,
-        base: &str,
+        engine: &Upstream,
         body: &StartGenerateRequest,
     ) -> Result<ChunkStream, CallError> {
-        self.generate(base, "/microserving/start_generate", body)
+        self.generate(engine, "/microserving/start_generate", body)
             .await
     }
 
     /// Send the whole request to one engine's `/v1/completions`.
     pub async fn forward(
         &self,
-        base: &str,
+        engine: &Upstream,
         body: &CompletionRequest,
     ) -> Result<ChunkStream, CallError> {
-        self.generate(base, "/v1/completions", body).await
+        self.generate(engine, "/v1/completions", body).await
     }
 
     /// Free the reservation a successful prep_recv made for `body.common.user`, the one way
@@ -186,11 +246,9 @@ impl EngineClient {
     /// an MLC engine and the reference engine abort a generation whose client is gone, and
     /// aborting frees its KV. Only for an id whose prep_recv answered: an MLC engine crashes on
     /// a start_generate for an id it never prepared.
-    pub async fn release(&self, base: &str, body: &StartGenerateRequest) -> Release {
-        let url = format!("{base}/microserving/start_generate");
-        let sent = self
-            .http
-            .post(&url)
+    pub async fn release(&self, engine: &Upstream, body: &StartGenerateRequest) -> Release {
+        let sent = engine
+            .post(&self.http, "/microserving/start_generate")
             .json(body)
             .timeout(self.timeouts.call)
             .send()
@@ -221,7 +279,7 @@ impl EngineClient {
 
     /// Readiness: `GET /v1/models` answers 200; `Some` with the ids of the models it serves
     /// (none when the list does not parse).
-    pub async fn ready(&self, base: &str) -> Option<Vec<String>> {
+    pub async fn ready(&self, engine: &Upstream) -> Option<Vec<String>> {
         #[derive(serde::Deserialize)]
         struct Models {
             data: Vec<Model>,
@@ -230,7 +288,7 @@ impl EngineClient {
         struct Model {
             id: String,
         }
-        let body = self.probe(&format!("{base}/v1/models")).await?;
+        let body = self.probe(engine, "/v1/models").await?;
         let ids = serde_json::from_slice::<Models>(&body)
             .map(|m| m.data.into_iter().map(|m| m.id).collect())
             .unwrap_or_default();
@@ -239,17 +297,16 @@ impl EngineClient {
 
     /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
     /// answer within the probe timeout.
-    pub async fn metrics(&self, base: &str) -> Option<String> {
-        let body = self.probe(&format!("{base}/metrics")).await?;
+    pub async fn metrics(&self, engine: &Upstream) -> Option<String> {
+        let body = self.probe(engine, "/metrics").await?;
         String::from_utf8(body.to_vec()).ok()
     }
 
     /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
     /// probe timeout.
-    async fn probe(&self, url: &str) -> Option<bytes::Bytes> {
-        let response = self
-            .http
-            .get(url)
+    async fn probe(&self, engine: &Upstream, path: &str) -> Option<bytes::Bytes> {
+        let response = engine
+            .get(&self.http, path)
             .timeout(self.timeouts.probe)
             .send()
             .await
@@ -264,12 +321,13 @@ impl EngineClient {
 
     async fn send<B: Serialize>(
         &self,
-        url: &str,
+        engine: &Upstream,
+        path: &str,
         body: &B,
         timeout: Option<Duration>,
     ) -> Result<reqwest::Response, CallError> {
         let send = || {
-            let request = self.http.post(url).json(body);
+            let request = engine.post(&self.http, path).json(body);
             match timeout {
                 Some(t) => request.timeout(t).send(),
                 None => request.send(),
@@ -279,7 +337,8 @@ impl EngineClient {
             // The engine closed a pooled connection just as the request went out (its
             // keep-alive ran out): once more, on a fresh connection, without blaming it.
             Err(CallError::Closed { reason }) => {
-                tracing::debug!(%url, %reason, "connection closed before an answer; sending again");
+                let engine = engine.base();
+                tracing::debug!(engine, path, %reason, "connection closed before an answer; sending again");
                 send().await.map_err(|e| classify(e, self.timeouts.call))
             }
             answer => answer,
@@ -301,12 +360,13 @@ impl EngineClient {
 
     async fn call_json<B: Serialize, R: DeserializeOwned>(
         &self,
-        base: &str,
+        engine: &Upstream,
         path: &str,
         body: &B,
     ) -> Result<R, CallError> {
-        let url = format!("{base}{path}");
-        let response = self.send(&url, body, Some(self.timeouts.call)).await?;
+        let response = self
+            .send(engine, path, body, Some(self.timeouts.call))
+            .await?;
         let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
             reason: e.to_string(),
@@ -315,18 +375,18 @@ impl EngineClient {
 
     async fn generate<B: Serialize>(
         &self,
-        base: &str,
+        engine: &Upstream,
         path: &str,
         body: &B,
     ) -> Result<ChunkStream, CallError> {
-        let url = format!("{base}{path}");
         // No whole-request timeout on a stream: it lives as long as the generation. The
         // headers get `call`, each chunk after that gets `stream_idle`.
-        let response = tokio::time::timeout(self.timeouts.call, self.send(&url, body, None))
-            .await
-            .map_err(|_| CallError::Timeout {
-                after: self.timeouts.call,
-            })??;
+        let response =
+            tokio::time::timeout(self.timeouts.call, self.send(engine, path, body, None))
+                .await
+                .map_err(|_| CallError::Timeout {
+                    after: self.timeouts.call,
+                })??;
         let is_sse = response
             .headers()
             .get(reqwest::header::CONTENT_TYPE)

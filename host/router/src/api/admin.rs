@@ -20,7 +20,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::respond::{ApiError, json_response};
 use super::{AppState, Body, Peer, full};
-use crate::cluster::{Cluster, EndpointError, EndpointSpec, Owner};
+use crate::cluster::{ApiKey, Cluster, EndpointError, EndpointSpec, Owner};
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
 /// Readiness: 200 while at least `--min-healthy-endpoints` endpoints are healthy (the policy
@@ -148,6 +148,12 @@ async fn add_endpoint(state: &AppState, req: Request<Incoming>) -> Response<Body
         Ok(spec) => spec,
         Err(e) => return ApiError::invalid("body", e.to_string()).response(),
     };
+    // Else whoever may add an endpoint could have any of the router's environment variables
+    // sent to a URL of their choosing.
+    if spec.api_key.as_ref().is_some_and(ApiKey::is_from_env) {
+        let why = "{\"env\": …} is for the config file; the admin API takes the key itself";
+        return ApiError::invalid("api_key", why).response();
+    }
     let executor = state.router.executor();
     match executor.add_endpoint(&spec, Owner::Admin) {
         Ok(id) => endpoint_row(state, id, StatusCode::CREATED),

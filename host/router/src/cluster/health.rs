@@ -67,13 +67,13 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         if endpoint.is_removed() {
             return;
         }
-        let url = endpoint.url.clone();
+        let engine = endpoint.upstream.clone();
         drop(endpoint);
-        let models = client.ready(&url).await;
+        let models = client.ready(&engine).await;
         let ok = models.is_some();
         let load = match ok {
             true => client
-                .metrics(&url)
+                .metrics(&engine)
                 .await
                 .as_deref()
                 .map(EngineLoad::from_prometheus),

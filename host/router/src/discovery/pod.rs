@@ -88,6 +88,7 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         role: role(pod)?,
         num_gpus: gpus(container)?,
         device_rank: device_rank(pod)?,
+        api_key: None,
     };
     Ok((uid.into(), spec))
 }
@@ -242,6 +243,7 @@ mod tests {
                 role: Role::Any,
                 num_gpus: 2,
                 device_rank: None,
+                api_key: None,
             }
         );
         let v6 = pod(|p| p["status"]["podIP"] = json!("fd00::7"));

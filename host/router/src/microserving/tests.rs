@@ -55,7 +55,7 @@ async fn an_oversized_answer_is_refused_not_buffered() {
     answer.extend(std::iter::repeat_n(b' ', len));
     let base = canned_engine(answer, false).await;
     let err = client(Duration::from_secs(20))
-        .prep_recv(&base, &prep_body())
+        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
         .await
         .unwrap_err();
     assert!(
@@ -71,7 +71,7 @@ async fn a_stalled_completion_body_times_out() {
     let base = canned_engine(answer, true).await;
     let request = CompletionRequest::new(vec![1], 1, "cmpl-t".into());
     let err = client(Duration::from_millis(300))
-        .forward(&base, &request)
+        .forward(&Upstream::from(base.as_str()), &request)
         .await
         .err()
         .expect("no answer");
@@ -84,7 +84,7 @@ async fn a_body_cut_mid_way_is_a_broken_call_not_a_dead_engine() {
     answer.extend_from_slice(b"{\"kv_append_metadata\":");
     let base = canned_engine(answer, false).await;
     let err = client(Duration::from_secs(20))
-        .prep_recv(&base, &prep_body())
+        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
         .await
         .unwrap_err();
     assert!(matches!(err, CallError::Stream { .. }), "{err}");
@@ -98,7 +98,7 @@ async fn an_error_status_keeps_the_start_of_its_body() {
     answer.extend_from_slice(body);
     let base = canned_engine(answer, false).await;
     let err = client(Duration::from_secs(20))
-        .prep_recv(&base, &prep_body())
+        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
         .await
         .unwrap_err();
     assert!(
@@ -126,7 +126,7 @@ async fn a_connection_closed_before_any_answer_is_tried_once_more_on_a_fresh_one
     });
     let base = format!("http://{addr}");
     let prep = client(Duration::from_secs(20))
-        .prep_recv(&base, &prep_body())
+        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
         .await
         .expect("answered on the second connection");
     assert_eq!(prep.prefix_matched_length, 0);

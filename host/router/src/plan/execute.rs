@@ -36,7 +36,7 @@ use switchyard_wire::sse::{ChunkStream, SseError};
 use crate::cluster::{
     Cluster, EndpointError, EndpointSpec, InFlight, Owner, ProbeConfig, spawn_probe,
 };
-use crate::microserving::{CallError, EngineClient, Release};
+use crate::microserving::{CallError, EngineClient, Release, Upstream};
 
 /// The microserving step an error happened in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -293,10 +293,10 @@ impl Executor {
         id: &AttemptId,
     ) -> Result<(PrepRecvResponse, Reservation), ExecError> {
         let span = tracing::debug_span!("prep_recv", request = %id.upstream_id, attempt = id.attempt, endpoint = decode, end);
-        let url = self.url(decode, StepKind::PrepRecv, id)?;
+        let engine = self.upstream(decode, StepKind::PrepRecv, id)?;
         let mut pending = Reservation {
             client: self.client.clone(),
-            url,
+            engine,
             decode,
             request: Some(StartGenerateRequest {
                 common: body,
@@ -309,7 +309,7 @@ impl Executor {
             end: i64::from(end),
         };
         let call = async move {
-            let answer = pending.client.prep_recv(&pending.url, &request).await;
+            let answer = pending.client.prep_recv(&pending.engine, &request).await;
             // Armed before anyone may see it: dropped anywhere from here (with the attempt,
             // or unread in the channel), it frees D's pages.
             if answer.is_ok() {
@@ -352,10 +352,10 @@ impl Executor {
             kv_addr_info: prep.kv_append_metadata.clone(),
             recv_rank,
         };
-        let url = self.url(prefill, StepKind::RemoteSend, id)?;
+        let engine = self.upstream(prefill, StepKind::RemoteSend, id)?;
         let result = self
             .client
-            .remote_send(&url, &request)
+            .remote_send(&engine, &request)
             .instrument(span)
             .await;
         self.check(result, prefill, StepKind::RemoteSend, id)
@@ -380,7 +380,7 @@ impl Executor {
         let call = async move {
             let answer = taken
                 .client
-                .start_generate(&taken.url, taken.request())
+                .start_generate(&taken.engine, taken.request())
                 .await;
             if matches!(answer, Err(CallError::Status { .. })) {
                 taken.arm();
@@ -402,8 +402,8 @@ impl Executor {
         body.return_token_ids = true;
         let span = tracing::debug_span!("forward", request = %id.upstream_id, attempt = id.attempt, endpoint);
         let guard = self.guard(endpoint, StepKind::Forward, id)?;
-        let url = self.url(endpoint, StepKind::Forward, id)?;
-        let result = self.client.forward(&url, &body).instrument(span).await;
+        let engine = self.upstream(endpoint, StepKind::Forward, id)?;
+        let result = self.client.forward(&engine, &body).instrument(span).await;
         let chunks = self.check(result, endpoint, StepKind::Forward, id)?;
         Ok(Generation::new(chunks, endpoint, 0, false, guard))
     }
@@ -439,14 +439,14 @@ impl Executor {
         }
     }
 
-    fn url(
+    fn upstream(
         &self,
         endpoint: EndpointId,
         step: StepKind,
         id: &AttemptId,
-    ) -> Result<Arc<str>, ExecError> {
+    ) -> Result<Upstream, ExecError> {
         self.cluster
-            .url(endpoint)
+            .upstream(endpoint)
             .ok_or_else(|| self.unknown(endpoint, step, id))
     }
 
@@ -494,8 +494,8 @@ impl Executor {
 /// ([`release`]).
 struct Reservation {
     client: EngineClient,
-    /// D's base URL.
-    url: Arc<str>,
+    /// D.
+    engine: Upstream,
     decode: EndpointId,
     /// The start_generate that takes the pages over, and the one a release sends.
     request: Option<StartGenerateRequest>,
@@ -516,7 +516,7 @@ impl Reservation {
         self.armed = false;
         Reservation {
             client: self.client.clone(),
-            url: Arc::clone(&self.url),
+            engine: self.engine.clone(),
             decode: self.decode,
             request: self.request.take(),
             armed: false,
@@ -536,8 +536,8 @@ impl Drop for Reservation {
         };
         // Drop runs on the runtime; one that is shutting down has no engines left to call.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let url = Arc::clone(&self.url);
-            runtime.spawn(release(self.client.clone(), url, self.decode, request));
+            let engine = self.engine.clone();
+            runtime.spawn(release(self.client.clone(), engine, self.decode, request));
         }
     }
 }
@@ -566,7 +566,7 @@ const RELEASE_BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// [`RELEASE_PATIENCE`]. An engine whose process is gone took its reservations with it.
 async fn release(
     client: EngineClient,
-    url: Arc<str>,
+    engine: Upstream,
     decode: EndpointId,
     request: StartGenerateRequest,
 ) {
@@ -574,7 +574,7 @@ async fn release(
     let give_up = Instant::now() + RELEASE_PATIENCE;
     let mut backoff = RELEASE_BACKOFF_MIN;
     loop {
-        match client.release(&url, &request).await {
+        match client.release(&engine, &request).await {
             Release::Freed => {
                 tracing::debug!(request = %user, endpoint = decode, "KV reservation released");
                 return;

@@ -257,6 +257,7 @@ impl Harness {
             role: Role::Any,
             num_gpus: 1,
             device_rank: None,
+            api_key: None,
         };
         let cluster = Arc::new(Cluster::new(
             vec![spec(1), spec(2)],
