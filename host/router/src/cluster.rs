@@ -29,17 +29,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::{Mutex, RwLock};
+use switchyard_contract::{EndpointSnapshot, Health, Role};
 use switchyard_wire::metrics::EngineLoad;
+use tokio::time::Instant;
 
 use crate::microserving::Upstream;
-use tokio::time::Instant;
+use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
 pub use inflight::InFlight;
 pub use outlier::{OutlierConfig, OutlierView};
-use switchyard_contract::{EndpointSnapshot, Health, Role};
-
-use outlier::Outlier;
 
 /// An endpoint as the operator configured it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
