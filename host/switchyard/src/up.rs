@@ -142,13 +142,20 @@ pub async fn run(
         args.router.model_dir = Some(path);
     }
     args.router.model = args.served_model_name.clone();
-    // Validate the router's side before starting any process.
-    let probe = serve_args(&args, vec!["http://127.0.0.1:1".into()]);
-    Config::from_args(&probe)?;
+    // The router's config is read and checked once, before any process starts (a GGUF's
+    // metadata included), with one placeholder endpoint per engine to come; the engines' own
+    // URLs take their places once they are up.
+    let engine_count = args.prefill + args.decode;
+    if engine_count == 0 {
+        return Err(UpError::NoEngines);
+    }
+    let placeholders = (1..=engine_count)
+        .map(|port| format!("http://127.0.0.1:{port}"))
+        .collect();
+    let mut config = Config::from_args(&serve_args(&args, placeholders))?;
     let engines = spawn_engines(&args, &model).await?;
-    let urls = engines.iter().map(|e| e.url.clone()).collect();
-    let mut config = Config::from_args(&serve_args(&args, urls))?;
-    for (i, endpoint) in config.endpoints.iter_mut().enumerate() {
+    for ((i, endpoint), engine) in config.endpoints.iter_mut().enumerate().zip(&engines) {
+        endpoint.url.clone_from(&engine.url);
         endpoint.role = if (i as u32) < args.prefill {
             Role::Prefill
         } else {
@@ -195,9 +202,6 @@ fn print_banner(addr: &str, engines: &[EngineChild], real: bool) {
 /// Start every engine, each knowing every other engine's KV address up front.
 pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild>, UpError> {
     let n = args.prefill + args.decode;
-    if n == 0 {
-        return Err(UpError::NoEngines);
-    }
     let exe = std::env::current_exe().map_err(UpError::CurrentExe)?;
     let nonce: u32 = rand::random();
     let kv_addr = |rank: u32| {
