@@ -200,8 +200,7 @@ enum Phase {
 #[derive(Debug)]
 pub(crate) struct EndpointState {
     id: u32,
-    url: Arc<str>,
-    /// The URL and credentials every call to the engine takes.
+    /// The base URL and credentials every call to the engine takes.
     upstream: Upstream,
     api_key: Option<ApiKey>,
     role: Role,
@@ -227,16 +226,12 @@ pub(crate) struct EndpointState {
 
 impl EndpointState {
     fn new(id: u32, spec: &EndpointSpec, device_rank: u32, owner: Owner) -> Self {
-        let url: Arc<str> = spec.base_url().into();
+        let url = spec.base_url();
         EndpointState {
             id,
             address_hash: switchyard_contract::address_hash(&url),
-            upstream: Upstream::new(
-                Arc::clone(&url),
-                spec.api_key.as_ref().map(|k| k.header.clone()),
-            ),
+            upstream: Upstream::new(url.into(), spec.api_key.as_ref().map(|k| k.header.clone())),
             api_key: spec.api_key.clone(),
-            url,
             role: spec.role,
             device_rank,
             explicit_rank: spec.device_rank.is_some(),
@@ -250,6 +245,10 @@ impl EndpointState {
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
         }
+    }
+
+    fn url(&self) -> &str {
+        self.upstream.base()
     }
 
     fn phase(&self) -> Phase {
@@ -389,7 +388,7 @@ impl Cluster {
             .endpoints
             .read()
             .iter()
-            .find(|e| !e.is_removed() && *e.url == *url)
+            .find(|e| !e.is_removed() && e.url() == url)
         {
             return Err(EndpointError::Duplicate { url, id: e.id });
         }
@@ -420,7 +419,7 @@ impl Cluster {
             Phase::Draining => Ok(()),
             Phase::Serving => {
                 *phase = Phase::Draining;
-                tracing::info!(endpoint = id, url = %e.url, "endpoint draining");
+                tracing::info!(endpoint = id, url = e.url(), "endpoint draining");
                 Ok(())
             }
         }
@@ -439,7 +438,7 @@ impl Cluster {
             return Err(EndpointError::Busy { id, in_flight });
         }
         *phase = Phase::Removed;
-        tracing::info!(endpoint = id, url = %e.url, "endpoint removed");
+        tracing::info!(endpoint = id, url = e.url(), "endpoint removed");
         Ok(())
     }
 
@@ -483,7 +482,7 @@ impl Cluster {
                     id: e.id,
                     owner: e.owner.clone(),
                     spec: EndpointSpec {
-                        url: e.url.to_string(),
+                        url: e.url().to_owned(),
                         role: e.role,
                         num_gpus: e.num_gpus,
                         device_rank: e.explicit_rank.then_some(e.device_rank),
@@ -529,7 +528,7 @@ impl Cluster {
                 let load = *e.load.lock();
                 EndpointStatus {
                     id: e.id,
-                    url: e.url.to_string(),
+                    url: e.url().to_owned(),
                     role: e.role,
                     device_rank: e.device_rank,
                     num_gpus: e.num_gpus,
@@ -564,7 +563,7 @@ impl Cluster {
         if let Some(ejected) = ejected {
             tracing::warn!(
                 endpoint = id,
-                url = %e.url,
+                url = e.url(),
                 failures = ejected.failures,
                 ejected_for = ?ejected.duration,
                 last = %why,
@@ -575,7 +574,7 @@ impl Cluster {
 
     /// The endpoint's base URL; `None` for an id out of range.
     pub fn url(&self, id: u32) -> Option<Arc<str>> {
-        self.endpoint(id).map(|e| Arc::clone(&e.url))
+        self.endpoint(id).map(|e| e.upstream.base_url())
     }
 
     /// What a call to the endpoint takes (URL and credentials); `None` for an id out of range.
@@ -597,7 +596,7 @@ impl Cluster {
         if let Some(e) = self.endpoint(id)
             && e.ready.swap(false, Ordering::AcqRel)
         {
-            tracing::warn!(endpoint = id, url = %e.url, "endpoint marked unhealthy");
+            tracing::warn!(endpoint = id, url = e.url(), "endpoint marked unhealthy");
         }
     }
 
@@ -605,7 +604,12 @@ impl Cluster {
         if let Some(e) = self.endpoint(id) {
             let was = e.ready.swap(healthy, Ordering::AcqRel);
             if was != healthy {
-                tracing::info!(endpoint = id, url = %e.url, healthy, "endpoint health changed");
+                tracing::info!(
+                    endpoint = id,
+                    url = e.url(),
+                    healthy,
+                    "endpoint health changed"
+                );
             }
         }
     }

@@ -141,6 +141,11 @@ impl Upstream {
         &self.base
     }
 
+    /// The base URL, shared.
+    pub fn base_url(&self) -> Arc<str> {
+        Arc::clone(&self.base)
+    }
+
     fn post(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
         self.authorized(http.post(format!("{}{path}", self.base)))
     }
@@ -164,13 +169,6 @@ impl std::fmt::Debug for Upstream {
             .field("base", &self.base)
             .field("auth", &auth)
             .finish()
-    }
-}
-
-impl From<&str> for Upstream {
-    /// An engine that wants no credentials.
-    fn from(base: &str) -> Upstream {
-        Upstream::new(base.into(), None)
     }
 }
 

@@ -10,7 +10,7 @@ use super::*;
 
 /// Serves one connection: reads the request, writes `answer`, then closes, or with `hold` keeps
 /// the connection open until the test ends.
-async fn canned_engine(answer: Vec<u8>, hold: bool) -> String {
+async fn canned_engine(answer: Vec<u8>, hold: bool) -> Upstream {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move {
@@ -23,7 +23,12 @@ async fn canned_engine(answer: Vec<u8>, hold: bool) -> String {
             let _ = stream.read(&mut request).await;
         }
     });
-    format!("http://{addr}")
+    engine_at(addr)
+}
+
+/// An engine at `addr` that wants no credentials.
+fn engine_at(addr: std::net::SocketAddr) -> Upstream {
+    Upstream::new(format!("http://{addr}").into(), None)
 }
 
 fn head(status: &str, content_type: &str, content_length: usize) -> Vec<u8> {
@@ -53,9 +58,9 @@ async fn an_oversized_answer_is_refused_not_buffered() {
     let len = MAX_ANSWER_BYTES + 1;
     let mut answer = head("200 OK", "application/json", len);
     answer.extend(std::iter::repeat_n(b' ', len));
-    let base = canned_engine(answer, false).await;
+    let engine = canned_engine(answer, false).await;
     let err = client(Duration::from_secs(20))
-        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
+        .prep_recv(&engine, &prep_body())
         .await
         .unwrap_err();
     assert!(
@@ -68,10 +73,10 @@ async fn an_oversized_answer_is_refused_not_buffered() {
 async fn a_stalled_completion_body_times_out() {
     let mut answer = head("200 OK", "application/json", 100);
     answer.extend_from_slice(b"{\"id\":");
-    let base = canned_engine(answer, true).await;
+    let engine = canned_engine(answer, true).await;
     let request = CompletionRequest::new(vec![1], 1, "cmpl-t".into());
     let err = client(Duration::from_millis(300))
-        .forward(&Upstream::from(base.as_str()), &request)
+        .forward(&engine, &request)
         .await
         .err()
         .expect("no answer");
@@ -82,9 +87,9 @@ async fn a_stalled_completion_body_times_out() {
 async fn a_body_cut_mid_way_is_a_broken_call_not_a_dead_engine() {
     let mut answer = head("200 OK", "application/json", 100);
     answer.extend_from_slice(b"{\"kv_append_metadata\":");
-    let base = canned_engine(answer, false).await;
+    let engine = canned_engine(answer, false).await;
     let err = client(Duration::from_secs(20))
-        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
+        .prep_recv(&engine, &prep_body())
         .await
         .unwrap_err();
     assert!(matches!(err, CallError::Stream { .. }), "{err}");
@@ -96,9 +101,9 @@ async fn an_error_status_keeps_the_start_of_its_body() {
     let body = br#"{"error":{"message":"no"}}"#;
     let mut answer = head("409 Conflict", "application/json", body.len());
     answer.extend_from_slice(body);
-    let base = canned_engine(answer, false).await;
+    let engine = canned_engine(answer, false).await;
     let err = client(Duration::from_secs(20))
-        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
+        .prep_recv(&engine, &prep_body())
         .await
         .unwrap_err();
     assert!(
@@ -124,9 +129,9 @@ async fn a_connection_closed_before_any_answer_is_tried_once_more_on_a_fresh_one
         reply.extend_from_slice(answer);
         second.write_all(&reply).await.expect("write");
     });
-    let base = format!("http://{addr}");
+    let engine = engine_at(addr);
     let prep = client(Duration::from_secs(20))
-        .prep_recv(&Upstream::from(base.as_str()), &prep_body())
+        .prep_recv(&engine, &prep_body())
         .await
         .expect("answered on the second connection");
     assert_eq!(prep.prefix_matched_length, 0);
