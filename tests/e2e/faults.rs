@@ -62,7 +62,7 @@ pub(crate) struct Tally {
     pub(crate) wrong: Vec<String>,
 }
 
-/// Clients streaming prompts through a router until stopped.
+/// Clients sending prompts through a router until stopped.
 pub(crate) struct Load {
     stop: Arc<AtomicBool>,
     tally: Arc<Mutex<Tally>>,
@@ -72,9 +72,26 @@ pub(crate) struct Load {
 /// Requests one load client sends at most: the loops end by themselves.
 const MAX_REQUESTS_PER_CLIENT: usize = 2_000;
 
+/// How a load's clients ask: streamed, or for the whole answer at once.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Answer {
+    Streamed,
+    Whole,
+}
+
 impl Load {
     /// `clients` clients streaming completions from the router (or load balancer) at `base`.
     pub(crate) fn start(base: &str, truth: &Arc<Truth>, clients: u64) -> Load {
+        Self::start_asking(base, truth, clients, Answer::Streamed)
+    }
+
+    /// [`Load::start`], with each answer asked for as `answer` says.
+    pub(crate) fn start_asking(
+        base: &str,
+        truth: &Arc<Truth>,
+        clients: u64,
+        answer: Answer,
+    ) -> Load {
         let stop = Arc::new(AtomicBool::new(false));
         let tally = Arc::new(Mutex::new(Tally::default()));
         let url = format!("{base}/v1/completions");
@@ -89,7 +106,12 @@ impl Load {
                             return;
                         }
                         let (prompt, max_tokens, expected) = truth.sample(&mut rng);
-                        let ended = stream_one(&url, prompt, max_tokens, expected).await;
+                        let ended = match answer {
+                            Answer::Streamed => {
+                                stream_one(&url, prompt, max_tokens, expected).await
+                            }
+                            Answer::Whole => post_one(&url, prompt, max_tokens, expected).await,
+                        };
                         let mut t = tally.lock();
                         match ended {
                             Ok(true) => t.exact += 1,
@@ -173,6 +195,24 @@ pub(crate) async fn stream_one(
         Err(format!(
             "{prompt:?}: got {streamed:?}, a single engine says {expected:?}"
         ))
+    }
+}
+
+/// Ask for one whole completion: `Ok(true)` for the expected text, `Err` for anything else.
+pub(crate) async fn post_one(
+    url: &str,
+    prompt: &str,
+    max_tokens: u32,
+    expected: &str,
+) -> Result<bool, String> {
+    let (status, text) = post(url, &json!({"prompt": prompt, "max_tokens": max_tokens})).await;
+    let answer: Option<Value> = serde_json::from_str(&text).ok();
+    match answer
+        .as_ref()
+        .and_then(|a| a["choices"][0]["text"].as_str())
+    {
+        Some(got) if status == 200 && got == expected => Ok(true),
+        _ => Err(format!("{prompt:?}: {status} {text}")),
     }
 }
 
