@@ -99,12 +99,14 @@ $(VENV)/.installed: tests/python/requirements.txt
 
 ## kubectl: Debian's kubernetes-client, when no kubectl is on the PATH (the e2e suite checks
 ## its fake Kubernetes API server with it)
+# apt-get as root (through sudo when not), never asking questions.
+APT_GET = $(if $(filter 0,$(shell id -u)),,sudo) env DEBIAN_FRONTEND=noninteractive apt-get
+
 kubectl:
 	@command -v kubectl >/dev/null || { \
 		echo "installing kubectl (Debian's kubernetes-client)"; \
-		$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(if $(filter 0,$(shell id -u)),,sudo) \
-			apt-get install -y -qq --no-install-recommends kubernetes-client; }
+		$(APT_GET) update -qq && \
+		$(APT_GET) install -y -qq --no-install-recommends kubernetes-client; }
 
 # The official OpenAI Python client against `switchyard up`.
 test-python: $(VENV)/.installed test-build plugins
