@@ -1,5 +1,12 @@
 //! The engine's HTTP surface: MLC's `/microserving/*` calls, `/v1/completions`, `/v1/models`,
-//! `/health` and `/metrics`, on hyper.
+//! `/health` and `/metrics`, on hyper; in vLLM and SGLang modes the OpenAI routes of [`openai`]
+//! with the handoffs of [`vllm`] and [`sglang`] instead of the microserving calls.
+//!
+//! Cancellation: hyper's HTTP/1 server reads the socket while a handler is busy and, when the
+//! client closes it (an unexpected EOF on a busy connection), ends the connection and *drops*
+//! the handler's future, or the response body it was streaming. Every wait in a handler is
+//! therefore cancellable for free, and what a leg holds (a reservation, a lease, a room) is
+//! owned by a guard whose `Drop` gives it back; `pd_tests` proves it over real sockets.
 //!
 //! Handlers validate everything a client controls (an MLC engine would crash on some of it; this
 //! one answers 400 with an OpenAI error body), then hand the work to the step loop as a
@@ -54,8 +61,26 @@ type Body = UnsyncBoxBody<Bytes, BodyError>;
 #[error("the engine step loop stopped mid-generation")]
 pub(super) struct BodyError;
 
+mod openai;
+mod sglang;
+mod vllm;
+
+pub(super) use openai::Pd;
+
 /// What every handler of the engine's HTTP surface shares.
 pub(super) struct EngineState {
+    /// Which routes the engine serves (`--protocol`).
+    pub protocol: crate::Protocol,
+    /// The vLLM or SGLang handoff state (none in MLC mode).
+    pub pd: Pd,
+    /// Chat rendering and text tokenization for the OpenAI routes.
+    pub prompts: switchyard_wire::tokenizer::PromptTokenizer,
+    /// Engine-to-engine calls: the vLLM pull, the SGLang registration.
+    pub client: reqwest::Client,
+    /// `--kv-transfer-timeout-ms`: bounds a pull (which is one push).
+    pub kv_transfer_timeout: Duration,
+    /// This engine's rank in the KV-transfer world: where a prefill engine pushes to us.
+    pub device_rank: u32,
     pub commands: Sender<Command>,
     /// False once the step loop's thread has ended (it panicked): nothing will be served again.
     pub alive: Arc<AtomicBool>,
@@ -78,13 +103,17 @@ pub(super) struct EngineState {
 /// Accepts connections until the task is aborted. Each connection is served on a task of this
 /// one's [`JoinSet`], so aborting it ends every connection too: none keeps the state (the step
 /// loop's command sender, the KV transport) alive after the engine is dropped.
-pub(super) async fn serve(listener: TcpListener, state: Arc<EngineState>) {
+pub(super) async fn serve<F, Fut>(listener: TcpListener, route: F)
+where
+    F: Fn(Request<Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
+{
     let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    connections.spawn(serve_connection(stream, peer, state.clone()));
+                    connections.spawn(serve_connection(stream, peer, route.clone()));
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
@@ -97,17 +126,17 @@ pub(super) async fn serve(listener: TcpListener, state: Arc<EngineState>) {
     }
 }
 
-async fn serve_connection(
-    stream: tokio::net::TcpStream,
-    peer: SocketAddr,
-    state: Arc<EngineState>,
-) {
+async fn serve_connection<F, Fut>(stream: tokio::net::TcpStream, peer: SocketAddr, route: F)
+where
+    F: Fn(Request<Incoming>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<Response<Body>, Infallible>> + Send + 'static,
+{
     // SSE chunks are small writes: with Nagle on, each one after the first waits for the
     // client's delayed ACK (~40 ms on Linux) before it leaves.
     if let Err(e) = stream.set_nodelay(true) {
         tracing::debug!(%peer, error = %e, "cannot set TCP_NODELAY");
     }
-    let service = hyper::service::service_fn(move |req| route(req, state.clone()));
+    let service = hyper::service::service_fn(route);
     let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
     if let Err(e) = builder
         .serve_connection(TokioIo::new(stream), service)
@@ -117,7 +146,7 @@ async fn serve_connection(
     }
 }
 
-async fn route(
+pub(super) async fn route(
     req: Request<Incoming>,
     state: Arc<EngineState>,
 ) -> Result<Response<Body>, Infallible> {
@@ -129,6 +158,10 @@ async fn route(
             state.metrics.injected_failures.inc();
             return Ok(HttpError::Injected.into_response());
         }
+    }
+    if state.protocol != crate::Protocol::Mlc {
+        let response = openai::route(req, state, alive).await;
+        return Ok(response.unwrap_or_else(|e| e.into_response()));
     }
     let response = match (req.method(), path.as_str()) {
         // Readiness and health follow the step loop: an engine whose loop died must not look
@@ -146,6 +179,21 @@ async fn route(
             Err(HttpError::MethodNotAllowed)
         }
         _ => Err(HttpError::NotFound { path }),
+    };
+    Ok(response.unwrap_or_else(|e| e.into_response()))
+}
+
+/// The vLLM side channel or the SGLang bootstrap server: only engines call it.
+pub(super) async fn aux_route(
+    req: Request<Incoming>,
+    state: Arc<EngineState>,
+) -> Result<Response<Body>, Infallible> {
+    let response = match &state.pd {
+        Pd::Vllm(v) => vllm::side_channel(req, v.clone(), state.clone()).await,
+        Pd::Sglang(s) => sglang::bootstrap_route(req, s.clone(), state.clone()).await,
+        Pd::None => Err(HttpError::NotFound {
+            path: req.uri().path().to_owned(),
+        }),
     };
     Ok(response.unwrap_or_else(|e| e.into_response()))
 }
@@ -172,6 +220,45 @@ enum HttpError {
     NotFound { path: String },
     #[error("method not allowed")]
     MethodNotAllowed,
+    /// Any other answer with its own status (the vLLM and SGLang handoffs' failures).
+    #[error("{message}")]
+    Status {
+        status: StatusCode,
+        message: String,
+        param: Option<&'static str>,
+    },
+}
+
+impl HttpError {
+    fn status(status: StatusCode, message: impl Into<String>) -> HttpError {
+        HttpError::Status {
+            status,
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    fn parts(&self) -> (StatusCode, &'static str, Option<&'static str>) {
+        const CLIENT: &str = INVALID_REQUEST_ERROR;
+        const SERVER: &str = SERVER_ERROR;
+        match self {
+            HttpError::Invalid { param, .. } => (StatusCode::BAD_REQUEST, CLIENT, *param),
+            HttpError::Core(e) => core_fault(e),
+            HttpError::Transfer { source, .. } => transfer_fault(source),
+            HttpError::CoreGone => (StatusCode::SERVICE_UNAVAILABLE, SERVER, None),
+            HttpError::Injected => (StatusCode::INTERNAL_SERVER_ERROR, SERVER, None),
+            HttpError::NotFound { .. } => (StatusCode::NOT_FOUND, CLIENT, None),
+            HttpError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, CLIENT, None),
+            HttpError::Status { status, param, .. } => {
+                let kind = if status.is_client_error() {
+                    CLIENT
+                } else {
+                    SERVER
+                };
+                (*status, kind, *param)
+            }
+        }
+    }
 }
 
 fn invalid(param: &'static str, message: impl Into<String>) -> HttpError {
@@ -183,17 +270,7 @@ fn invalid(param: &'static str, message: impl Into<String>) -> HttpError {
 
 impl HttpError {
     fn into_response(self) -> Response<Body> {
-        const CLIENT: &str = INVALID_REQUEST_ERROR;
-        const SERVER: &str = SERVER_ERROR;
-        let (status, kind, param) = match &self {
-            HttpError::Invalid { param, .. } => (StatusCode::BAD_REQUEST, CLIENT, *param),
-            HttpError::Core(e) => core_fault(e),
-            HttpError::Transfer { source, .. } => transfer_fault(source),
-            HttpError::CoreGone => (StatusCode::SERVICE_UNAVAILABLE, SERVER, None),
-            HttpError::Injected => (StatusCode::INTERNAL_SERVER_ERROR, SERVER, None),
-            HttpError::NotFound { .. } => (StatusCode::NOT_FOUND, CLIENT, None),
-            HttpError::MethodNotAllowed => (StatusCode::METHOD_NOT_ALLOWED, CLIENT, None),
-        };
+        let (status, kind, param) = self.parts();
         // Debug, not warn: under a failing peer every request would log; the caller gets the
         // whole message in the body.
         if status.is_server_error() {
@@ -379,10 +456,12 @@ async fn remote_send(
     // The push runs on a task of its own that owns the lease: if this handler is cancelled (the
     // router gave up), a copy already under way (shm's runs on the blocking pool) still reads
     // P's slots, so they must stay held until it ends, not until the handler does.
+    let window = 0..lease.slots.len();
     let push = tokio::spawn(push_kv(
         state.transport.clone(),
         state.latency,
         lease,
+        window,
         rank,
         info,
     ));
@@ -390,17 +469,19 @@ async fn remote_send(
     Ok(json(StatusCode::OK, &serde_json::json!({})))
 }
 
-/// Pushes the leased slots into `rank`'s pool, then waits out the simulated transfer cost; the
-/// lease (P's pages) is released when this returns.
+/// Pushes the leased slots `window` (indices into `lease.slots`) into `rank`'s pool, then waits
+/// out the simulated transfer cost; the lease (P's pages) is released when this returns.
 async fn push_kv(
     transport: Arc<KvTransport>,
     latency: Latency,
     lease: SendLease,
+    window: std::ops::Range<usize>,
     rank: u32,
     info: KvAddrInfo,
 ) -> Result<(), HttpError> {
+    let slots = lease.slots.get(window).unwrap_or_default();
     let stats = transport
-        .send(rank, &lease.slots, &info)
+        .send(rank, slots, &info)
         .await
         .map_err(|source| HttpError::Transfer { rank, source })?;
     let cost = latency.transfer(stats.bytes as usize);

@@ -1,4 +1,6 @@
-//! The reference engine behind `switchyard engine`: it speaks MLC-LLM's microserving API.
+//! The reference engine behind `switchyard engine`: it speaks MLC-LLM's microserving API, or
+//! (`--protocol vllm|sglang`) vLLM's NIXL pull or SGLang's bootstrap-room P/D protocol, with
+//! real KV moving between engine processes in every case.
 //!
 //! Real MLC engines need GPUs and NVSHMEM; this one needs neither but behaves like an engine: a
 //! paged KV pool with finite pages ([`kv_pool`]), a continuous-batching step loop with prefix
@@ -9,6 +11,21 @@
 //! and writes its K/V in the same pool ([`llama`]). KV moves between engines through
 //! [`switchyard_kv`], so a disaggregated run yields exactly the tokens of a single-engine run
 //! only if every transferred slot is right.
+//!
+//! `--protocol vllm|sglang` swaps the microserving calls (404 then) for the OpenAI routes
+//! (`/v1/completions`, `/v1/chat/completions`, chat rendered with the model's template as the
+//! router renders it) and that engine's P/D handoff, so a router's vLLM and SGLang backends are
+//! tested end to end with real KV movement:
+//! - vLLM (`http/vllm.rs`): a prefill leg answers `kv_transfer_params` and holds its KV under a
+//!   lease (`--kv-lease-ms`); the decode leg pulls it over P's side channel
+//!   (`--side-channel-port`), and cancelling it tells P to release the lease.
+//! - SGLang (`http/sglang.rs`): `--disaggregation-mode prefill|decode`; both legs meet at the
+//!   prefill engine's bootstrap server (`--bootstrap-port`, in the ready line), keyed by
+//!   `bootstrap_room`, and P pushes the KV into D's reserved slots.
+//!
+//! Both check the router's side of the contract (counted as protocol violations on
+//! `/metrics`, beside vLLM's or SGLang's own load gauges) and notice a leg whose connection
+//! the router closed: hyper drops its handler, and guards give back what it held.
 //!
 //! This crate depends on the wire types (`switchyard-wire`) and the KV data path
 //! (`switchyard-kv`) only: never on the router or the policy host, which are its clients.
@@ -49,6 +66,7 @@ use switchyard_kv::{
 };
 use switchyard_wire::ReadyLine;
 use switchyard_wire::gguf::GgufMetadata;
+use switchyard_wire::tokenizer::PromptTokenizer;
 
 /// The KV shape the model writes, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -67,6 +85,31 @@ impl ModelShape {
             ModelShape::Llama3_8b => KvShape::LLAMA3_8B,
         }
     }
+}
+
+/// Which disaggregation protocol the engine speaks: the router must drive each one its own way,
+/// and the engine checks that it does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Protocol {
+    /// MLC-LLM microserving: `/microserving/prep_recv`, `remote_send`, `start_generate`.
+    Mlc,
+    /// vLLM with the NixlConnector (`kv_both`): a prefill leg answers `kv_transfer_params`
+    /// and holds its KV under a lease; the decode leg pulls it over P's side channel.
+    Vllm,
+    /// SGLang: both legs get the same body at once and meet at the prefill engine's bootstrap
+    /// server, keyed by `bootstrap_room`; P pushes the KV into D.
+    Sglang,
+}
+
+/// SGLang's `--disaggregation-mode`: what role an SGLang-mode engine plays.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DisaggregationMode {
+    /// A plain server: every request is served whole.
+    Null,
+    /// Runs a bootstrap server; serves only P legs.
+    Prefill,
+    /// Serves only D legs.
+    Decode,
 }
 
 /// `switchyard engine` flags.
@@ -114,15 +157,16 @@ pub struct EngineArgs {
     /// Another engine's KV address, `RANK=ADDR` (repeatable).
     #[arg(long = "kv-peer", value_parser = parse_rank_addr)]
     pub kv_peers: Vec<(u32, PeerAddr)>,
-    /// Bound on one whole KV push to a peer (remote_send), connecting included.
+    /// Bound on one whole KV push to a peer (remote_send, a vLLM pull, an SGLang room's
+    /// push), connecting included.
     #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub kv_transfer_timeout_ms: u64,
     /// Fault injection: preempt every K-th decoding request half-way through its max_tokens.
     #[arg(long)]
     pub preempt_every: Option<u64>,
-    /// Fault injection: answer this share (0 to 1) of completion and microserving calls with
-    /// HTTP 500 before doing anything, as an engine failing internally would. Readiness and
-    /// metrics keep answering.
+    /// Fault injection: answer this share (0 to 1) of POST calls (completions, chat, the
+    /// microserving calls, either leg of a vLLM or SGLang handoff) with HTTP 500 before doing
+    /// anything, as an engine failing internally would. Readiness and metrics keep answering.
     #[arg(long, default_value_t = 0.0, value_parser = parse_fail_rate)]
     pub fail_rate: f64,
     /// What computes the tokens: `synthetic` (the deterministic stand-in, fast), `smollm2`
@@ -150,6 +194,35 @@ pub struct EngineArgs {
     /// Most requests in the running batch.
     #[arg(long, default_value_t = 256, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub max_batch: usize,
+    /// The disaggregation protocol: `mlc` (microserving calls), `vllm` (P answers
+    /// kv_transfer_params, D pulls the KV) or `sglang` (both legs at once, bootstrap rooms).
+    /// In `vllm` and `sglang` modes the engine serves `/v1/completions` and
+    /// `/v1/chat/completions` and the microserving routes answer 404.
+    #[arg(long, value_enum, default_value = "mlc")]
+    pub protocol: Protocol,
+    /// vLLM: how long a prefill leg's KV stays held for a decode engine's pull before it is
+    /// freed and counted expired (vLLM's `kv_lease_duration`).
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub kv_lease_ms: u64,
+    /// vLLM: the port of this engine's side channel, where decode engines pull leased KV
+    /// (vLLM's `VLLM_NIXL_SIDE_CHANNEL_PORT`; 0 picks a free one). It listens on --host;
+    /// only engines talk to it, and it is reported in every `kv_transfer_params`.
+    #[arg(long, default_value_t = 0)]
+    pub side_channel_port: u16,
+    /// SGLang: `null` (a plain server), `prefill` (serves P legs, runs the bootstrap server) or
+    /// `decode` (serves D legs). Needs `--protocol sglang` unless `null`.
+    #[arg(long, value_enum, default_value = "null")]
+    pub disaggregation_mode: DisaggregationMode,
+    /// SGLang prefill: the bootstrap server's port, which routers put in `bootstrap_port`
+    /// (0 picks a free one; the ready line says which). Required with
+    /// `--disaggregation-mode prefill`, refused otherwise.
+    #[arg(long)]
+    pub bootstrap_port: Option<u16>,
+    /// SGLang: how long a leg waits for its counterpart (P for D's registration, D for P's
+    /// KV) before it is an orphan, answered with a timeout error
+    /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).
+    #[arg(long, default_value_t = 300_000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub bootstrap_timeout_ms: u64,
 }
 
 impl EngineArgs {
@@ -218,7 +291,13 @@ pub struct RunningEngine {
     http_addr: SocketAddr,
     kv_addr: PeerAddr,
     device_rank: u32,
+    /// vLLM mode: where decode engines pull this engine's leased KV.
+    side_channel_addr: Option<SocketAddr>,
+    /// SGLang prefill mode: the bootstrap server.
+    bootstrap_addr: Option<SocketAddr>,
     server: tokio::task::JoinHandle<()>,
+    /// The side channel's or bootstrap server's accept loop, stopped with the engine.
+    aux_server: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl RunningEngine {
@@ -234,12 +313,24 @@ impl RunningEngine {
         self.device_rank
     }
 
+    /// vLLM mode: the side channel decode engines pull KV from.
+    pub fn side_channel_addr(&self) -> Option<SocketAddr> {
+        self.side_channel_addr
+    }
+
+    /// SGLang prefill mode: the bootstrap server (its port goes in every leg's
+    /// `bootstrap_port`).
+    pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
+        self.bootstrap_addr
+    }
+
     /// The line `switchyard engine` prints once it accepts requests.
     pub fn ready_line(&self) -> ReadyLine {
         ReadyLine {
             http_addr: self.http_addr,
             device_rank: self.device_rank,
             kv_addr: self.kv_addr.to_string(),
+            bootstrap_port: self.bootstrap_addr.map(|a| a.port()),
         }
     }
 }
@@ -247,6 +338,9 @@ impl RunningEngine {
 impl Drop for RunningEngine {
     fn drop(&mut self) {
         self.server.abort();
+        if let Some(aux) = &self.aux_server {
+            aux.abort();
+        }
     }
 }
 
@@ -255,6 +349,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let latency = latency_from(args)?;
     let num_slots = pool_slots(args)?;
     check_reservation_ttl(args)?;
+    check_protocol(args)?;
     let threads = args.threads.map_or_else(
         || std::thread::available_parallelism().map_or(1, |n| n.get()),
         usize::from,
@@ -300,7 +395,22 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let http_addr = listener
         .local_addr()
         .map_err(|source| EngineError::Bind { addr, source })?;
+    // The side channel or bootstrap server binds before the engine is ready: its address goes
+    // into every answer (vLLM) or the ready line (SGLang).
+    let aux_listener = match (args.protocol, args.disaggregation_mode) {
+        (Protocol::Vllm, _) => Some(bind(args.host, args.side_channel_port).await?),
+        (Protocol::Sglang, DisaggregationMode::Prefill) => {
+            Some(bind(args.host, args.bootstrap_port.unwrap_or(0)).await?)
+        }
+        _ => None,
+    };
+    let aux_addr = aux_listener.as_ref().map(|(_, addr)| *addr);
+    let pd = http::Pd::new(args, aux_addr, &metrics);
     let state = Arc::new(http::EngineState {
+        protocol: args.protocol,
+        pd,
+        prompts: model.prompts,
+        client: reqwest::Client::new(),
         commands,
         alive,
         vocab_size: model.tokenizer.get_vocab_size(true) as u32,
@@ -316,20 +426,78 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
         num_pages: args.kv_pages,
         page_size: args.page_size as usize,
         fail_rate: args.fail_rate,
+        kv_transfer_timeout: Duration::from_millis(args.kv_transfer_timeout_ms),
+        device_rank: args.device_rank,
     });
-    let server = tokio::spawn(http::serve(listener, state));
+    let aux_server = aux_listener.map(|(listener, _)| {
+        let state = state.clone();
+        tokio::spawn(http::serve(listener, move |req| {
+            http::aux_route(req, state.clone())
+        }))
+    });
+    let server = tokio::spawn(http::serve(listener, move |req| {
+        http::route(req, state.clone())
+    }));
     Ok(RunningEngine {
         http_addr,
         kv_addr,
         device_rank: args.device_rank,
+        side_channel_addr: (args.protocol == Protocol::Vllm)
+            .then_some(aux_addr)
+            .flatten(),
+        bootstrap_addr: (args.protocol == Protocol::Sglang)
+            .then_some(aux_addr)
+            .flatten(),
         server,
+        aux_server,
     })
+}
+
+async fn bind(
+    host: IpAddr,
+    port: u16,
+) -> Result<(tokio::net::TcpListener, SocketAddr), EngineError> {
+    let addr = SocketAddr::new(host, port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|source| EngineError::Bind { addr, source })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|source| EngineError::Bind { addr, source })?;
+    Ok((listener, bound))
+}
+
+/// The protocol flags fit together: a disaggregation mode and a bootstrap port are SGLang's,
+/// and an SGLang prefill engine must have a bootstrap port (routers are configured with it).
+fn check_protocol(args: &EngineArgs) -> Result<(), EngineError> {
+    let sglang = args.protocol == Protocol::Sglang;
+    let prefill = sglang && args.disaggregation_mode == DisaggregationMode::Prefill;
+    if !sglang && args.disaggregation_mode != DisaggregationMode::Null {
+        return Err(EngineError::BadArg {
+            flag: "disaggregation-mode",
+            reason: "needs --protocol sglang".into(),
+        });
+    }
+    match (prefill, args.bootstrap_port) {
+        (true, None) => Err(EngineError::BadArg {
+            flag: "bootstrap-port",
+            reason: "required with --disaggregation-mode prefill (0 picks a free port)".into(),
+        }),
+        (false, Some(_)) => Err(EngineError::BadArg {
+            flag: "bootstrap-port",
+            reason: "only an SGLang prefill engine (--protocol sglang --disaggregation-mode prefill) runs a bootstrap server".into(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 /// The model an engine runs, with its tokenizer and the name it reports by default.
 struct LoadedModel {
     spec: ModelSpec,
     tokenizer: tokenizers::Tokenizer,
+    /// The tokenizer with the model's chat template: how `/v1/chat/completions` renders
+    /// `messages`, exactly as the router does.
+    prompts: PromptTokenizer,
     default_name: String,
 }
 
@@ -370,6 +538,10 @@ async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineEr
         return Ok(LoadedModel {
             spec: ModelSpec::Synthetic,
             tokenizer: switchyard_wire::tokenizer::byte_level_tokenizer(),
+            prompts: PromptTokenizer::byte_level().map_err(|e| EngineError::Model {
+                model: model.into(),
+                reason: e.to_string(),
+            })?,
             default_name: "switchyard-reference".into(),
         });
     };
@@ -383,9 +555,15 @@ async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineEr
         .await
         .map_err(|e| fail(e.to_string()))?;
     let (model, tokenizer) = loaded.map_err(|e| fail(e.to_string()))?;
+    let prompts = GgufMetadata::read(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|meta| meta.model_files().map_err(|e| e.to_string()))
+        .and_then(|files| PromptTokenizer::from_gguf(&files, &path).map_err(|e| e.to_string()))
+        .map_err(fail)?;
     Ok(LoadedModel {
         spec: ModelSpec::Llama(Arc::new(model)),
         tokenizer,
+        prompts,
         default_name: switchyard_wire::gguf::served_name(&path),
     })
 }
@@ -600,3 +778,6 @@ async fn start_transport(
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod pd_tests;

@@ -28,6 +28,7 @@ impl ResponseMeta {
             model: Some(self.model.clone()),
             choices,
             usage: usage.map(engine_usage),
+            error: None,
         }
     }
 
@@ -49,6 +50,8 @@ impl ResponseMeta {
             finish_reason: finish.map(|f| f.as_str().to_owned()),
             logprobs: None,
             token_ids: self.token_ids.then_some(ids),
+            delta: None,
+            message: None,
         }
     }
 }

@@ -159,6 +159,20 @@ pub type Events = mpsc::UnboundedSender<Event>;
 pub enum Command {
     /// `/v1/completions`: prefill and generate.
     Generate { request: GenRequest, events: Events },
+    /// Prefill and generate as [`Command::Generate`], then, when the generation ends, keep the
+    /// prompt's KV instead of freeing it: the slots of positions `[0, prompt_len)` go to `hold`
+    /// as a [`SendLease`]. A vLLM prefill leg (its blocks wait under a lease for D's pull) and an
+    /// SGLang prefill leg (it pushes them to D) both sample their one token this way, so P
+    /// computes the prompt once. A generation aborted or preempted keeps nothing.
+    GenerateAndHold {
+        request: GenRequest,
+        events: Events,
+        hold: oneshot::Sender<SendLease>,
+    },
+    /// Drop a prep_recv reservation whose caller gave up before start_generate (a vLLM or
+    /// SGLang decode leg cancelled while it waited for the KV): it goes through the expiry
+    /// quarantine at once instead of holding its pages until the TTL. Unknown ids are ignored.
+    CancelReservation { user: String },
     /// Reserve pages for `[0, end)`, waiting until they are free.
     PrepRecv {
         user: String,
@@ -229,6 +243,8 @@ struct GenState {
     unsent_ids: VecDeque<(u32, usize)>,
     preempt_at: Option<usize>,
     counted: bool,
+    /// Where the prompt's KV goes when the generation finishes ([`Command::GenerateAndHold`]).
+    hold: Option<oneshot::Sender<SendLease>>,
 }
 
 impl Seq {
@@ -420,6 +436,29 @@ impl Core {
                 self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
                 self.waiting.push_back(seq);
             }
+            Command::GenerateAndHold {
+                request,
+                events,
+                hold,
+            } => {
+                let mut seq = self.new_generation(None, request, events);
+                if let Work::Generate(g) = &mut seq.work {
+                    g.hold = Some(hold);
+                }
+                self.metrics.prompt_tokens.inc_by(seq.prompt_len as u64);
+                self.waiting.push_back(seq);
+            }
+            Command::CancelReservation { user } => {
+                let now = Instant::now();
+                if let Some(r) = self.reservations.remove(&user) {
+                    tracing::debug!(%user, pages = r.pages.len(), "reservation cancelled");
+                    self.retire(r, now + self.cfg.expiry_quarantine);
+                    self.users.remove(&user);
+                } else if let Some(i) = self.pending_preps.iter().position(|p| p.user == user) {
+                    self.pending_preps.remove(i);
+                    self.users.remove(&user);
+                }
+            }
             Command::PrepRecv {
                 user,
                 request,
@@ -504,6 +543,7 @@ impl Core {
                 unsent_ids: VecDeque::new(),
                 preempt_at: None,
                 counted: false,
+                hold: None,
             }),
         }
     }
@@ -877,7 +917,14 @@ impl Core {
                         seq.cache_after_finish = false;
                         register_full_pages(&mut self.pool, &mut seq);
                     }
-                    self.end(seq);
+                    let hold = match &mut seq.work {
+                        Work::Generate(g) => g.hold.take(),
+                        Work::Prefill { .. } => None,
+                    };
+                    match hold {
+                        Some(hold) => self.hold_prompt(seq, hold),
+                        None => self.end(seq),
+                    }
                 }
                 false
             }
@@ -992,6 +1039,25 @@ impl Core {
         if let Some(reply) = reply {
             let _ = reply.send(lease);
         }
+    }
+
+    /// Leases the prompt's slots of a finished generation ([`Command::GenerateAndHold`]); the
+    /// pages come back through [`Core::return_leases`] like any lease's.
+    fn hold_prompt(&mut self, seq: Seq, hold: oneshot::Sender<SendLease>) {
+        let lease = SendLease {
+            id: seq.id,
+            slots: window_slots(&self.pool, &seq.pages, 0, seq.prompt_len),
+            returns: self.lease_returns.0.clone(),
+        };
+        self.backend.forget(seq.id);
+        if let Some(user) = &seq.user {
+            self.users.remove(user);
+        }
+        self.leases.insert(seq.id, seq);
+        // Metrics first, so a caller that reads them right after the answer sees the pages held.
+        self.publish_gauges();
+        // A handler that went away drops the lease right here, which returns the pages.
+        let _ = hold.send(lease);
     }
 
     // === endings ===

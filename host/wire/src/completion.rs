@@ -231,9 +231,28 @@ pub struct Choice {
     #[serde(default)]
     pub logprobs: Option<serde_json::Value>,
     /// The generated token ids this choice's text completes, when the request asked for them
-    /// (`return_token_ids`, vLLM's spelling): what a router continues a broken stream from.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// (`return_token_ids`, vLLM's spelling; SGLang's chat answers say `response_token_ids`):
+    /// what a router continues a broken stream from.
+    #[serde(
+        default,
+        alias = "response_token_ids",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub token_ids: Option<Vec<u32>>,
+    /// A chat chunk's text (`delta.content`); [`CompletionResponse::fold_chat`] moves it to
+    /// `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta: Option<ChatContent>,
+    /// A whole chat answer's text (`message.content`), likewise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<ChatContent>,
+}
+
+/// The part of a chat `delta` or `message` a router relays.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ChatContent {
+    #[serde(default)]
+    pub content: Option<String>,
 }
 
 /// A `CompletionResponse`: one JSON answer, or one SSE chunk of a stream.
@@ -251,6 +270,38 @@ pub struct CompletionResponse {
     pub choices: Vec<Choice>,
     #[serde(default)]
     pub usage: Option<EngineUsage>,
+    /// An engine that fails after its stream started says so in an event of its own
+    /// (`data: {"error": {...}}`, vLLM and SGLang alike).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<serde_json::Value>,
+}
+
+impl CompletionResponse {
+    /// Read a chat answer or chunk as a completion one: each choice's `delta.content` or
+    /// `message.content` becomes its `text`. A completion answer is left as it is.
+    pub fn fold_chat(&mut self) {
+        for choice in &mut self.choices {
+            let content = choice
+                .delta
+                .take()
+                .or_else(|| choice.message.take())
+                .and_then(|c| c.content);
+            if let Some(content) = content {
+                choice.text.push_str(&content);
+            }
+        }
+    }
+
+    /// The message of an error event, when this is one.
+    pub fn error_message(&self) -> Option<String> {
+        let error = self.error.as_ref()?;
+        Some(
+            error
+                .get("message")
+                .and_then(serde_json::Value::as_str)
+                .map_or_else(|| error.to_string(), str::to_owned),
+        )
+    }
 }
 
 #[cfg(test)]
@@ -308,6 +359,30 @@ mod tests {
         )
         .expect("parses");
         assert_eq!(usage_only.usage.map(|u| u.counts.total_tokens), Some(5));
+    }
+
+    #[test]
+    fn chat_chunks_and_answers_read_as_completion_ones() {
+        let mut chunk: CompletionResponse = serde_json::from_str(
+            r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,
+                "delta":{"content":"Hel"},"finish_reason":null,"token_ids":[5,6]}]}"#,
+        )
+        .expect("parses");
+        chunk.fold_chat();
+        assert_eq!(chunk.choices[0].text, "Hel");
+        assert_eq!(chunk.choices[0].token_ids, Some(vec![5, 6]));
+        let mut answer: CompletionResponse = serde_json::from_str(
+            r#"{"choices":[{"message":{"role":"assistant","content":"Hi"},
+                "finish_reason":"stop","response_token_ids":[7]}]}"#,
+        )
+        .expect("parses");
+        answer.fold_chat();
+        assert_eq!(answer.choices[0].text, "Hi");
+        assert_eq!(answer.choices[0].token_ids, Some(vec![7]));
+        let error: CompletionResponse =
+            serde_json::from_str(r#"{"error":{"message":"KV load failed","code":500}}"#)
+                .expect("parses");
+        assert_eq!(error.error_message().as_deref(), Some("KV load failed"));
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! - [`sse`]: server-sent events: parsing a stream into data and chunks, framing values.
 //! - [`error`]: OpenAI's error body.
 //! - [`metrics`]: the engine gauges a router reads.
-//! - [`tokenizer`]: the reference model's byte-level tokenizer assets.
+//! - [`tokenizer`]: the reference model's byte-level tokenizer assets, and [`tokenizer::PromptTokenizer`]
+//!   (tokenizer plus chat template), which router and engine share so a chat prompt is rendered
+//!   and tokenized the same on both.
 //! - [`gguf`]: a GGUF model's metadata and the tokenizer built from it (router and engine share it).
 //! - [`ReadyLine`]: the line an engine prints once it serves, which its launcher reads.
 //!
@@ -29,14 +31,17 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod client;
 pub mod completion;
 pub mod error;
 pub mod gguf;
 pub mod metrics;
 pub mod microserving;
 mod ready;
+pub mod sglang;
 pub mod sse;
 pub mod tokenizer;
+pub mod vllm;
 
 pub use ready::{ReadyLine, ReadyLineError};
 

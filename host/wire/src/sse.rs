@@ -49,6 +49,9 @@ pub enum SseError {
     /// sender's bytes without bound.
     #[error("an event is over {MAX_EVENT_BYTES} bytes")]
     EventTooLarge,
+    /// The sender reported a failure in the stream (an `{"error": …}` event).
+    #[error("the engine reported an error in the stream: {0}")]
+    Engine(String),
 }
 
 /// The largest event a reader buffers: an engine's chunks carry a few tokens of text (a few
@@ -147,8 +150,10 @@ impl std::fmt::Display for CappedError {
 /// The data of an SSE stream's events; see [`data_events`].
 pub type DataEvents = Pin<Box<dyn Stream<Item = Result<String, SseError>> + Send>>;
 
-/// Parse an SSE byte stream into completion chunks; see [`data_events`]. A chunk that is not a
-/// completion response ends the stream with [`SseError::BadChunk`].
+/// Parse an SSE byte stream into completion chunks (chat chunks read as completion ones, see
+/// [`CompletionResponse::fold_chat`]); see [`data_events`]. A chunk that is not a completion
+/// response ends the stream with [`SseError::BadChunk`], an error event with
+/// [`SseError::Engine`].
 pub fn parse_chunks<S, E>(bytes: S) -> ChunkStream
 where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
@@ -158,8 +163,13 @@ where
         data_events(bytes)
             .map(|item| {
                 item.and_then(|data| {
-                    serde_json::from_str::<CompletionResponse>(&data)
-                        .map_err(|e| SseError::BadChunk(e.to_string()))
+                    let mut chunk = serde_json::from_str::<CompletionResponse>(&data)
+                        .map_err(|e| SseError::BadChunk(e.to_string()))?;
+                    if let Some(message) = chunk.error_message() {
+                        return Err(SseError::Engine(message));
+                    }
+                    chunk.fold_chat();
+                    Ok(chunk)
                 })
             })
             // A bad chunk ends the stream as a transport error does.
