@@ -1,6 +1,6 @@
 # Example policies in three languages, built from source (never committed as .wasm):
 #   make examples-toolchains   componentize-py in .venv-guests, componentize-js in examples/slo-js
-#   make examples              target/examples/{priority-rust,affinity-rust,prefix-aware-python,slo-js}.wasm
+#   make examples              target/examples/{priority-rust,affinity-rust,model-route-rust,prefix-aware-python,slo-js}.wasm
 #   make examples-test         their native tests, the host loading each, each served end to end
 # Each component is rebuilt only when its sources change: Python and JavaScript componentize
 # take 10-20 s each. Included by the top-level Makefile.
@@ -20,7 +20,7 @@ EXAMPLES_WIT    := wit/policy.wit
 EXAMPLES_TARGET_DIR := target/guest-build
 EXAMPLES_CARGO_OUT := $(EXAMPLES_TARGET_DIR)/wasm32-wasip2/guest
 
-RUST_EXAMPLES := priority-rust affinity-rust
+RUST_EXAMPLES := priority-rust affinity-rust model-route-rust
 SDK_SRC      := $(wildcard sdk/src/*.rs) sdk/Cargo.toml
 PREFIX_SRC   := $(wildcard examples/prefix-aware-python/src/*.py)
 SLO_SRC      := examples/slo-js/src/policy.js examples/slo-js/build.mjs examples/slo-js/package.json
@@ -76,7 +76,7 @@ $(EXAMPLES_OUT)/slo-js.wasm: $(SLO_SRC) $(EXAMPLES_WIT) examples/slo-js/node_mod
 ## served end to end by `switchyard up`, and `switchyard policy new` building every template
 examples-test: examples
 	$(PYTHON) -m unittest discover -s examples/prefix-aware-python/tests
-	$(CARGO) test -p priority-rust-policy -p affinity-rust-policy
+	$(CARGO) test -p priority-rust-policy -p affinity-rust-policy -p model-route-rust-policy
 	$(CARGO) test -p switchyard-policy-host --test examples
 	$(CARGO) test -p switchyard --test policy_new
 	$(CARGO) build -p switchyard --bin switchyard

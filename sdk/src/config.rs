@@ -1,4 +1,4 @@
-//! A small reader for a policy's JSON config: one flat object, typed getters, and errors
+//! A small reader for a policy's JSON config: one object, typed getters, and errors
 //! written for the operator who typed the config.
 
 use std::fmt;
@@ -79,6 +79,11 @@ impl Config {
     /// The string at `key`, if present.
     pub fn str(&self, key: &str) -> Result<Option<&str>, ConfigError> {
         self.typed(key, "a string", Value::as_str)
+    }
+
+    /// The object at `key` (e.g. a map of names to settings), if present.
+    pub fn object(&self, key: &str) -> Result<Option<&Map<String, Value>>, ConfigError> {
+        self.typed(key, "an object", Value::as_object)
     }
 
     fn typed<'a, T>(

@@ -1,11 +1,11 @@
-//! Builders for the two plan shapes the router runs.
+//! Builders for the plan shapes the router runs.
 
 use crate::types::{
-    EndpointId, Plan, Position, PrepRecv, RemoteSend, SendBegin, StartGenerate, Step,
+    EndpointId, Handoff, Plan, Position, PrepRecv, RemoteSend, SendBegin, StartGenerate, Step,
 };
 
 impl Plan {
-    /// Send the whole request to `endpoint`'s `/v1/completions`.
+    /// Send the whole request to `endpoint`.
     pub fn forward(endpoint: EndpointId) -> Plan {
         Plan {
             steps: vec![Step::Forward(endpoint)],
@@ -31,11 +31,21 @@ impl Plan {
         }
     }
 
+    /// Prefill on `prefill` and generate on `decode`, the KV moving the way both endpoints'
+    /// protocol does (MLC, vLLM or SGLang: see [`crate::select::can_prefill`]). On MLC this is
+    /// [`Plan::disagg`] with `end = -1`.
+    pub fn handoff(prefill: EndpointId, decode: EndpointId) -> Plan {
+        Plan {
+            steps: vec![Step::Handoff(Handoff { prefill, decode })],
+        }
+    }
+
     /// The endpoint whose tokens reach the client: the last step's endpoint.
     pub fn generator(&self) -> Option<EndpointId> {
         match self.steps.last()? {
             Step::Forward(id) => Some(*id),
             Step::StartGenerate(s) => Some(s.decode),
+            Step::Handoff(h) => Some(h.decode),
             Step::PrepRecv(_) | Step::RemoteSend(_) => None,
         }
     }

@@ -3,7 +3,7 @@
 //! All of them break ties by the lowest endpoint id, as MLC's router does (Python's `min`
 //! returns the first minimum), so plans are deterministic for a given snapshot.
 
-use crate::types::{Context, Endpoint, EndpointId, Position, Role};
+use crate::types::{Context, Endpoint, EndpointId, Position, Protocol, Role};
 
 /// The healthy endpoints, in id order.
 pub fn healthy<'a>(
@@ -64,4 +64,36 @@ pub fn balance_end(prompt_len: u32, factor: f64) -> Position {
     let end = ((1.0 - factor) * f64::from(prompt_len)) as i64;
     let last = i64::from(prompt_len.max(1) - 1);
     Position::try_from(end.clamp(0, last)).unwrap_or(Position::MAX)
+}
+
+/// Whether a [`crate::Plan::handoff`] may prefill on `e`. Roles bind on vLLM (a `decode`
+/// endpoint never prefills) and SGLang (an engine's disaggregation mode is fixed); MLC engines
+/// are role-less, and OpenAI endpoints have no handoff. The router checks the same rules.
+pub fn can_prefill(e: &Endpoint) -> bool {
+    match e.protocol {
+        Protocol::Mlc => true,
+        Protocol::Vllm => e.role != Role::Decode,
+        Protocol::Sglang => e.role == Role::Prefill,
+        Protocol::Openai => false,
+    }
+}
+
+/// Whether a [`crate::Plan::handoff`] may decode on `e` (see [`can_prefill`]).
+pub fn can_decode(e: &Endpoint) -> bool {
+    match e.protocol {
+        Protocol::Mlc => true,
+        Protocol::Vllm => e.role != Role::Prefill,
+        Protocol::Sglang => e.role == Role::Decode,
+        Protocol::Openai => false,
+    }
+}
+
+/// Whether `e` serves a whole request by itself ([`crate::Plan::forward`]): not a vLLM
+/// `prefill` endpoint, and of SGLang engines only a role-less (non-disaggregated) one.
+pub fn serves_alone(e: &Endpoint) -> bool {
+    match e.protocol {
+        Protocol::Mlc | Protocol::Openai => true,
+        Protocol::Vllm => e.role != Role::Prefill,
+        Protocol::Sglang => e.role == Role::Any,
+    }
 }

@@ -18,18 +18,20 @@
 //! ```
 
 use crate::export::{Policy, describe};
+use crate::select::{can_decode, can_prefill, serves_alone};
 use crate::types::{
     Context, DownReason, Endpoint, EndpointId, Failure, FailureKind, Outcome, Plan, PolicyError,
-    PolicyInfo, Request, Role, SendBegin, Step,
+    PolicyInfo, Protocol, Request, Role, SendBegin, Step,
 };
 
-/// A snapshot of `n` healthy, idle, role-less endpoints with ids `0..n`, one GPU each, whose
-/// engines report no load, with distinct address hashes.
+/// A snapshot of `n` healthy, idle, role-less MLC endpoints with ids `0..n`, one GPU each,
+/// whose engines report no load, with distinct address hashes.
 pub fn endpoints(n: u32) -> Cluster {
     Cluster {
         endpoints: (0..n)
             .map(|id| Endpoint {
                 id,
+                protocol: Protocol::Mlc,
                 role: Role::Any,
                 device_rank: id,
                 healthy: true,
@@ -88,6 +90,17 @@ impl Cluster {
     /// If `id` is not in the snapshot.
     pub fn role(mut self, id: EndpointId, role: Role) -> Cluster {
         self.endpoint_mut(id).role = role;
+        self
+    }
+
+    /// Endpoint `id` speaks `protocol` (with `role`, which binds on vLLM and SGLang).
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn protocol(mut self, id: EndpointId, protocol: Protocol, role: Role) -> Cluster {
+        let e = self.endpoint_mut(id);
+        e.protocol = protocol;
+        e.role = role;
         self
     }
 
@@ -255,21 +268,60 @@ pub fn load_patterns(n: u32, seed: u32) -> Vec<Vec<u32>> {
     patterns
 }
 
-/// Check `plan` with the rules the router applies before running one: the shapes `[forward]`
-/// and `[prep-recv, remote-send?, start-generate]` on one decode endpoint, existing healthy
-/// endpoints, and positions that resolve to `0 <= p < prompt_len` with matching ends.
+/// Check `plan` with the rules the router applies before running one: the shapes `[forward]`,
+/// `[handoff]` and `[prep-recv, remote-send?, start-generate]` on one decode endpoint, existing
+/// healthy endpoints, what each endpoint's protocol and role allow, and positions that resolve
+/// to `0 <= p < prompt_len` with matching ends.
 pub fn check_plan(plan: &Plan, prompt_len: u32, endpoints: &[Endpoint]) -> Result<(), String> {
+    let mut named = Vec::new();
     for step in &plan.steps {
         for id in step_endpoints(step) {
             match endpoints.iter().find(|e| e.id == id) {
                 None => return Err(format!("endpoint {id} does not exist")),
                 Some(e) if !e.healthy => return Err(format!("endpoint {id} is unhealthy")),
-                Some(_) => {}
+                Some(e) => named.push((step, e)),
             }
+        }
+    }
+    for (step, e) in named {
+        let microserving = matches!(
+            step,
+            Step::PrepRecv(_) | Step::RemoteSend(_) | Step::StartGenerate(_)
+        );
+        if microserving && e.protocol != Protocol::Mlc {
+            return Err(format!(
+                "endpoint {} speaks {:?}: microserving steps are MLC's, plan a handoff",
+                e.id, e.protocol
+            ));
+        }
+        if matches!(step, Step::Forward(_)) && !serves_alone(e) {
+            return Err(format!(
+                "endpoint {} serves only its leg of a handoff",
+                e.id
+            ));
         }
     }
     match plan.steps.as_slice() {
         [Step::Forward(_)] => Ok(()),
+        [Step::Handoff(h)] => {
+            let find = |id| endpoints.iter().find(|e| e.id == id);
+            let (Some(p), Some(d)) = (find(h.prefill), find(h.decode)) else {
+                unreachable!("checked above");
+            };
+            if h.prefill == h.decode {
+                return Err("a handoff needs two different endpoints".into());
+            }
+            if p.protocol != d.protocol {
+                return Err("a handoff needs one protocol on both ends".into());
+            }
+            if !can_prefill(p) || !can_decode(d) {
+                return Err(format!(
+                    "endpoint {} cannot prefill or endpoint {} cannot decode ({:?} roles bind)",
+                    p.id, d.id, p.protocol
+                ));
+            }
+            Ok(())
+        }
         [
             Step::PrepRecv(prep),
             middle @ ..,
@@ -316,6 +368,7 @@ fn step_endpoints(step: &Step) -> Vec<EndpointId> {
         Step::RemoteSend(s) => vec![s.prefill, s.decode],
         Step::StartGenerate(s) => vec![s.decode],
         Step::Forward(id) => vec![*id],
+        Step::Handoff(h) => vec![h.prefill, h.decode],
     }
 }
 

@@ -1,3 +1,4 @@
+mod backends;
 mod edge;
 mod engine;
 mod examples;

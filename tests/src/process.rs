@@ -254,8 +254,8 @@ pub struct RouterProcess {
 pub type UpProcess = RouterProcess;
 
 impl RouterProcess {
-    /// `switchyard serve --port 0 --plugins <checkout>/plugins --endpoint URL… ARGS…`; waits
-    /// until `/health` answers 200.
+    /// `switchyard serve --port 0 --plugins <checkout>/plugins --endpoint URL… ARGS…` (ARGS may
+    /// name other `--plugins`); waits until `/health` answers 200.
     pub fn serve(endpoints: &[&str], args: &[&str]) -> RouterProcess {
         let router = Self::serve_ready(endpoints, args);
         router.wait_until_healthy();
@@ -299,8 +299,11 @@ impl RouterProcess {
 
     fn serve_argv(endpoints: &[&str], args: &[&str]) -> Vec<String> {
         let mut full: Vec<String> = vec!["serve".into(), "--port".into(), "0".into()];
-        full.push("--plugins".into());
-        full.push(plugins_dir().display().to_string());
+        // The checkout's plugins, unless the test brings a directory of its own.
+        if !args.contains(&"--plugins") {
+            full.push("--plugins".into());
+            full.push(plugins_dir().display().to_string());
+        }
         for e in endpoints {
             full.push("--endpoint".into());
             full.push((*e).to_owned());

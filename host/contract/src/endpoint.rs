@@ -12,6 +12,63 @@ pub enum Role {
     Decode,
 }
 
+/// The wire protocol an endpoint speaks. It decides how a [`crate::Step::Handoff`] moves the
+/// KV, which other steps may name the endpoint, and whether its role binds.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Default, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// MLC-LLM microserving (`prep_recv`, `remote_send`, `start_generate`): any engine may
+    /// prefill or decode (the role is a hint), with KV windows and a prefix cache.
+    #[default]
+    Mlc,
+    /// vLLM with the NIXL connector: the prefill leg, then the decode leg carrying the prefill's
+    /// `kv_transfer_params`; the decode engine pulls the KV.
+    Vllm,
+    /// SGLang in disaggregation mode: both legs at once, joined by a bootstrap room on the
+    /// prefill engine, which pushes the KV.
+    Sglang,
+    /// Any OpenAI-compatible server: it serves whole requests (`forward`) only.
+    Openai,
+}
+
+impl Protocol {
+    pub const ALL: [Protocol; 4] = [
+        Protocol::Mlc,
+        Protocol::Vllm,
+        Protocol::Sglang,
+        Protocol::Openai,
+    ];
+
+    /// The name configuration and the WIT contract use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Mlc => "mlc",
+            Protocol::Vllm => "vllm",
+            Protocol::Sglang => "sglang",
+            Protocol::Openai => "openai",
+        }
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Protocol {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Protocol::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .ok_or_else(|| format!("unknown protocol {s:?}: expected mlc, vllm, sglang or openai"))
+    }
+}
+
 /// Whether plans may name an endpoint, and if not, why.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -39,6 +96,7 @@ impl Health {
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct EndpointSnapshot {
     pub id: EndpointId,
+    pub protocol: Protocol,
     pub role: Role,
     pub device_rank: u32,
     pub health: Health,
@@ -50,6 +108,40 @@ pub struct EndpointSnapshot {
     pub waiting: Option<u32>,
     /// [`address_hash`] of the endpoint's base URL.
     pub address_hash: u64,
+}
+
+impl EndpointSnapshot {
+    /// Whether a handoff may prefill on this endpoint. Roles bind on vLLM (a `decode` engine is
+    /// not sent prefill legs) and SGLang (an engine's disaggregation mode is fixed at start);
+    /// MLC engines are role-less.
+    pub fn can_prefill(&self) -> bool {
+        match self.protocol {
+            Protocol::Mlc => true,
+            Protocol::Vllm => self.role != Role::Decode,
+            Protocol::Sglang => self.role == Role::Prefill,
+            Protocol::Openai => false,
+        }
+    }
+
+    /// Whether a handoff may decode on this endpoint (see [`Self::can_prefill`]).
+    pub fn can_decode(&self) -> bool {
+        match self.protocol {
+            Protocol::Mlc => true,
+            Protocol::Vllm => self.role != Role::Prefill,
+            Protocol::Sglang => self.role == Role::Decode,
+            Protocol::Openai => false,
+        }
+    }
+
+    /// Whether the endpoint serves a whole request by itself (`forward`). An SGLang engine in
+    /// prefill or decode mode never does: it waits for its partner leg.
+    pub fn serves_alone(&self) -> bool {
+        match self.protocol {
+            Protocol::Mlc | Protocol::Openai => true,
+            Protocol::Vllm => self.role != Role::Prefill,
+            Protocol::Sglang => self.role == Role::Any,
+        }
+    }
 }
 
 /// The key every router replica gives the endpoint at `base_url`, whatever id it has there:

@@ -33,7 +33,7 @@ mod planner;
 mod policy;
 mod validate;
 
-pub use endpoint::{EndpointSnapshot, Health, Role, address_hash};
+pub use endpoint::{EndpointSnapshot, Health, Protocol, Role, address_hash};
 pub use plan::{EndpointId, Plan, SendBegin, Step};
 pub use planner::{Planner, PlanningError};
 pub use policy::{

@@ -38,6 +38,12 @@ pub enum Step {
     Forward {
         endpoint: EndpointId,
     },
+    /// Prefill on `prefill`, generate on `decode`, moving the KV the way both endpoints'
+    /// protocol does.
+    Handoff {
+        prefill: EndpointId,
+        decode: EndpointId,
+    },
 }
 
 impl Step {
@@ -48,6 +54,7 @@ impl Step {
             Step::RemoteSend { .. } => "remote-send",
             Step::StartGenerate { .. } => "start-generate",
             Step::Forward { .. } => "forward",
+            Step::Handoff { .. } => "handoff",
         }
     }
 }

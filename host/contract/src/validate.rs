@@ -1,7 +1,7 @@
 //! Pure plan checks. A plan that fails here is the policy's error, never a request to an engine:
 //! an MLC engine crashes on out-of-range windows, so nothing unchecked may reach one.
 
-use crate::endpoint::EndpointSnapshot;
+use crate::endpoint::{EndpointSnapshot, Protocol, Role};
 use crate::plan::{EndpointId, Plan, SendBegin, Step};
 
 /// Why a plan was rejected, naming the step (0-based) it is about.
@@ -26,9 +26,9 @@ fn describe(step: &Option<usize>, name: &str, reason: &str) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case", tag = "kind")]
 pub enum ValidPlan {
-    /// Send the whole request to one endpoint's `/v1/completions`.
+    /// Send the whole request to one endpoint.
     Forward { endpoint: EndpointId },
-    /// prep-recv on `decode` for `[0, end)`, optionally remote-send from `prefill`, then
+    /// MLC: prep-recv on `decode` for `[0, end)`, optionally remote-send from `prefill`, then
     /// start-generate on `decode` from `end`.
     Disagg {
         decode: EndpointId,
@@ -36,6 +36,18 @@ pub enum ValidPlan {
         end: u32,
         /// Absent when the plan sends no KV (D prefills everything itself).
         remote_send: Option<RemoteSend>,
+    },
+    /// vLLM's NIXL handoff: the prefill leg on `prefill`, then the decode leg on `decode` with
+    /// the `kv_transfer_params` the prefill answered; `decode` pulls the KV.
+    Vllm {
+        prefill: EndpointId,
+        decode: EndpointId,
+    },
+    /// SGLang's bootstrap handoff: the same body to both at once, joined by a fresh bootstrap
+    /// room on `prefill`, which pushes the KV to `decode`.
+    Sglang {
+        prefill: EndpointId,
+        decode: EndpointId,
     },
 }
 
@@ -52,15 +64,20 @@ impl ValidPlan {
     pub fn generator(&self) -> EndpointId {
         match self {
             ValidPlan::Forward { endpoint } => *endpoint,
-            ValidPlan::Disagg { decode, .. } => *decode,
+            ValidPlan::Disagg { decode, .. }
+            | ValidPlan::Vllm { decode, .. }
+            | ValidPlan::Sglang { decode, .. } => *decode,
         }
     }
 }
 
 /// Check `plan` for a prompt of `prompt_len` tokens against `endpoints` (ordered by id).
 ///
-/// Accepted shapes are `[forward]` and `[prep-recv, remote-send?, start-generate]` on one
-/// decode endpoint; everything else is rejected with the first step that breaks the rules.
+/// Accepted shapes are `[forward]`, `[handoff]` and, on MLC endpoints,
+/// `[prep-recv, remote-send?, start-generate]` on one decode endpoint; everything else is
+/// rejected with the first step that breaks the rules, including what the endpoints'
+/// protocols cannot do (a microserving step on a vLLM endpoint, a handoff between protocols, a
+/// plain request to an SGLang prefill engine).
 pub fn validate(
     plan: &Plan,
     prompt_len: u32,
@@ -71,6 +88,7 @@ pub fn validate(
     };
     for (i, step) in plan.steps.iter().enumerate() {
         check_endpoints(i, step, endpoints)?;
+        check_protocols(i, step, endpoints)?;
     }
     let last_index = plan.steps.len() - 1;
     if let Some(i) = body.iter().position(is_generating) {
@@ -89,14 +107,45 @@ pub fn validate(
             &body[0],
             "a forward plan has no other steps: forward sends the whole request",
         )),
+        Step::Handoff { prefill, decode } if body.is_empty() => {
+            Ok(handoff(*prefill, *decode, prompt_len, endpoints))
+        }
+        Step::Handoff { .. } => Err(at(
+            0,
+            &body[0],
+            "a handoff plan has no other steps: the handoff is the whole disaggregated flow",
+        )),
         Step::StartGenerate { decode, begin } => {
             validate_disagg(body, last_index, *decode, *begin, prompt_len)
         }
         other => Err(at(
             last_index,
             other,
-            "the last step must be start-generate or forward",
+            "the last step must be start-generate, handoff or forward",
         )),
+    }
+}
+
+/// A checked handoff, as its protocol runs it. On MLC it is the MLC router's own flow: the
+/// prefill computes all but the last token and sends what D's prefix cache lacks.
+fn handoff(
+    prefill: EndpointId,
+    decode: EndpointId,
+    prompt_len: u32,
+    endpoints: &[EndpointSnapshot],
+) -> ValidPlan {
+    match protocol_of(decode, endpoints) {
+        Protocol::Vllm => ValidPlan::Vllm { prefill, decode },
+        Protocol::Sglang => ValidPlan::Sglang { prefill, decode },
+        // `check_protocols` lets no openai endpoint into a handoff.
+        Protocol::Mlc | Protocol::Openai => ValidPlan::Disagg {
+            decode,
+            end: prompt_len.saturating_sub(1),
+            remote_send: Some(RemoteSend {
+                prefill,
+                begin: None,
+            }),
+        },
     }
 }
 
@@ -216,7 +265,126 @@ fn validate_disagg(
 }
 
 fn is_generating(step: &Step) -> bool {
-    matches!(step, Step::StartGenerate { .. } | Step::Forward { .. })
+    matches!(
+        step,
+        Step::StartGenerate { .. } | Step::Forward { .. } | Step::Handoff { .. }
+    )
+}
+
+/// The endpoint's protocol; `check_endpoints` ran first, so it exists.
+fn protocol_of(id: EndpointId, endpoints: &[EndpointSnapshot]) -> Protocol {
+    endpoints
+        .get(id as usize)
+        .map_or(Protocol::Mlc, |e| e.protocol)
+}
+
+/// What the endpoints' protocols allow this step to ask of them.
+fn check_protocols(i: usize, step: &Step, endpoints: &[EndpointSnapshot]) -> Result<(), PlanError> {
+    // `check_endpoints` ran first: every id exists.
+    let endpoint = |id: EndpointId| &endpoints[id as usize];
+    match step {
+        Step::PrepRecv { decode, .. } | Step::StartGenerate { decode, .. } => {
+            only_mlc(i, step, endpoint(*decode))
+        }
+        Step::RemoteSend {
+            prefill, decode, ..
+        } => {
+            only_mlc(i, step, endpoint(*prefill))?;
+            only_mlc(i, step, endpoint(*decode))
+        }
+        Step::Forward { endpoint: id } => {
+            let e = endpoint(*id);
+            if e.serves_alone() {
+                return Ok(());
+            }
+            Err(at(
+                i,
+                step,
+                &format!(
+                    "endpoint {id} ({}, {}) serves only its leg of a handoff",
+                    e.protocol,
+                    role_name(e.role)
+                ),
+            ))
+        }
+        Step::Handoff { prefill, decode } => {
+            let (p, d) = (endpoint(*prefill), endpoint(*decode));
+            if prefill == decode {
+                return Err(at(
+                    i,
+                    step,
+                    "prefill and decode must be different endpoints",
+                ));
+            }
+            if p.protocol != d.protocol {
+                return Err(at(
+                    i,
+                    step,
+                    &format!(
+                        "endpoint {prefill} speaks {} and endpoint {decode} speaks {}: a handoff needs one protocol on both ends",
+                        p.protocol, d.protocol
+                    ),
+                ));
+            }
+            if p.protocol == Protocol::Openai {
+                return Err(at(
+                    i,
+                    step,
+                    "openai endpoints have no KV handoff: they serve forward plans only",
+                ));
+            }
+            if !p.can_prefill() {
+                return Err(at(
+                    i,
+                    step,
+                    &format!(
+                        "endpoint {prefill} ({}, {}) cannot prefill: roles bind on {}",
+                        p.protocol,
+                        role_name(p.role),
+                        p.protocol
+                    ),
+                ));
+            }
+            if !d.can_decode() {
+                return Err(at(
+                    i,
+                    step,
+                    &format!(
+                        "endpoint {decode} ({}, {}) cannot decode: roles bind on {}",
+                        d.protocol,
+                        role_name(d.role),
+                        d.protocol
+                    ),
+                ));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The microserving steps exist on MLC engines only; elsewhere a KV window cannot be asked for.
+fn only_mlc(i: usize, step: &Step, e: &EndpointSnapshot) -> Result<(), PlanError> {
+    if e.protocol == Protocol::Mlc {
+        return Ok(());
+    }
+    Err(at(
+        i,
+        step,
+        &format!(
+            "endpoint {} speaks {}, which has no {} (microserving steps and KV windows are MLC's): plan a handoff",
+            e.id,
+            e.protocol,
+            step.name()
+        ),
+    ))
+}
+
+fn role_name(role: Role) -> &'static str {
+    match role {
+        Role::Any => "no role",
+        Role::Prefill => "role prefill",
+        Role::Decode => "role decode",
+    }
 }
 
 fn check_endpoints(i: usize, step: &Step, endpoints: &[EndpointSnapshot]) -> Result<(), PlanError> {
@@ -226,6 +394,7 @@ fn check_endpoints(i: usize, step: &Step, endpoints: &[EndpointSnapshot]) -> Res
             prefill, decode, ..
         } => &[*prefill, *decode],
         Step::Forward { endpoint } => &[*endpoint],
+        Step::Handoff { prefill, decode } => &[*prefill, *decode],
     };
     for &id in ids {
         match endpoints.get(id as usize) {

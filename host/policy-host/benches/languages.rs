@@ -155,6 +155,7 @@ fn context(i: u32) -> PolicyContext {
         endpoints: (0..4)
             .map(|id| EndpointSnapshot {
                 id,
+                protocol: switchyard_contract::Protocol::Mlc,
                 role: Role::Any,
                 device_rank: id,
                 health: Health::Healthy,

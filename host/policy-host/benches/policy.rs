@@ -30,6 +30,7 @@ fn endpoints() -> Vec<EndpointSnapshot> {
     (0..8u32)
         .map(|id| EndpointSnapshot {
             id,
+            protocol: switchyard_contract::Protocol::Mlc,
             role: if id < 4 { Role::Prefill } else { Role::Decode },
             device_rank: id,
             health: Health::Healthy,

@@ -182,10 +182,10 @@ impl Guest {
 /// interface is `wit`, whose world is `Guest` and whose world imports trait is `GuestImports`,
 /// and which converts an endpoint itself (`fn endpoint(&EndpointSnapshot) ->
 /// Option<wit::Endpoint>`: 0.2.0's says why an endpoint is down and leaves removed ones out).
-/// A version whose types diverge (0.2.0's steps, once it gains endpoint protocols) writes those
-/// parts itself.
+/// A version whose types diverge further writes those parts itself. `steps_beyond_v0_1_0` holds the match arms converting a version's newer
+/// `step` cases.
 macro_rules! shared_with_v0_1_0 {
-    (stateless: $stateless:expr) => {
+    (stateless: $stateless:expr, steps_beyond_v0_1_0: { $($beyond:tt)* }) => {
         use switchyard_contract::{
             FailureKind, Outcome, OutcomeStatus, Plan, PolicyContext, PolicyRequest, Role,
             SendBegin, Step,
@@ -328,6 +328,7 @@ macro_rules! shared_with_v0_1_0 {
                     begin: s.begin,
                 },
                 wit::Step::Forward(endpoint) => Step::Forward { endpoint },
+                $($beyond)*
             }
         }
 

@@ -196,6 +196,12 @@ fn describe(plan: &ValidPlan) -> String {
                 .map_or_else(|| "matched".to_owned(), |b| b.to_string()),
             send.prefill
         ),
+        ValidPlan::Vllm { prefill, decode } => {
+            format!("decode on {decode}, vLLM handoff from {prefill}")
+        }
+        ValidPlan::Sglang { prefill, decode } => {
+            format!("decode on {decode}, SGLang handoff from {prefill}")
+        }
     }
 }
 
@@ -262,6 +268,7 @@ pub fn snapshot(roles: &[Role], unhealthy: &[u32], in_flight: &[u32]) -> Vec<End
         .zip(0u32..)
         .map(|(&role, id)| EndpointSnapshot {
             id,
+            protocol: switchyard_contract::Protocol::Mlc,
             role,
             device_rank: id,
             health: if unhealthy.contains(&id) {

@@ -50,6 +50,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
         .zip(loads)
         .map(|(id, &in_flight)| EndpointSnapshot {
             id,
+            protocol: switchyard_contract::Protocol::Mlc,
             role: Role::Any,
             device_rank: id,
             health: Health::Healthy,

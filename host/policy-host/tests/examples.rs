@@ -54,6 +54,7 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
         .zip(loads)
         .map(|(id, &in_flight)| EndpointSnapshot {
             id,
+            protocol: switchyard_contract::Protocol::Mlc,
             role: Role::Any,
             device_rank: id,
             health: Health::Healthy,
@@ -159,6 +160,7 @@ fn every_example_passes_policy_check_and_describes_itself() {
     for (name, language, prompt_tokens, stateless) in [
         ("priority-rust", "rust", 0, true),
         ("affinity-rust", "rust", 1024, true),
+        ("model-route-rust", "rust", 0, true),
         ("prefix-aware-python", "python", 64, false),
         ("slo-js", "javascript", 0, true),
     ] {
@@ -178,6 +180,7 @@ fn every_example_refuses_an_unknown_config_key() {
     for name in [
         "priority-rust",
         "affinity-rust",
+        "model-route-rust",
         "prefix-aware-python",
         "slo-js",
     ] {

@@ -188,6 +188,7 @@ fn endpoints(id: u64) -> Vec<EndpointSnapshot> {
     (0..4u32)
         .map(|e| EndpointSnapshot {
             id: e,
+            protocol: switchyard_contract::Protocol::Mlc,
             role: if e == 0 { Role::Prefill } else { Role::Decode },
             device_rank: e,
             health: Health::Healthy,

@@ -119,6 +119,8 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             num_gpus: 1,
             device_rank: None,
             api_key: None,
+            protocol: switchyard_contract::Protocol::Mlc,
+            bootstrap_port: None,
         })
         .collect();
     let cluster = Cluster::new(specs, OutlierConfig::default());

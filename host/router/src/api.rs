@@ -64,6 +64,7 @@ pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
 pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, TokenizerError};
 
 use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
+use switchyard_wire::client::ClientBody;
 
 use crate::plan::Event;
 use crate::{RouteRequest, Router, Routing};
@@ -451,6 +452,7 @@ async fn admitted(
     body: Bytes,
     arrived: Instant,
 ) -> Response<Body> {
+    let raw = body.clone();
     let parsed = match parse(&state, shape, body).await {
         Ok(p) => p,
         Err(e) => return reject(&state, shape, &e),
@@ -504,6 +506,7 @@ async fn admitted(
         user: parsed.user,
         headers: forwarded_headers(headers, &state.forward_headers),
         template: parsed.template,
+        client: Some(Arc::new(ClientBody::new(shape.wire_route(), raw))),
         arrived,
     };
     let mut routing = state.router.start_with(route, Arc::new(selection));

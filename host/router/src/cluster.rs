@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use parking_lot::{Mutex, RwLock};
-use switchyard_contract::{EndpointSnapshot, Health, Role};
+use switchyard_contract::{EndpointSnapshot, Health, Protocol, Role};
 use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
@@ -60,6 +60,14 @@ pub struct EndpointSpec {
     /// router's environment. Never shown by `/admin/endpoints` nor logged.
     #[serde(default, skip_serializing)]
     pub api_key: Option<ApiKey>,
+    /// The wire protocol the engine speaks: `mlc` (the default), `vllm`, `sglang` or `openai`.
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// An SGLang prefill engine's bootstrap port (`--disaggregation-bootstrap-port`), where
+    /// decode engines meet it; required for SGLang prefill endpoints and for them alone. The
+    /// host is the URL's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
 }
 
 fn one() -> u32 {
@@ -134,7 +142,32 @@ impl EndpointSpec {
         if self.num_gpus == 0 {
             return Err("num_gpus must be at least 1".into());
         }
-        Ok(())
+        let sglang_prefill = self.protocol == Protocol::Sglang && self.role == Role::Prefill;
+        match (sglang_prefill, self.bootstrap_port) {
+            (true, None) => Err(
+                "an sglang prefill endpoint needs bootstrap_port (its --disaggregation-bootstrap-port)"
+                    .into(),
+            ),
+            (true, Some(0)) => Err("bootstrap_port must be 1..65535".into()),
+            (false, Some(_)) => Err(format!(
+                "bootstrap_port is for sglang prefill endpoints, not {} {}",
+                self.protocol,
+                match self.role {
+                    Role::Any => "endpoints without a role",
+                    Role::Prefill => "prefill endpoints",
+                    Role::Decode => "decode endpoints",
+                }
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The host decode engines reach this one's bootstrap server at, and its port, for an
+    /// SGLang prefill endpoint.
+    pub fn bootstrap(&self) -> Option<(String, u16)> {
+        let port = self.bootstrap_port?;
+        let url = reqwest::Url::parse(&self.url).ok()?;
+        Some((url.host_str()?.trim_matches(['[', ']']).to_owned(), port))
     }
 
     fn base_url(&self) -> String {
@@ -203,6 +236,9 @@ pub(crate) struct EndpointState {
     /// The base URL and credentials every call to the engine takes.
     upstream: Upstream,
     api_key: Option<ApiKey>,
+    protocol: Protocol,
+    /// An SGLang prefill endpoint's bootstrap host and port.
+    bootstrap: Option<(Arc<str>, u16)>,
     role: Role,
     device_rank: u32,
     /// Whether `device_rank` was given rather than summed.
@@ -232,6 +268,8 @@ impl EndpointState {
             address_hash: switchyard_contract::address_hash(&url),
             upstream: Upstream::new(url.into(), spec.api_key.as_ref().map(|k| k.header.clone())),
             api_key: spec.api_key.clone(),
+            protocol: spec.protocol,
+            bootstrap: spec.bootstrap().map(|(host, port)| (host.into(), port)),
             role: spec.role,
             device_rank,
             explicit_rank: spec.device_rank.is_some(),
@@ -487,6 +525,8 @@ impl Cluster {
                         num_gpus: e.num_gpus,
                         device_rank: e.explicit_rank.then_some(e.device_rank),
                         api_key: e.api_key.clone(),
+                        protocol: e.protocol,
+                        bootstrap_port: e.bootstrap.as_ref().map(|(_, port)| *port),
                     },
                     draining,
                 })
@@ -504,6 +544,7 @@ impl Cluster {
                 let load = *e.load.lock();
                 EndpointSnapshot {
                     id: e.id,
+                    protocol: e.protocol,
                     role: e.role,
                     device_rank: e.device_rank,
                     health: e.health(now),
@@ -586,6 +627,15 @@ impl Cluster {
         self.endpoint(id).map(|e| e.device_rank)
     }
 
+    pub fn protocol(&self, id: u32) -> Option<Protocol> {
+        self.endpoint(id).map(|e| e.protocol)
+    }
+
+    /// An SGLang prefill endpoint's bootstrap host and port.
+    pub fn bootstrap(&self, id: u32) -> Option<(Arc<str>, u16)> {
+        self.endpoint(id).and_then(|e| e.bootstrap.clone())
+    }
+
     /// Count one leg in flight on `id` until the guard drops. `None` for an id out of range.
     pub fn in_flight(&self, id: u32) -> Option<InFlight> {
         self.endpoint(id).map(InFlight::new)
@@ -629,6 +679,16 @@ impl Cluster {
         if let Some(e) = self.endpoint(id) {
             *e.models.write() = models;
         }
+    }
+
+    /// The models the endpoints list (each endpoint's last `/v1/models`), removed ones aside.
+    pub fn models(&self) -> Vec<String> {
+        self.endpoints
+            .read()
+            .iter()
+            .filter(|e| !e.is_removed())
+            .flat_map(|e| e.models.read().clone())
+            .collect()
     }
 
     /// Whether any endpoint still in the list lists `model` at `/v1/models`.
@@ -685,6 +745,8 @@ mod tests {
             num_gpus,
             device_rank: None,
             api_key: None,
+            protocol: Protocol::Mlc,
+            bootstrap_port: None,
         }
     }
 

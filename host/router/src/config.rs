@@ -45,9 +45,16 @@
 //!
 //! [[endpoints]]
 //! url = "http://127.0.0.1:8081"
-//! role = "prefill"    # any | prefill | decode (a hint for the policy)
-//! num_gpus = 1
+//! protocol = "mlc"    # mlc (default) | vllm | sglang | openai (any OpenAI-compatible server)
+//! role = "prefill"    # any | prefill | decode (a hint on mlc; binding on vllm and sglang)
+//! num_gpus = 1        # mlc: GPUs in the KV-transfer world
 //! api_key = { env = "ENGINE_API_KEY" }  # or "…": sent as `Authorization: Bearer` on every call
+//!
+//! [[endpoints]]
+//! url = "http://10.0.0.5:30000"
+//! protocol = "sglang"
+//! role = "prefill"
+//! bootstrap_port = 8998  # an sglang prefill's --disaggregation-bootstrap-port (required)
 //!
 //!
 //! [model_policies]                            # model name -> policy, for requests without
@@ -60,14 +67,16 @@
 //! k8s_resync = "30s"                           # list again and reconcile this often
 //! ```
 //!
-//! Flags override the file; `--endpoint` flags replace the file's endpoints.
+//! Flags override the file; `--endpoint` flags replace the file's endpoints. An `--endpoint`
+//! is `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]`, e.g.
+//! `--endpoint sglang+http://10.0.0.5:30000,role=prefill,bootstrap_port=8998`.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use switchyard_contract::Role;
+use switchyard_contract::{Protocol, Role};
 use switchyard_policy_host::QuarantineRule;
 use switchyard_wire::gguf::{GgufMetadata, ModelFiles, served_name};
 
@@ -79,8 +88,11 @@ use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
 /// `switchyard serve` flags: where the engines are, and how the router runs.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
-    /// An engine's base URL, e.g. http://127.0.0.1:8081 (repeat for each engine, in id order).
-    #[arg(long = "endpoint")]
+    /// An engine: `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]` (repeat for each engine, in
+    /// id order). PROTOCOL is mlc (the default), vllm, sglang or openai; ROLE any, prefill or
+    /// decode (binding on vllm and sglang); an sglang prefill needs its bootstrap_port. E.g.
+    /// `http://127.0.0.1:8081`, `vllm+http://10.0.0.4:8000,role=decode`.
+    #[arg(long = "endpoint", value_name = "ENDPOINT")]
     pub endpoints: Vec<String>,
     /// GPUs of each `--endpoint`, in the same order (default 1 each); device ranks are their
     /// prefix sums.
@@ -965,14 +977,17 @@ fn endpoints(
         args.endpoints
             .iter()
             .zip(gpus)
-            .map(|(url, num_gpus)| EndpointSpec {
-                url: url.clone(),
-                role: Role::Any,
-                num_gpus,
-                device_rank: None,
-                api_key: None,
+            .enumerate()
+            .map(|(index, (flag, num_gpus))| {
+                let mut spec = endpoint_flag(flag).map_err(|reason| ConfigError::BadEndpoint {
+                    index,
+                    url: flag.clone(),
+                    reason,
+                })?;
+                spec.num_gpus = num_gpus;
+                Ok(spec)
             })
-            .collect()
+            .collect::<Result<_, ConfigError>>()?
     };
     if specs.is_empty() && !discovered {
         return Err(ConfigError::NoEndpoints);
@@ -985,6 +1000,53 @@ fn endpoints(
         })?;
     }
     Ok(specs)
+}
+
+/// One `--endpoint` flag: `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]`.
+fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
+    let mut parts = flag.split(',');
+    let url = parts.next().unwrap_or_default();
+    let (protocol, url) = match url.split_once('+') {
+        Some((protocol, url)) => (protocol.parse::<Protocol>()?, url),
+        None => (Protocol::Mlc, url),
+    };
+    let mut spec = EndpointSpec {
+        url: url.to_owned(),
+        role: Role::Any,
+        num_gpus: 1,
+        device_rank: None,
+        api_key: None,
+        protocol,
+        bootstrap_port: None,
+    };
+    for option in parts {
+        match option.split_once('=') {
+            Some(("role", role)) => {
+                spec.role = match role {
+                    "any" => Role::Any,
+                    "prefill" => Role::Prefill,
+                    "decode" => Role::Decode,
+                    other => {
+                        return Err(format!(
+                            "unknown role {other:?}: expected any, prefill or decode"
+                        ));
+                    }
+                };
+            }
+            Some(("bootstrap_port", port)) => {
+                spec.bootstrap_port = Some(
+                    port.parse()
+                        .map_err(|_| format!("bootstrap_port {port:?} is not a port number"))?,
+                );
+            }
+            _ => {
+                return Err(format!(
+                    "unknown option {option:?}: expected role=ROLE or bootstrap_port=N"
+                ));
+            }
+        }
+    }
+    Ok(spec)
 }
 
 fn policy_path(plugins: &Path, name: &str) -> Result<PathBuf, ConfigError> {

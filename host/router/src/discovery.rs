@@ -173,6 +173,8 @@ mod tests {
             num_gpus: 1,
             device_rank: None,
             api_key: None,
+            protocol: switchyard_contract::Protocol::Mlc,
+            bootstrap_port: None,
         }
     }
 

@@ -1,5 +1,6 @@
-//! The client side of MLC-LLM's microserving protocol: wire types and an HTTP client for an
-//! engine's `/microserving/*` and `/v1/completions` endpoints.
+//! The HTTP client for every engine: MLC-LLM's microserving calls (`/microserving/*`,
+//! `/v1/completions`), the legs of vLLM's and SGLang's handoffs and forwards to any
+//! OpenAI-compatible engine (`generate_leg`, `answer_leg`), and the probes.
 //!
 //! ```text
 //! EngineClient::new(Timeouts)                         one pooled keep-alive client for all engines
@@ -8,15 +9,19 @@
 //!   start_generate(&Upstream, &StartGenerateRequest) -> ChunkStream (SSE, or one JSON as one chunk)
 //!   forward(&Upstream, &CompletionRequest)   -> ChunkStream
 //!   release(&Upstream, &StartGenerateRequest) -> Release        (frees a prep_recv reservation)
-//!   ready(&Upstream)                         -> Option<models>  (GET /v1/models == 200)
+//!   generate_leg(&Upstream, path, body, request id) -> ChunkStream  (vLLM, SGLang, OpenAI)
+//!   answer_leg(&Upstream, path, body, request id)   -> Bytes        (vLLM's prefill answer)
+//!   ready(&Upstream, Protocol)               -> Option<models>  (GET [/health,] /v1/models)
 //!   metrics(&Upstream)                       -> Option<String>  (GET /metrics, Prometheus text)
 //! ```
 //!
 //! An [`Upstream`] is an engine's base URL and, for an engine that wants an API key, its
 //! `Authorization: Bearer …` header, sent on every call, probes included.
 //!
-//! The router always asks engines to stream, even for a non-streaming client: one code path
-//! relays, counts and resumes every generation, and time to first token is measurable.
+//! The router asks MLC engines to stream, even for a non-streaming client: one code path
+//! relays, counts and resumes every generation, and time to first token is measurable. Other
+//! engines get the client's own `stream` (their protocols define each leg's body), and a whole
+//! answer is relayed as one chunk.
 
 #[cfg(test)]
 mod tests;
@@ -27,6 +32,7 @@ use std::time::Duration;
 use futures::{StreamExt, TryStreamExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use switchyard_contract::Protocol;
 use switchyard_wire::completion::{CompletionRequest, CompletionResponse};
 use switchyard_wire::error_chain;
 use switchyard_wire::microserving::{
@@ -34,6 +40,7 @@ use switchyard_wire::microserving::{
     StartGenerateRequest,
 };
 use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
+use switchyard_wire::vllm::REQUEST_ID_HEADER;
 
 /// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
@@ -275,9 +282,13 @@ impl EngineClient {
         }
     }
 
-    /// Readiness: `GET /v1/models` answers 200; `Some` with the ids of the models it serves
-    /// (none when the list does not parse).
-    pub async fn ready(&self, engine: &Upstream) -> Option<Vec<String>> {
+    /// Readiness, as each protocol's engines report it: vLLM and SGLang answer `GET /health`
+    /// with 200 once they serve, and every engine lists its models on `GET /v1/models`; `Some`
+    /// with the ids of the models it serves (none when the list does not parse).
+    pub async fn ready(&self, engine: &Upstream, protocol: Protocol) -> Option<Vec<String>> {
+        if matches!(protocol, Protocol::Vllm | Protocol::Sglang) {
+            self.probe(engine, "/health").await?;
+        }
         #[derive(serde::Deserialize)]
         struct Models {
             data: Vec<Model>,
@@ -317,15 +328,54 @@ impl EngineClient {
             .ok()
     }
 
+    /// One leg of a vLLM or SGLang handoff, or a forward to a non-MLC engine: `body` to
+    /// `path`, tagged with the attempt's `request_id` (`X-Request-Id`, which vLLM bases its own
+    /// ids on); the answer is streamed or whole, as `body` asked, chat read as completion.
+    pub async fn generate_leg(
+        &self,
+        engine: &Upstream,
+        path: &str,
+        body: &impl Serialize,
+        request_id: &str,
+    ) -> Result<ChunkStream, CallError> {
+        self.generate_with(engine, path, body, Some(request_id))
+            .await
+    }
+
+    /// A leg whose whole answer the router reads itself (vLLM's prefill leg): the body of a 2xx
+    /// answer, within the call timeout.
+    pub async fn answer_leg(
+        &self,
+        engine: &Upstream,
+        path: &str,
+        body: &impl Serialize,
+        request_id: &str,
+    ) -> Result<bytes::Bytes, CallError> {
+        let response = self
+            .send(
+                engine,
+                path,
+                body,
+                Some(self.timeouts.call),
+                Some(request_id),
+            )
+            .await?;
+        read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await
+    }
+
     async fn send<B: Serialize>(
         &self,
         engine: &Upstream,
         path: &str,
         body: &B,
         timeout: Option<Duration>,
+        request_id: Option<&str>,
     ) -> Result<reqwest::Response, CallError> {
         let send = || {
-            let request = engine.post(&self.http, path).json(body);
+            let mut request = engine.post(&self.http, path).json(body);
+            if let Some(id) = request_id {
+                request = request.header(REQUEST_ID_HEADER, id);
+            }
             match timeout {
                 Some(t) => request.timeout(t).send(),
                 None => request.send(),
@@ -363,7 +413,7 @@ impl EngineClient {
         body: &B,
     ) -> Result<R, CallError> {
         let response = self
-            .send(engine, path, body, Some(self.timeouts.call))
+            .send(engine, path, body, Some(self.timeouts.call), None)
             .await?;
         let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
@@ -377,14 +427,26 @@ impl EngineClient {
         path: &str,
         body: &B,
     ) -> Result<ChunkStream, CallError> {
+        self.generate_with(engine, path, body, None).await
+    }
+
+    async fn generate_with<B: Serialize>(
+        &self,
+        engine: &Upstream,
+        path: &str,
+        body: &B,
+        request_id: Option<&str>,
+    ) -> Result<ChunkStream, CallError> {
         // No whole-request timeout on a stream: it lives as long as the generation. The
         // headers get `call`, each chunk after that gets `stream_idle`.
-        let response =
-            tokio::time::timeout(self.timeouts.call, self.send(engine, path, body, None))
-                .await
-                .map_err(|_| CallError::Timeout {
-                    after: self.timeouts.call,
-                })??;
+        let response = tokio::time::timeout(
+            self.timeouts.call,
+            self.send(engine, path, body, None, request_id),
+        )
+        .await
+        .map_err(|_| CallError::Timeout {
+            after: self.timeouts.call,
+        })??;
         let is_sse = response
             .headers()
             .get(reqwest::header::CONTENT_TYPE)
@@ -392,10 +454,11 @@ impl EngineClient {
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
             let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
-            let one: CompletionResponse =
+            let mut one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
                     reason: e.to_string(),
                 })?;
+            one.fold_chat();
             return Ok(single_chunk(one));
         }
         let bytes = response.bytes_stream().map_err(reqwest::Error::without_url);

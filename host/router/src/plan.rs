@@ -2,7 +2,8 @@
 //! relaying the generation it starts to the client while counting what was delivered.
 
 mod execute;
+mod handoff;
 mod relay;
 
-pub use execute::{AttemptId, ExecError, Execute, Executor, Generation, StepKind};
+pub use execute::{AttemptBody, AttemptId, ExecError, Execute, Executor, Generation, StepKind};
 pub use relay::{Delivered, Event, RelayEnd, relay};

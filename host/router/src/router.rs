@@ -42,12 +42,14 @@ use switchyard_contract::{
     Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError, PolicyContext,
     PolicyRequest, TranslateError, ValidPlan, validate,
 };
+use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, Prompt, Usage};
 use switchyard_wire::sse::SseError;
 
 use crate::microserving::CallError;
 use crate::plan::{
-    AttemptId, Delivered, Event, ExecError, Execute, Executor, RelayEnd, StepKind, relay,
+    AttemptBody, AttemptId, Delivered, Event, ExecError, Execute, Executor, RelayEnd, StepKind,
+    relay,
 };
 
 mod budget;
@@ -230,6 +232,8 @@ pub struct RouteRequest {
     pub headers: Vec<(String, String)>,
     /// Sampling parameters; prompt, max_tokens and user are set per attempt.
     pub template: CompletionRequest,
+    /// The client's own body, for engines that take it as it came (vLLM, SGLang, OpenAI).
+    pub client: Option<Arc<ClientBody>>,
     pub arrived: Instant,
 }
 
@@ -500,9 +504,14 @@ impl<E: Execute> Router<E> {
         let mut prompt = req.prompt.clone();
         prompt.extend_from_slice(&continued);
         let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
-        let mut body = req.template.clone();
-        body.prompt = Prompt::Tokens(prompt);
-        body.max_tokens = Some(remaining);
+        let mut tokens = req.template.clone();
+        tokens.prompt = Prompt::Tokens(prompt);
+        tokens.max_tokens = Some(remaining);
+        let body = AttemptBody {
+            tokens,
+            // Once the client has text, only the token-id prompt continues it exactly.
+            client: req.client.clone().filter(|_| continued.is_empty()),
+        };
         let id = AttemptId::new(&req.request_id, attempt);
         let mut generation = match self.executor.execute(&plan, body, &id).await {
             Ok(g) => g,

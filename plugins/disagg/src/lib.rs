@@ -6,10 +6,19 @@
 //! addition follows operator roles, skips unhealthy endpoints and avoids the endpoint a retry
 //! failed on.
 //!
+//! It serves every protocol unchanged: it chooses *where* (a prefill endpoint, then a decode
+//! endpoint of the same protocol that may decode); on MLC it plans MLC's microserving steps
+//! with the `pd_balance_factor` window, elsewhere a `handoff`, which the router runs as vLLM's
+//! NIXL handoff or SGLang's bootstrap handoff (only MLC has KV windows). With no pair to be had, one
+//! endpoint that serves alone gets the whole request (never an SGLang prefill or decode
+//! engine, nor a vLLM prefill one); with none, the client gets 503.
+//!
 //! Config: `{"pd_balance_factor": f}` with `0 <= f < 1` (default 0).
 
-use switchyard_policy::select::{balance_end, candidates, least_loaded};
-use switchyard_policy::types::{Context, Endpoint, Request, Role, State};
+use switchyard_policy::select::{
+    balance_end, can_decode, can_prefill, candidates, healthy, least_loaded, serves_alone,
+};
+use switchyard_policy::types::{Context, Endpoint, Protocol, Request, Role, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Prefill on one endpoint, decode on the least-loaded other one.
@@ -37,32 +46,62 @@ impl Policy for Disagg {
     }
 
     fn translate(&mut self, request: &Request, context: &Context) -> Result<Plan, PolicyError> {
-        let usable = candidates(context);
-        let Some(prefill) = pick_prefill(&usable) else {
-            return Err(PolicyError::Unavailable("no healthy endpoint".into()));
+        // A retry avoids the endpoint that just failed while others can do the work: first a
+        // pair without it, else one endpoint without it serving alone; only then, since roles
+        // bind on vLLM and SGLang and a lone pair has no stand-in, the pair that failed.
+        let preferred = candidates(context);
+        let all: Vec<&Endpoint> = healthy(&context.endpoints).collect();
+        let serve_alone = |usable: &[&Endpoint]| {
+            least_loaded(usable.iter().copied(), serves_alone).map(|e| Plan::forward(e.id))
         };
-        let Some(decode) = pick_decode(&usable, prefill.id) else {
-            // One usable endpoint: it serves the request alone.
-            return Ok(Plan::forward(prefill.id));
-        };
-        let end = balance_end(request.prompt_len, self.pd_balance_factor);
-        Ok(Plan::disagg(prefill.id, decode.id, end))
+        let plan = self
+            .pair(request, &preferred)
+            .or_else(|| serve_alone(&preferred))
+            .or_else(|| self.pair(request, &all))
+            .or_else(|| serve_alone(&all));
+        plan.ok_or_else(|| {
+            PolicyError::Unavailable("no healthy endpoint can serve the request".into())
+        })
     }
 }
 
-/// The first endpoint whose role is `prefill`; else endpoint 0 as in MLC; else the lowest id.
-/// `usable` is healthy and in id order.
-fn pick_prefill<'a>(usable: &[&'a Endpoint]) -> Option<&'a Endpoint> {
-    usable
-        .iter()
-        .find(|e| e.role == Role::Prefill)
-        .or_else(|| usable.first())
-        .copied()
+impl Disagg {
+    /// A disaggregated plan on a pair of `usable` endpoints, if there is one.
+    fn pair(&self, request: &Request, usable: &[&Endpoint]) -> Option<Plan> {
+        let prefill = pick_prefill(usable)?;
+        let decode = pick_decode(usable, prefill)?;
+        if prefill.protocol == Protocol::Mlc {
+            // MLC's own plan, window and all (with factor 0 it is what a handoff runs).
+            let end = balance_end(request.prompt_len, self.pd_balance_factor);
+            return Some(Plan::disagg(prefill.id, decode.id, end));
+        }
+        Some(Plan::handoff(prefill.id, decode.id))
+    }
 }
 
-/// The least-loaded other endpoint, preferring those not reserved for prefill.
-fn pick_decode<'a>(usable: &[&'a Endpoint], prefill: u32) -> Option<&'a Endpoint> {
-    let others = || usable.iter().copied().filter(move |e| e.id != prefill);
+/// The first endpoint whose role is `prefill` and that has a decode partner; else endpoint 0
+/// as in MLC (the first that may prefill and has one). `usable` is healthy and in id order.
+fn pick_prefill<'a>(usable: &[&'a Endpoint]) -> Option<&'a Endpoint> {
+    let paired = || {
+        usable
+            .iter()
+            .copied()
+            .filter(|p| can_prefill(p) && pick_decode(usable, p).is_some())
+    };
+    paired()
+        .find(|e| e.role == Role::Prefill)
+        .or_else(|| paired().next())
+}
+
+/// The least-loaded other endpoint of the prefill's protocol that may decode, preferring those
+/// not reserved for prefill.
+fn pick_decode<'a>(usable: &[&'a Endpoint], prefill: &Endpoint) -> Option<&'a Endpoint> {
+    let others = || {
+        usable
+            .iter()
+            .copied()
+            .filter(move |e| e.id != prefill.id && e.protocol == prefill.protocol && can_decode(e))
+    };
     least_loaded(others(), |e| e.role != Role::Prefill).or_else(|| least_loaded(others(), |_| true))
 }
 

@@ -230,6 +230,7 @@ fn uses(plan: &Plan, id: u32) -> bool {
         Step::RemoteSend(r) => r.prefill == id || r.decode == id,
         Step::StartGenerate(g) => g.decode == id,
         Step::Forward(e) => *e == id,
+        Step::Handoff(h) => h.prefill == id || h.decode == id,
     })
 }
 
@@ -259,4 +260,81 @@ fn describes_itself_as_stateless_rust_needing_no_tokens() {
     let info = disagg(0.0).describe();
     assert_eq!((info.language.as_str(), info.prompt_tokens), ("rust", 0));
     assert_eq!(info.state, State::Stateless);
+}
+
+#[test]
+fn plans_a_handoff_on_vllm_and_sglang_pairs_whatever_the_factor() {
+    use switchyard_policy::types::Protocol;
+    for protocol in [Protocol::Vllm, Protocol::Sglang] {
+        let mut policy = disagg(0.5);
+        // 0: prefill, 1 and 2: decode (2 less loaded), 3: an MLC engine beside them.
+        let ctx = endpoints(4)
+            .protocol(0, protocol, Role::Prefill)
+            .protocol(1, protocol, Role::Decode)
+            .protocol(2, protocol, Role::Decode)
+            .with_in_flight(&[0, 3, 1, 0])
+            .context();
+        let plan = policy.translate(&request(17), &ctx);
+        assert_eq!(plan, Ok(Plan::handoff(0, 2)), "{protocol:?}");
+        check_plan(&Plan::handoff(0, 2), 17, &ctx.endpoints).expect("valid");
+    }
+}
+
+#[test]
+fn never_sends_a_plain_request_to_an_sglang_prefill_or_decode_engine() {
+    use switchyard_policy::types::Protocol;
+    let mut policy = disagg(0.0);
+    // Only the prefill engine is healthy: nobody can serve the request.
+    let ctx = endpoints(2)
+        .protocol(0, Protocol::Sglang, Role::Prefill)
+        .protocol(1, Protocol::Sglang, Role::Decode)
+        .unhealthy(1)
+        .context();
+    assert!(matches!(
+        policy.translate(&request(17), &ctx),
+        Err(PolicyError::Unavailable(_))
+    ));
+    // A vLLM prefill endpoint alone is not used either; its decode endpoint alone is.
+    let ctx = endpoints(2)
+        .protocol(0, Protocol::Vllm, Role::Prefill)
+        .protocol(1, Protocol::Vllm, Role::Decode)
+        .unhealthy(0)
+        .context();
+    assert_eq!(policy.translate(&request(17), &ctx), Ok(Plan::forward(1)));
+}
+
+#[test]
+fn pairs_within_one_protocol_in_a_mixed_cluster() {
+    use switchyard_policy::types::Protocol;
+    let mut policy = disagg(0.0);
+    // 0: an openai server, 1: a vLLM prefill, 2: an SGLang decode, 3: a vLLM decode.
+    let ctx = endpoints(4)
+        .protocol(0, Protocol::Openai, Role::Any)
+        .protocol(1, Protocol::Vllm, Role::Prefill)
+        .protocol(2, Protocol::Sglang, Role::Decode)
+        .protocol(3, Protocol::Vllm, Role::Decode)
+        .context();
+    assert_eq!(policy.translate(&request(9), &ctx), Ok(Plan::handoff(1, 3)));
+}
+
+#[test]
+fn a_lone_vllm_or_sglang_pair_is_retried_after_either_leg_failed() {
+    use switchyard_policy::types::Protocol;
+    for protocol in [Protocol::Vllm, Protocol::Sglang] {
+        let mut policy = disagg(0.0);
+        for failed in [0, 1] {
+            let ctx = endpoints(2)
+                .protocol(0, protocol, Role::Prefill)
+                .protocol(1, protocol, Role::Decode)
+                .retry(2, FailureKind::EndpointError, failed)
+                .context();
+            let plan = policy.translate(&request(17), &ctx);
+            let expected = match (protocol, failed) {
+                // A vLLM decode endpoint serves alone when its prefill just failed.
+                (Protocol::Vllm, 0) => Plan::forward(1),
+                _ => Plan::handoff(0, 1),
+            };
+            assert_eq!(plan, Ok(expected), "{protocol:?}, failed on {failed}");
+        }
+    }
 }

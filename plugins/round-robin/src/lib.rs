@@ -2,11 +2,13 @@
 //!
 //! Despite its name, MLC's `round-robin` mode sends each whole request to the endpoint with
 //! the fewest requests in flight (`_handle_completion_round_robin`). This policy does the
-//! same, skipping unhealthy endpoints and, on a retry, the endpoint that just failed.
+//! same, skipping unhealthy endpoints and, on a retry, the endpoint that just failed. Of vLLM
+//! and SGLang engines it uses those that serve a whole request alone (not a vLLM prefill
+//! endpoint, not an SGLang engine in prefill or decode mode).
 //!
 //! Config: none (`{}`).
 
-use switchyard_policy::select::{candidates, least_loaded};
+use switchyard_policy::select::{candidates, least_loaded, serves_alone};
 use switchyard_policy::types::{Context, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
@@ -25,7 +27,7 @@ impl Policy for RoundRobin {
     }
 
     fn translate(&mut self, _request: &Request, context: &Context) -> Result<Plan, PolicyError> {
-        least_loaded(candidates(context), |_| true)
+        least_loaded(candidates(context), serves_alone)
             .map(|e| Plan::forward(e.id))
             .ok_or_else(|| PolicyError::Unavailable("no healthy endpoint".into()))
     }

@@ -97,3 +97,26 @@ fn describes_itself_as_stateless() {
         .describe();
     assert_eq!(info.state, switchyard_policy::types::State::Stateless);
 }
+
+#[test]
+fn skips_engines_that_serve_only_a_leg_of_a_handoff() {
+    use switchyard_policy::types::Protocol;
+    let mut policy = round_robin();
+    // 0: SGLang prefill, 1: SGLang decode, 2: vLLM prefill (all idle), 3: an OpenAI server.
+    let ctx = endpoints(4)
+        .protocol(0, Protocol::Sglang, Role::Prefill)
+        .protocol(1, Protocol::Sglang, Role::Decode)
+        .protocol(2, Protocol::Vllm, Role::Prefill)
+        .protocol(3, Protocol::Openai, Role::Any)
+        .with_in_flight(&[0, 0, 0, 9])
+        .context();
+    assert_eq!(policy.translate(&request(5), &ctx), Ok(Plan::forward(3)));
+    let none = endpoints(2)
+        .protocol(0, Protocol::Sglang, Role::Prefill)
+        .protocol(1, Protocol::Sglang, Role::Decode)
+        .context();
+    assert!(matches!(
+        policy.translate(&request(5), &none),
+        Err(PolicyError::Unavailable(_))
+    ));
+}

@@ -5,7 +5,7 @@
 //! run again without it. A blessing run never passes, and never runs in CI (`CI` set).
 
 use super::*;
-use crate::endpoint::{EndpointSnapshot, Health, Role};
+use crate::endpoint::{EndpointSnapshot, Health, Protocol, Role};
 use std::path::{Path, PathBuf};
 
 #[derive(serde::Deserialize)]
@@ -15,14 +15,22 @@ struct Case {
     endpoints: u32,
     #[serde(default)]
     unhealthy: Vec<u32>,
+    /// Each endpoint's protocol, by id (missing: mlc).
+    #[serde(default)]
+    protocols: Vec<Protocol>,
+    /// Each endpoint's role, by id (missing: any).
+    #[serde(default)]
+    roles: Vec<Role>,
     plan: Vec<Step>,
 }
 
-fn snapshot(count: u32, unhealthy: &[u32]) -> Vec<EndpointSnapshot> {
+fn snapshot(case: &Case) -> Vec<EndpointSnapshot> {
+    let (count, unhealthy) = (case.endpoints, &case.unhealthy);
     (0..count)
         .map(|id| EndpointSnapshot {
             id,
-            role: Role::Any,
+            protocol: case.protocols.get(id as usize).copied().unwrap_or_default(),
+            role: case.roles.get(id as usize).copied().unwrap_or_default(),
             device_rank: id,
             health: if unhealthy.contains(&id) {
                 Health::NotReady
@@ -72,12 +80,9 @@ fn golden_plans() {
     for path in &cases {
         let case: Case = serde_json::from_str(&std::fs::read_to_string(path).expect("readable"))
             .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        let endpoints = snapshot(&case);
         let plan = Plan { steps: case.plan };
-        let actual = render(validate(
-            &plan,
-            case.prompt_len,
-            &snapshot(case.endpoints, &case.unhealthy),
-        ));
+        let actual = render(validate(&plan, case.prompt_len, &endpoints));
         let out = path.with_extension("out");
         let expected = std::fs::read_to_string(&out).unwrap_or_default();
         if expected == actual {

@@ -56,6 +56,45 @@ fn removed_endpoints_reach_0_1_0_guests_only() {
     assert_eq!(new, [(1, true), (2, false)]);
 }
 
+#[test]
+fn protocols_reach_0_2_0_guests_and_0_1_0_guests_see_only_mlc_endpoints() {
+    use switchyard_contract::{EndpointSnapshot, PolicyContext, Protocol};
+    let ctx = PolicyContext {
+        attempt: 1,
+        last_failure: None,
+        endpoints: (0u32..)
+            .zip(Protocol::ALL)
+            .map(|(id, protocol)| EndpointSnapshot {
+                id,
+                protocol,
+                ..EndpointSnapshot::default()
+            })
+            .collect(),
+    };
+    // A 0.1.0 policy plans microserving only: the others are listed, unhealthy, so its
+    // `endpoints[id].id == id` holds and it never plans on them.
+    let old: Vec<_> = v0_1_0::context(&ctx)
+        .endpoints
+        .iter()
+        .map(|e| (e.id, e.healthy))
+        .collect();
+    assert_eq!(old, [(0, true), (1, false), (2, false), (3, false)]);
+    let new: Vec<_> = v0_2_0::context(&ctx)
+        .endpoints
+        .iter()
+        .map(|e| (e.id, e.healthy, format!("{:?}", e.protocol)))
+        .collect();
+    assert_eq!(
+        new,
+        [
+            (0, true, "Protocol::Mlc".to_owned()),
+            (1, true, "Protocol::Vllm".to_owned()),
+            (2, true, "Protocol::Sglang".to_owned()),
+            (3, true, "Protocol::Openai".to_owned()),
+        ]
+    );
+}
+
 // === components of both contract versions ===
 
 fn load(guest: Guest, name: &str, config: Option<&str>) -> Policy {

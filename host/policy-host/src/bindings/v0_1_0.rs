@@ -13,15 +13,17 @@ pub(super) use generated::{Policy as Guest, PolicyImports as GuestImports, Polic
 
 use generated::switchyard::policy::types as wit;
 
-super::shared_with_v0_1_0!(stateless: |_| false);
+super::shared_with_v0_1_0!(stateless: |_| false, steps_beyond_v0_1_0: {});
 
 /// Every endpoint, removed ones included (unhealthy): 0.1.0 promises `endpoints[id].id == id`.
+/// A 0.1.0 policy plans MLC microserving and nothing else, so an endpoint speaking another
+/// protocol is listed as unhealthy too: the policy never plans on it.
 fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> {
     Some(wit::Endpoint {
         id: e.id,
         role: role(e.role),
         device_rank: e.device_rank,
-        healthy: e.health.is_healthy(),
+        healthy: e.health.is_healthy() && e.protocol == switchyard_contract::Protocol::Mlc,
         in_flight: e.in_flight,
         kv_usage: e.kv_usage,
     })

@@ -1,7 +1,8 @@
 //! `switchyard:policy@0.2.0` (`wit/policy.wit`), the newest contract: 0.1.0 plus a policy's
 //! declaration of whether it keeps state between calls (`policy-info.state`), why an endpoint
 //! is down (`endpoint.down-reason`), the load each engine reports (`endpoint.running`,
-//! `endpoint.waiting`) and a key every router replica agrees on (`endpoint.address-hash`).
+//! `endpoint.waiting`), a key every router replica agrees on (`endpoint.address-hash`), and
+//! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any.
 
 mod generated {
     wasmtime::component::bindgen!({
@@ -14,13 +15,21 @@ pub(super) use generated::{Policy as Guest, PolicyImports as GuestImports, Polic
 
 use generated::switchyard::policy::types as wit;
 
-super::shared_with_v0_1_0!(stateless: |info| info.state == wit::State::Stateless);
+super::shared_with_v0_1_0!(
+    stateless: |info| info.state == wit::State::Stateless,
+    steps_beyond_v0_1_0: {
+        wit::Step::Handoff(h) => Step::Handoff {
+            prefill: h.prefill,
+            decode: h.decode,
+        },
+    }
+);
 
 /// The endpoint as a 0.2.0 policy sees it; `None` for a removed one, which 0.2.0 leaves out
 /// (ids are never reused, so a long-lived router would otherwise send every endpoint it ever
 /// had across the sandbox boundary on every call).
 fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> {
-    use switchyard_contract::Health;
+    use switchyard_contract::{Health, Protocol};
     let down_reason = match e.health {
         Health::Removed => return None,
         Health::Healthy => None,
@@ -30,6 +39,12 @@ fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> 
     };
     Some(wit::Endpoint {
         id: e.id,
+        protocol: match e.protocol {
+            Protocol::Mlc => wit::Protocol::Mlc,
+            Protocol::Vllm => wit::Protocol::Vllm,
+            Protocol::Sglang => wit::Protocol::Sglang,
+            Protocol::Openai => wit::Protocol::Openai,
+        },
         role: role(e.role),
         device_rank: e.device_rank,
         healthy: e.health.is_healthy(),

@@ -54,22 +54,31 @@ pub fn livez() -> Response<Body> {
     json_response(StatusCode::OK, &json!({"status": "alive"}))
 }
 
-/// The served model, OpenAI-style, with its context length under vLLM's name
-/// (`max_model_len`); 503 until ready (MLC's readiness check is this route).
+/// Every model the router serves, OpenAI-style: the served model (with its context length
+/// under vLLM's name, `max_model_len`), the names mapped to policies, and those the endpoints
+/// list (a mixed cluster serves several). 503 until ready (MLC's readiness check is this route).
 pub fn models(state: &AppState) -> Response<Body> {
     if !state.is_ready() {
         return ApiError::NotReady("too few endpoints are healthy").response();
     }
-    json_response(
-        StatusCode::OK,
-        &json!({"object": "list", "data": [{
-            "id": state.model,
-            "object": "model",
-            "created": 0,
-            "owned_by": "switchyard",
-            "max_model_len": state.limits.context_length,
-        }]}),
-    )
+    let mut data = vec![json!({
+        "id": state.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "switchyard",
+        "max_model_len": state.limits.context_length,
+    })];
+    let mut others: Vec<String> = state.models.clone();
+    others.extend(state.router.executor().cluster().models());
+    others.sort_unstable();
+    others.dedup();
+    data.extend(
+        others
+            .into_iter()
+            .filter(|m| *m != state.model)
+            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard"})),
+    );
+    json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 
 /// The router's metrics followed by the policy registry's.

@@ -33,6 +33,14 @@ impl Shape {
         }
     }
 
+    /// The route as the engines' wire types name it.
+    pub fn wire_route(self) -> switchyard_wire::client::Route {
+        match self {
+            Shape::Completion => switchyard_wire::client::Route::Completions,
+            Shape::Chat => switchyard_wire::client::Route::Chat,
+        }
+    }
+
     pub fn route(self) -> &'static str {
         match self {
             Shape::Completion => "/v1/completions",
@@ -326,43 +334,7 @@ fn one_prompt(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, A
 }
 
 fn chat_messages(messages: &Value) -> Result<Vec<ChatMessage>, ApiError> {
-    let Value::Array(items) = messages else {
-        return Err(ApiError::invalid(
-            "messages",
-            "messages must be a list of messages",
-        ));
-    };
-    if items.is_empty() {
-        return Err(ApiError::invalid("messages", "messages must not be empty"));
-    }
-    items
-        .iter()
-        .map(|m| {
-            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                ApiError::invalid("messages", "every message needs a string role")
-            })?;
-            let content = match m.get("content") {
-                None | Some(Value::Null) => String::new(),
-                Some(Value::String(s)) => s.clone(),
-                // Content parts: keep the text ones.
-                Some(Value::Array(parts)) => parts
-                    .iter()
-                    .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
-                    .filter_map(|p| p.get("text").and_then(Value::as_str))
-                    .collect(),
-                Some(_) => {
-                    return Err(ApiError::invalid(
-                        "messages",
-                        "message content must be a string or a list of parts",
-                    ));
-                }
-            };
-            Ok(ChatMessage {
-                role: role.to_owned(),
-                content,
-            })
-        })
-        .collect()
+    ChatMessage::read_all(messages).map_err(|reason| ApiError::invalid("messages", reason))
 }
 
 /// At least 1; a number too large for any context is refused by the length check (as

@@ -67,9 +67,9 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         if endpoint.is_removed() {
             return;
         }
-        let engine = endpoint.upstream.clone();
+        let (engine, protocol) = (endpoint.upstream.clone(), endpoint.protocol);
         drop(endpoint);
-        let models = client.ready(&engine).await;
+        let models = client.ready(&engine, protocol).await;
         let ok = models.is_some();
         let load = match ok {
             true => client

@@ -5,7 +5,8 @@
 //! |---|---|
 //! | `status.podIP` + the container port named `http` (or annotation `switchyard.io/port`) | URL `http://<podIP>:<port>` |
 //! | label `switchyard.io/role` (else `llm-d.ai/role`): `prefill`, `decode`, `any`/`both` | role (default `any`) |
-//! | annotation `switchyard.io/protocol`: `mlc` (default); `vllm`, `sglang`, `openai` not yet | skipped unless `mlc` |
+//! | annotation `switchyard.io/protocol`: `mlc` (default), `vllm`, `sglang`, `openai` | protocol |
+//! | annotation `sglang.ai/bootstrap-port` (SGLang's router reads it too) | an SGLang prefill's bootstrap port |
 //! | that container's `nvidia.com/gpu` limit | GPU count (default 1) |
 //! | annotation `switchyard.io/device-rank` | MLC device rank (default: the prefix sum) |
 //!
@@ -15,7 +16,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use k8s_openapi::api::core::v1::{Container, Pod};
-use switchyard_contract::Role;
+use switchyard_contract::{Protocol, Role};
 
 use crate::cluster::EndpointSpec;
 
@@ -25,6 +26,8 @@ pub const LLMD_ROLE_LABEL: &str = "llm-d.ai/role";
 pub const PORT_ANNOTATION: &str = "switchyard.io/port";
 pub const PROTOCOL_ANNOTATION: &str = "switchyard.io/protocol";
 pub const DEVICE_RANK_ANNOTATION: &str = "switchyard.io/device-rank";
+/// SGLang's own annotation for a prefill pod's bootstrap port (SMG's service discovery).
+pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 /// The container port an engine serves on, by name.
 pub const PORT_NAME: &str = "http";
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -46,14 +49,17 @@ pub enum Skip {
     BadPort(String),
     #[error("`{label}` {value:?} is not prefill, decode, any or both")]
     BadRole { label: &'static str, value: String },
-    #[error("`{PROTOCOL_ANNOTATION}` {0:?}: this router serves only mlc engines so far")]
-    UnservedProtocol(String),
     #[error("`{PROTOCOL_ANNOTATION}` {0:?} is not mlc, vllm, sglang or openai")]
     BadProtocol(String),
     #[error("`{DEVICE_RANK_ANNOTATION}` {0:?} is not a number")]
     BadDeviceRank(String),
     #[error("the `{GPU_RESOURCE}` limit {0:?} is not a whole number of at least 1")]
     BadGpus(String),
+    #[error("`{BOOTSTRAP_PORT_ANNOTATION}` {0:?} is not one port number")]
+    BadBootstrapPort(String),
+    /// The endpoint it describes is unusable (an SGLang prefill without a bootstrap port).
+    #[error("{0}")]
+    Unusable(String),
 }
 
 impl Skip {
@@ -80,7 +86,6 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         .and_then(|s| s.pod_ip.as_deref())
         .and_then(|ip| ip.parse().ok())
         .ok_or(Skip::NoIp)?;
-    protocol(pod)?;
     let container = serving_container(pod);
     let port = port(pod, container)?;
     let spec = EndpointSpec {
@@ -89,7 +94,10 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         num_gpus: gpus(container)?,
         device_rank: device_rank(pod)?,
         api_key: None,
+        protocol: protocol(pod)?,
+        bootstrap_port: bootstrap_port(pod)?,
     };
+    spec.check().map_err(Skip::Unusable)?;
     Ok((uid.into(), spec))
 }
 
@@ -116,13 +124,22 @@ fn label<'a>(pod: &'a Pod, key: &str) -> Option<&'a str> {
     pod.metadata.labels.as_ref()?.get(key).map(String::as_str)
 }
 
-/// Only MLC engines are served today; the other protocols' backends are still to come, so
-/// their pods are skipped rather than sent requests they would not understand.
-fn protocol(pod: &Pod) -> Result<(), Skip> {
+fn protocol(pod: &Pod) -> Result<Protocol, Skip> {
     match annotation(pod, PROTOCOL_ANNOTATION) {
-        None | Some("mlc") => Ok(()),
-        Some(p @ ("vllm" | "sglang" | "openai")) => Err(Skip::UnservedProtocol(p.to_owned())),
-        Some(other) => Err(Skip::BadProtocol(other.to_owned())),
+        None => Ok(Protocol::Mlc),
+        Some(p) => p.parse().map_err(|_| Skip::BadProtocol(p.to_owned())),
+    }
+}
+
+/// One port: SGLang's router also takes a comma list matching a pod's worker ports, but a pod
+/// is one endpoint here (its `http` port).
+fn bootstrap_port(pod: &Pod) -> Result<Option<u16>, Skip> {
+    let Some(value) = annotation(pod, BOOTSTRAP_PORT_ANNOTATION) else {
+        return Ok(None);
+    };
+    match value.trim().parse::<u16>() {
+        Ok(port) if port > 0 => Ok(Some(port)),
+        _ => Err(Skip::BadBootstrapPort(value.to_owned())),
     }
 }
 
@@ -244,6 +261,8 @@ mod tests {
                 num_gpus: 2,
                 device_rank: None,
                 api_key: None,
+                protocol: Protocol::Mlc,
+                bootstrap_port: None,
             }
         );
         let v6 = pod(|p| p["status"]["podIP"] = json!("fd00::7"));
@@ -287,19 +306,40 @@ mod tests {
     }
 
     #[test]
-    fn only_mlc_is_served_and_unknown_protocols_are_errors() {
-        let with = |protocol: &str| {
-            let protocol = protocol.to_owned();
-            pod(move |p| p["metadata"]["annotations"]["switchyard.io/protocol"] = json!(protocol))
+    fn the_protocol_and_bootstrap_port_come_from_annotations() {
+        let with = |annotations: serde_json::Value, role: &str| {
+            let role = role.to_owned();
+            pod(move |p| {
+                p["metadata"]["annotations"] = annotations;
+                p["metadata"]["labels"] = json!({"switchyard.io/role": role});
+            })
         };
-        assert!(endpoint(&with("mlc")).is_ok());
-        for later in ["vllm", "sglang", "openai"] {
-            let skip = endpoint(&with(later)).expect_err("not served yet");
-            assert_eq!(skip, Skip::UnservedProtocol(later.into()));
-            assert!(skip.is_misconfigured());
+        assert_eq!(spec_of(&with(json!({}), "any")).protocol, Protocol::Mlc);
+        for protocol in Protocol::ALL {
+            let annotations = json!({"switchyard.io/protocol": protocol.name()});
+            assert_eq!(spec_of(&with(annotations, "decode")).protocol, protocol);
         }
+        let sglang_prefill = with(
+            json!({"switchyard.io/protocol": "sglang", "sglang.ai/bootstrap-port": "8998"}),
+            "prefill",
+        );
+        assert_eq!(spec_of(&sglang_prefill).bootstrap_port, Some(8998));
+        let without_port = with(json!({"switchyard.io/protocol": "sglang"}), "prefill");
+        let skip = endpoint(&without_port).expect_err("needs a bootstrap port");
+        assert!(
+            matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
+            "{skip}"
+        );
+        let two_ports = with(
+            json!({"switchyard.io/protocol": "sglang", "sglang.ai/bootstrap-port": "8998,8999"}),
+            "prefill",
+        );
         assert_eq!(
-            endpoint(&with("grpc")),
+            endpoint(&two_ports),
+            Err(Skip::BadBootstrapPort("8998,8999".into()))
+        );
+        assert_eq!(
+            endpoint(&with(json!({"switchyard.io/protocol": "grpc"}), "any")),
             Err(Skip::BadProtocol("grpc".into()))
         );
     }

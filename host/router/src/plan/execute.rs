@@ -1,5 +1,5 @@
-//! Runs a [`ValidPlan`] against the engines: prep-recv → remote-send → start-generate, or one
-//! forward. Each step is one named function in its own tracing span (request id, attempt,
+//! Runs a [`ValidPlan`] against the engines: MLC's prep-recv → remote-send → start-generate,
+//! vLLM's and SGLang's handoffs (in [`super::handoff`]), or one forward. Each step is one named function in its own tracing span (request id, attempt,
 //! endpoint). The generation is returned as a stream and never buffered: the relay hands each
 //! chunk to the client as it arrives.
 //!
@@ -26,7 +26,9 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::Instrument;
 
-use switchyard_contract::{EndpointId, FailureKind, ValidPlan};
+use serde_json::{Map, Value};
+use switchyard_contract::{EndpointId, FailureKind, Protocol, ValidPlan};
+use switchyard_wire::client::{ClientBody, Route};
 use switchyard_wire::completion::CompletionRequest;
 use switchyard_wire::microserving::{
     PrepRecvRequest, PrepRecvResponse, RemoteSendRequest, StartGenerateRequest,
@@ -45,6 +47,10 @@ pub enum StepKind {
     RemoteSend,
     StartGenerate,
     Forward,
+    /// The prefill leg of a vLLM or SGLang handoff.
+    PrefillLeg,
+    /// The decode leg of a vLLM or SGLang handoff, up to its answer's head.
+    DecodeLeg,
     /// Reading the generation stream after it started.
     Relay,
 }
@@ -56,6 +62,8 @@ impl std::fmt::Display for StepKind {
             StepKind::RemoteSend => "remote_send",
             StepKind::StartGenerate => "start_generate",
             StepKind::Forward => "forward",
+            StepKind::PrefillLeg => "prefill leg",
+            StepKind::DecodeLeg => "decode leg",
             StepKind::Relay => "relay",
         })
     }
@@ -144,6 +152,52 @@ impl AttemptId {
     }
 }
 
+/// What one attempt sends.
+#[derive(Debug, Clone)]
+pub struct AttemptBody {
+    /// The request as token ids, with the router's sampling fields: what MLC engines get, and
+    /// what every engine gets once a stream is continued (prompt plus the tokens delivered).
+    pub tokens: CompletionRequest,
+    /// The client's own body, until the client has seen a token: what vLLM, SGLang and OpenAI
+    /// engines get (their protocols change it per leg; chat stays chat).
+    pub client: Option<Arc<ClientBody>>,
+}
+
+impl AttemptBody {
+    /// The route and body of a leg to an engine speaking `protocol` (not MLC): the client's
+    /// body, or, for a continuation, the token-id prompt on `/v1/completions`. A streaming leg
+    /// asks for the generated ids (`return_token_ids`, on every leg of the handoff: the specs
+    /// want both legs' bodies alike) so that a broken stream is continued from exactly what
+    /// was delivered; SGLang refuses the field on streamed chat, and a plain OpenAI server may
+    /// refuse any field it does not know, so those are continued from the re-tokenized text.
+    pub(super) fn leg(&self, protocol: Protocol) -> (&'static str, Map<String, Value>) {
+        let (route, mut fields) = match &self.client {
+            Some(client) => (client.route, client.fields().clone()),
+            None => (Route::Completions, continuation_fields(&self.tokens)),
+        };
+        let streams = fields.get("stream").and_then(Value::as_bool) == Some(true);
+        let wants_ids = match protocol {
+            Protocol::Vllm => true,
+            Protocol::Sglang => route == Route::Completions,
+            Protocol::Mlc | Protocol::Openai => false,
+        };
+        if streams && wants_ids {
+            fields.insert("return_token_ids".into(), Value::Bool(true));
+        }
+        (route.path(), fields)
+    }
+}
+
+/// A continuation's body for a non-MLC engine: the token-id prompt and the router's sampling
+/// fields, without the nulls and MLC-only fields an MLC body spells out.
+fn continuation_fields(tokens: &CompletionRequest) -> Map<String, Value> {
+    let Ok(Value::Object(mut fields)) = serde_json::to_value(tokens) else {
+        unreachable!("a CompletionRequest serializes to an object");
+    };
+    fields.retain(|name, value| !value.is_null() && name != "debug_config" && name != "user");
+    fields
+}
+
 /// A generation in progress: the engine's chunks plus what the relay and metrics need.
 pub struct Generation {
     pub chunks: ChunkStream,
@@ -197,7 +251,7 @@ pub trait Execute: Send + Sync + 'static {
     fn execute(
         &self,
         plan: &ValidPlan,
-        body: CompletionRequest,
+        body: AttemptBody,
         id: &AttemptId,
     ) -> impl Future<Output = Result<Generation, ExecError>> + Send;
 }
@@ -210,7 +264,7 @@ impl Execute for Executor {
     fn execute(
         &self,
         plan: &ValidPlan,
-        body: CompletionRequest,
+        body: AttemptBody,
         id: &AttemptId,
     ) -> impl Future<Output = Result<Generation, ExecError>> + Send {
         Executor::execute(self, plan, body, id)
@@ -233,6 +287,10 @@ impl Executor {
         &self.cluster
     }
 
+    pub(super) fn client(&self) -> &EngineClient {
+        &self.client
+    }
+
     /// Add an endpoint to the live list and start probing it: it serves once its probe
     /// answers.
     pub fn add_endpoint(&self, spec: &EndpointSpec, owner: Owner) -> Result<u32, EndpointError> {
@@ -241,17 +299,46 @@ impl Executor {
         Ok(id)
     }
 
-    /// Run `plan` for `body` (prompt, sampling, max_tokens; `user` is set here). Returns once
-    /// the generating engine has answered with its response headers.
+    /// Run `plan` for `body` (on MLC legs, `user` is set to the attempt's upstream id here).
+    /// Returns once the generating engine has answered with its response headers.
     pub async fn execute(
         &self,
         plan: &ValidPlan,
-        mut body: CompletionRequest,
+        body: AttemptBody,
         id: &AttemptId,
     ) -> Result<Generation, ExecError> {
+        let AttemptBody {
+            tokens: mut body,
+            client,
+        } = body;
         body.user = Some(id.upstream_id.clone());
         match *plan {
-            ValidPlan::Forward { endpoint } => self.forward(endpoint, body, id).await,
+            ValidPlan::Forward { endpoint } => {
+                match self.cluster.protocol(endpoint).unwrap_or_default() {
+                    Protocol::Mlc => self.forward(endpoint, body, id).await,
+                    protocol => {
+                        let body = AttemptBody {
+                            tokens: body,
+                            client,
+                        };
+                        self.forward_leg(endpoint, protocol, &body, id).await
+                    }
+                }
+            }
+            ValidPlan::Vllm { prefill, decode } => {
+                let body = AttemptBody {
+                    tokens: body,
+                    client,
+                };
+                self.vllm_handoff(prefill, decode, &body, id).await
+            }
+            ValidPlan::Sglang { prefill, decode } => {
+                let body = AttemptBody {
+                    tokens: body,
+                    client,
+                };
+                self.sglang_handoff(prefill, decode, &body, id).await
+            }
             ValidPlan::Disagg {
                 decode,
                 end,
@@ -411,7 +498,7 @@ impl Executor {
     /// Wrap a call result and tell the cluster how the endpoint did: a success, a failure
     /// that counts toward ejecting it, or, when it could not be reached at all, a sign it is
     /// down until its probe answers again.
-    fn check<T>(
+    pub(super) fn check<T>(
         &self,
         result: Result<T, CallError>,
         endpoint: EndpointId,
@@ -439,7 +526,7 @@ impl Executor {
         }
     }
 
-    fn upstream(
+    pub(super) fn upstream(
         &self,
         endpoint: EndpointId,
         step: StepKind,
@@ -450,7 +537,7 @@ impl Executor {
             .ok_or_else(|| self.unknown(endpoint, step, id))
     }
 
-    fn guard(
+    pub(super) fn guard(
         &self,
         endpoint: EndpointId,
         step: StepKind,
@@ -462,7 +549,7 @@ impl Executor {
     }
 
     /// A detached call's task ended without an answer (it panicked, or the runtime is going).
-    fn lost(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> ExecError {
+    pub(super) fn lost(&self, endpoint: EndpointId, step: StepKind, id: &AttemptId) -> ExecError {
         ExecError {
             endpoint,
             step,
@@ -546,7 +633,9 @@ impl Drop for Reservation {
 /// An answer nobody reads is dropped: answers clean up after themselves when dropped (an armed
 /// [`Reservation`] frees its pages, a stream hangs up). `None`: the task ended without an
 /// answer.
-async fn detached<T: Send + 'static>(call: impl Future<Output = T> + Send + 'static) -> Option<T> {
+pub(super) async fn detached<T: Send + 'static>(
+    call: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(async move {
         // Nobody listening: the answer is dropped here.

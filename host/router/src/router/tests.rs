@@ -18,7 +18,7 @@ use switchyard_wire::sse::ChunkStream;
 
 use super::*;
 use crate::cluster::{Cluster, EndpointSpec, OutlierConfig};
-use crate::plan::Generation;
+use crate::plan::{AttemptBody, Generation};
 
 const REQUEST_ID: &str = "cmpl-0123456789abcdef0123456789abcdef";
 
@@ -104,9 +104,10 @@ impl Execute for FakeExecutor {
     async fn execute(
         &self,
         plan: &ValidPlan,
-        body: CompletionRequest,
+        body: AttemptBody,
         id: &AttemptId,
     ) -> Result<Generation, ExecError> {
+        let body = body.tokens;
         let ValidPlan::Forward { endpoint } = *plan else {
             panic!("the fake planner only forwards: {plan:?}");
         };
@@ -177,8 +178,11 @@ fn chunk(text: &str, finish_reason: Option<&str>) -> Result<CompletionResponse, 
             finish_reason: finish_reason.map(str::to_owned),
             logprobs: None,
             token_ids: None,
+            delta: None,
+            message: None,
         }],
         usage: None,
+        error: None,
     })
 }
 
@@ -212,6 +216,7 @@ fn engine_usage(
         model: None,
         choices: Vec::new(),
         usage: Some(Usage::new(prompt_tokens, completion_tokens).into()),
+        error: None,
     })
 }
 
@@ -258,6 +263,8 @@ impl Harness {
             num_gpus: 1,
             device_rank: None,
             api_key: None,
+            protocol: switchyard_contract::Protocol::Mlc,
+            bootstrap_port: None,
         };
         let cluster = Arc::new(Cluster::new(
             vec![spec(1), spec(2)],
@@ -295,6 +302,7 @@ impl Harness {
             user: None,
             headers: Vec::new(),
             template: CompletionRequest::new(Vec::new(), 0, String::new()),
+            client: None,
             arrived: Instant::now(),
         }
     }
