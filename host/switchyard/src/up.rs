@@ -1,6 +1,6 @@
 //! `switchyard up`: the embedded default (`make run`). Starts `--prefill` + `--decode`
 //! reference engines as child processes of this one (device ranks 0..N, KV peers wired over
-//! the shm transport), runs the router in-process in front of them, prints the URL and a
+//! the shm transport), speaking `--protocol` (MLC microserving, vLLM's or SGLang's P/D), runs the router in-process in front of them, prints the URL and a
 //! ready-to-paste request once ready, and stops everything on SIGINT/SIGTERM: the router drains
 //! first (the engines serve its requests in flight to the end), then each engine gets SIGTERM,
 //! SIGKILL if it has not exited within [`ENGINE_STOP_TIMEOUT`], and is waited for.
@@ -19,7 +19,6 @@ use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
-use switchyard_contract::Role;
 use switchyard_router::config::{Config, ConfigError, RouterArgs, ServeArgs};
 use switchyard_router::serve::{self, ServeError};
 use switchyard_wire::ReadyLine;
@@ -45,6 +44,11 @@ pub struct UpArgs {
     /// Threads per engine for a real model (default: the machine's cores split evenly).
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
+    /// The protocol the engines speak, and the router with them: `mlc` (microserving),
+    /// `vllm` (NIXL-style handoff: the decode engine pulls the prefill's leased KV) or `sglang`
+    /// (bootstrap rooms: prefill engines run a bootstrap server and push the KV).
+    #[arg(long, default_value = "mlc", value_parser = ["mlc", "vllm", "sglang"])]
+    pub protocol: String,
     /// An extra flag for every engine, e.g. `--engine-arg=--preempt-every=2` (repeatable).
     #[arg(long = "engine-arg", allow_hyphen_values = true)]
     pub engine_args: Vec<String>,
@@ -82,6 +86,8 @@ const ENGINE_STOP_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct EngineChild {
     pub rank: u32,
     pub url: String,
+    /// An SGLang prefill engine's bootstrap port.
+    pub bootstrap_port: Option<u16>,
     /// `kill_on_drop`: the engine dies with this handle.
     child: Child,
 }
@@ -149,18 +155,14 @@ pub async fn run(
     if engine_count == 0 {
         return Err(UpError::NoEngines);
     }
-    let placeholders = (1..=engine_count)
-        .map(|port| format!("http://127.0.0.1:{port}"))
+    let placeholders = (0..engine_count)
+        .map(|rank| endpoint_flag(&args, rank, "http://127.0.0.1:1", Some(1)))
         .collect();
     let mut config = Config::from_args(&serve_args(&args, placeholders))?;
     let engines = spawn_engines(&args, &model).await?;
-    for ((i, endpoint), engine) in config.endpoints.iter_mut().enumerate().zip(&engines) {
+    for (endpoint, engine) in config.endpoints.iter_mut().zip(&engines) {
         endpoint.url.clone_from(&engine.url);
-        endpoint.role = if (i as u32) < args.prefill {
-            Role::Prefill
-        } else {
-            Role::Decode
-        };
+        endpoint.bootstrap_port = engine.bootstrap_port;
     }
     let router = serve::start(&config).await?;
     let ready_within = Duration::from_secs(30);
@@ -172,6 +174,17 @@ pub async fn run(
     let drained = router.shutdown_or_hurry(hurry).await;
     stop_engines(engines).await;
     Ok(drained?)
+}
+
+/// Engine `rank`'s `--endpoint` flag: the first `--prefill` ranks prefill, the rest decode.
+fn endpoint_flag(args: &UpArgs, rank: u32, url: &str, bootstrap_port: Option<u16>) -> String {
+    let prefill = rank < args.prefill;
+    let role = if prefill { "prefill" } else { "decode" };
+    let mut flag = format!("{}+{url},role={role}", args.protocol);
+    if let (true, "sglang", Some(port)) = (prefill, args.protocol.as_str(), bootstrap_port) {
+        flag.push_str(&format!(",bootstrap_port={port}"));
+    }
+    flag
 }
 
 fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
@@ -223,6 +236,13 @@ pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild
         if args.prefix_cache {
             cmd.arg("--prefix-cache");
         }
+        cmd.args(["--protocol", &args.protocol]);
+        if args.protocol == "sglang" {
+            match rank < args.prefill {
+                true => cmd.args(["--disaggregation-mode", "prefill", "--bootstrap-port", "0"]),
+                false => cmd.args(["--disaggregation-mode", "decode"]),
+            };
+        }
         if model != "synthetic" {
             cmd.args(["--model", model]);
             let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
@@ -247,7 +267,7 @@ pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild
     }
     let mut started = Vec::with_capacity(n as usize);
     for (rank, mut child) in (0..n).zip(engines) {
-        let url = tokio::time::timeout(ENGINE_READY_TIMEOUT, ready_url(&mut child))
+        let ready = tokio::time::timeout(ENGINE_READY_TIMEOUT, ready_line(&mut child))
             .await
             .ok()
             .flatten()
@@ -255,14 +275,19 @@ pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild
                 rank,
                 after: ENGINE_READY_TIMEOUT,
             })?;
-        started.push(EngineChild { rank, url, child });
+        started.push(EngineChild {
+            rank,
+            url: ready.url(),
+            bootstrap_port: ready.bootstrap_port,
+            child,
+        });
     }
     Ok(started)
 }
 
 /// Read the child's stdout until its ready line; keep draining it afterwards so the engine
 /// never blocks on a full pipe.
-async fn ready_url(child: &mut Child) -> Option<String> {
+async fn ready_line(child: &mut Child) -> Option<ReadyLine> {
     let stdout = child.stdout.take()?;
     let mut lines = BufReader::new(stdout).lines();
     while let Ok(Some(line)) = lines.next_line().await {
@@ -272,7 +297,7 @@ async fn ready_url(child: &mut Child) -> Option<String> {
                     println!("{line}");
                 }
             });
-            return Some(ready.url());
+            return Some(ready);
         }
         println!("{line}");
     }
