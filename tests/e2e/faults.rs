@@ -279,7 +279,7 @@ pub(crate) async fn endpoint_row(router: &RouterProcess, id: usize) -> Value {
     post_or_get(&router.endpoint("/admin/endpoints")).await["endpoints"][id].clone()
 }
 
-async fn wait_health(router: &RouterProcess, id: usize, healthy: bool) {
+pub(crate) async fn wait_health(router: &RouterProcess, id: usize, healthy: bool) {
     eventually(Duration::from_secs(30), || async {
         let row = endpoint_row(router, id).await;
         (row["healthy"] != healthy).then(|| format!("endpoint {id}: {row}"))

@@ -1,4 +1,5 @@
 mod backends;
+mod continuation;
 mod edge;
 mod engine;
 mod examples;

@@ -712,7 +712,7 @@ where
 }
 
 /// The router's in-flight count per endpoint (`/admin/endpoints`).
-async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
+pub(crate) async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
     let endpoints = post_or_get(&router.endpoint("/admin/endpoints")).await;
     endpoints["endpoints"]
         .as_array()
@@ -1143,7 +1143,7 @@ async fn every_leg_carries_exactly_the_spec_fields() {
 }
 
 /// POST a streaming `body` to `url`; the 200 response, still open, and its first chunk.
-async fn open_stream(url: &str, body: &Value) -> (reqwest::Response, Bytes) {
+pub(crate) async fn open_stream(url: &str, body: &Value) -> (reqwest::Response, Bytes) {
     let mut response = client()
         .post(url)
         .json(body)
