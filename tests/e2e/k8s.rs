@@ -238,9 +238,9 @@ async fn pods_that_come_change_and_go_are_followed_under_load_and_no_request_fai
     assert!(fake.lists() > lists, "a 410 makes the watcher list again");
     let_run(&load, 8).await;
 
-    // A protocol the router does not serve yet: the pod is skipped, its endpoint retired.
+    // A protocol the router does not know: the pod is skipped, its endpoint retired.
     fake.edit("engine-c", |p| {
-        p["metadata"]["annotations"]["switchyard.io/protocol"] = json!("vllm");
+        p["metadata"]["annotations"]["switchyard.io/protocol"] = json!("grpc");
     });
     wait_gone(&router, "k8s:uid-c").await;
     let_run(&load, 8).await;

@@ -343,6 +343,10 @@ pub struct Down {
 pub struct EndpointStatus {
     pub id: u32,
     pub url: String,
+    pub protocol: Protocol,
+    /// An SGLang prefill endpoint's bootstrap port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     pub role: Role,
     pub device_rank: u32,
     pub num_gpus: u32,
@@ -570,6 +574,8 @@ impl Cluster {
                 EndpointStatus {
                     id: e.id,
                     url: e.url().to_owned(),
+                    protocol: e.protocol,
+                    bootstrap_port: e.bootstrap.as_ref().map(|(_, port)| *port),
                     role: e.role,
                     device_rank: e.device_rank,
                     num_gpus: e.num_gpus,
