@@ -330,15 +330,20 @@ impl EngineClient {
 
     /// One leg of a vLLM or SGLang handoff, or a forward to a non-MLC engine: `body` to
     /// `path`, tagged with the attempt's `request_id` (`X-Request-Id`, which vLLM bases its own
-    /// ids on); the answer is streamed or whole, as `body` asked, chat read as completion.
+    /// ids on); the answer is streamed or whole, as `body` asked (`streamed`), chat read as
+    /// completion. A whole answer comes with its head once the generation is over, however long
+    /// that takes: its wait is bounded by the request's own deadline (`--request-timeout`),
+    /// not by the call timeout a stream's head gets.
     pub async fn generate_leg(
         &self,
         engine: &Upstream,
         path: &str,
         body: &impl Serialize,
         request_id: &str,
+        streamed: bool,
     ) -> Result<ChunkStream, CallError> {
-        self.generate_with(engine, path, body, Some(request_id))
+        let head_within = streamed.then_some(self.timeouts.call);
+        self.generate_with(engine, path, body, Some(request_id), head_within)
             .await
     }
 
@@ -427,7 +432,8 @@ impl EngineClient {
         path: &str,
         body: &B,
     ) -> Result<ChunkStream, CallError> {
-        self.generate_with(engine, path, body, None).await
+        self.generate_with(engine, path, body, None, Some(self.timeouts.call))
+            .await
     }
 
     async fn generate_with<B: Serialize>(
@@ -436,17 +442,17 @@ impl EngineClient {
         path: &str,
         body: &B,
         request_id: Option<&str>,
+        head_within: Option<Duration>,
     ) -> Result<ChunkStream, CallError> {
         // No whole-request timeout on a stream: it lives as long as the generation. The
-        // headers get `call`, each chunk after that gets `stream_idle`.
-        let response = tokio::time::timeout(
-            self.timeouts.call,
-            self.send(engine, path, body, None, request_id),
-        )
-        .await
-        .map_err(|_| CallError::Timeout {
-            after: self.timeouts.call,
-        })??;
+        // headers get `head_within`, each chunk after that gets `stream_idle`.
+        let send = self.send(engine, path, body, None, request_id);
+        let response = match head_within {
+            Some(within) => tokio::time::timeout(within, send)
+                .await
+                .map_err(|_| CallError::Timeout { after: within })??,
+            None => send.await?,
+        };
         let is_sse = response
             .headers()
             .get(reqwest::header::CONTENT_TYPE)

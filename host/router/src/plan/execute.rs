@@ -175,17 +175,22 @@ impl AttemptBody {
             Some(client) => (client.route, client.fields().clone()),
             None => (Route::Completions, continuation_fields(&self.tokens)),
         };
-        let streams = fields.get("stream").and_then(Value::as_bool) == Some(true);
+        let streamed = streams(&fields);
         let wants_ids = match protocol {
             Protocol::Vllm => true,
             Protocol::Sglang => route == Route::Completions,
             Protocol::Mlc | Protocol::Openai => false,
         };
-        if streams && wants_ids {
+        if streamed && wants_ids {
             fields.insert("return_token_ids".into(), Value::Bool(true));
         }
         (route.path(), fields)
     }
+}
+
+/// Whether a leg's body asks for a stream.
+pub(super) fn streams(fields: &Map<String, Value>) -> bool {
+    fields.get("stream").and_then(Value::as_bool) == Some(true)
 }
 
 /// A continuation's body for a non-MLC engine: the token-id prompt and the router's sampling

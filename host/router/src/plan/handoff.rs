@@ -25,7 +25,9 @@ use switchyard_wire::sglang;
 use switchyard_wire::sse::{ChunkStream, SseError};
 use switchyard_wire::vllm::{self, PrefillAnswer};
 
-use super::execute::{AttemptBody, AttemptId, ExecError, Executor, Generation, StepKind, detached};
+use super::execute::{
+    AttemptBody, AttemptId, ExecError, Executor, Generation, StepKind, detached, streams,
+};
 use crate::cluster::InFlight;
 use crate::microserving::{CallError, Upstream};
 
@@ -47,7 +49,7 @@ impl Executor {
         let (path, fields) = body.leg(protocol);
         let result = self
             .client()
-            .generate_leg(&engine, path, &fields, &id.upstream_id)
+            .generate_leg(&engine, path, &fields, &id.upstream_id, streams(&fields))
             .instrument(span)
             .await;
         let chunks = self.check(result, endpoint, StepKind::Forward, id)?;
@@ -93,7 +95,7 @@ impl Executor {
                 Err(e) => return Err((prefill, StepKind::PrefillLeg, e)),
             };
             client
-                .generate_leg(&d_engine, path, &d_body, &request_id)
+                .generate_leg(&d_engine, path, &d_body, &request_id, streams(&d_body))
                 .await
                 .map_err(|e| (decode, StepKind::DecodeLeg, e))
         };
@@ -148,7 +150,7 @@ impl Executor {
             let paired = &paired;
             async move {
                 let result: Result<ChunkStream, LegFailure> = client
-                    .generate_leg(engine, path, paired, &id.upstream_id)
+                    .generate_leg(engine, path, paired, &id.upstream_id, streams(paired))
                     .await
                     .map_err(|e| (endpoint, step, e));
                 result
