@@ -5,7 +5,8 @@ use std::io::Write;
 use std::path::PathBuf;
 
 use switchyard_contract::{
-    Failure, FailureKind, PlanError, PolicyContext, PolicyRequest, Role, TranslateError, validate,
+    Failure, FailureKind, PlanError, PolicyContext, PolicyRequest, Protocol, Role, TranslateError,
+    validate,
 };
 use switchyard_policy_host::synthetic::{prompt as synthetic_prompt, snapshot, split_roles};
 use switchyard_policy_host::{CheckError, LoadError, PolicyHost, PolicyLimits, check};
@@ -46,6 +47,13 @@ pub enum PolicyCommand {
         /// Roles by endpoint id (`any`, `prefill`, `decode`), overriding the default split.
         #[arg(long, value_delimiter = ',', value_parser = parse_role)]
         roles: Vec<Role>,
+        /// Protocols by endpoint id (`mlc`, `vllm`, `sglang`, `openai`; default: all `mlc`), e.g.
+        /// `vllm,vllm,openai`.
+        #[arg(long, value_delimiter = ',', value_parser = parse_protocol)]
+        protocols: Vec<Protocol>,
+        /// The model the request names (policies may route on it).
+        #[arg(long, default_value = "plan")]
+        model: String,
         /// In-flight requests by endpoint id, e.g. `3,0,1`.
         #[arg(long, value_delimiter = ',')]
         in_flight: Vec<u32>,
@@ -102,10 +110,12 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             attempt,
             failure,
             roles,
+            protocols,
+            model,
             in_flight,
             unhealthy,
         } => {
-            let endpoints = if roles.is_empty() {
+            let mut endpoints = if roles.is_empty() {
                 split_roles(endpoints, &unhealthy, &in_flight)
             } else if roles.len() == endpoints as usize {
                 snapshot(&roles, &unhealthy, &in_flight)
@@ -115,6 +125,16 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
                     roles.len()
                 )));
             };
+            if !protocols.is_empty() && protocols.len() != endpoints.len() {
+                return Err(CliError::Usage(format!(
+                    "--protocols names {} endpoints but --endpoints is {}",
+                    protocols.len(),
+                    endpoints.len()
+                )));
+            }
+            for (endpoint, protocol) in endpoints.iter_mut().zip(protocols) {
+                endpoint.protocol = protocol;
+            }
             let last_failure = failure.or((attempt > 1).then_some(Failure {
                 kind: FailureKind::EndpointError,
                 endpoint: 0,
@@ -131,7 +151,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
                 prompt: &prompt,
                 max_tokens: 64,
                 stream: true,
-                model: "plan",
+                model: &model,
                 user: None,
                 headers: &[],
             };
@@ -157,6 +177,10 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
 fn print(text: &str) -> Result<(), CliError> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{}", text.trim_end()).map_err(|e| CliError::Output(e.to_string()))
+}
+
+fn parse_protocol(s: &str) -> Result<Protocol, String> {
+    s.parse()
 }
 
 fn parse_role(s: &str) -> Result<Role, String> {
