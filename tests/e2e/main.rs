@@ -8,5 +8,6 @@ mod hardening;
 mod http;
 #[cfg(feature = "k8s")]
 mod k8s;
+mod protocols;
 mod replicas;
 mod router;

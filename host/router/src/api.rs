@@ -511,8 +511,17 @@ async fn admitted(
     };
     let mut routing = state.router.start_with(route, Arc::new(selection));
     // Nothing is committed until the first event: a request that fails before any text gets
-    // a real error status instead of a 200 stream.
-    let Some(first) = routing.next().await else {
+    // a real error status instead of a 200 stream. The wait may be long (a non-streamed vLLM
+    // or SGLang answer is its first event): a client gone meanwhile is counted as 499 here.
+    let mut abandoned = CountIfAbandoned {
+        state: &state,
+        route: shape.route(),
+        armed: true,
+    };
+    let first = routing.next().await;
+    abandoned.armed = false;
+    drop(abandoned);
+    let Some(first) = first else {
         return reject(
             &state,
             shape,
@@ -582,8 +591,9 @@ async fn collect(
     response
 }
 
-/// Counts a non-streaming request whose client hung up as 499, as an abandoned stream is:
-/// hyper then drops the handler's future mid-`collect`, and this guard with it.
+/// Counts a request whose client hung up before its answer began (or, not streaming, before it
+/// was whole) as 499, as an abandoned stream is: hyper then drops the handler's future, and
+/// this guard with it.
 struct CountIfAbandoned<'a> {
     state: &'a AppState,
     route: &'static str,

@@ -10,7 +10,7 @@
 //!   forward(&Upstream, &CompletionRequest)   -> ChunkStream
 //!   release(&Upstream, &StartGenerateRequest) -> Release        (frees a prep_recv reservation)
 //!   generate_leg(&Upstream, path, body, request id) -> ChunkStream  (vLLM, SGLang, OpenAI)
-//!   answer_leg(&Upstream, path, body, request id)   -> Bytes        (vLLM's prefill answer)
+//!   answer_leg(&Upstream, path, body, request id)   -> Answer       (vLLM's prefill answer)
 //!   ready(&Upstream, Protocol)               -> Option<models>  (GET [/health,] /v1/models)
 //!   metrics(&Upstream)                       -> Option<String>  (GET /metrics, Prometheus text)
 //! ```
@@ -334,6 +334,9 @@ impl EngineClient {
     /// completion. A whole answer comes with its head once the generation is over, however long
     /// that takes: its wait is bounded by the request's own deadline (`--request-timeout`),
     /// not by the call timeout a stream's head gets.
+    ///
+    /// With `delivery`, it says when the body has all been handed to the connection (see
+    /// [`Delivery`]).
     pub async fn generate_leg(
         &self,
         engine: &Upstream,
@@ -341,21 +344,24 @@ impl EngineClient {
         body: &impl Serialize,
         request_id: &str,
         streamed: bool,
+        delivery: Option<&Delivery>,
     ) -> Result<ChunkStream, CallError> {
         let head_within = streamed.then_some(self.timeouts.call);
-        self.generate_with(engine, path, body, Some(request_id), head_within)
+        self.generate_with(engine, path, body, Some(request_id), head_within, delivery)
             .await
     }
 
-    /// A leg whose whole answer the router reads itself (vLLM's prefill leg): the body of a 2xx
-    /// answer, within the call timeout.
+    /// A leg whose whole answer the router reads itself (vLLM's prefill leg), in two steps: the
+    /// head of a 2xx answer (an error status is read and returned as the error), within the call
+    /// timeout ([`Answer::read`] then reads the body). The head is its own step because it is
+    /// when the engine has committed to the answer.
     pub async fn answer_leg(
         &self,
         engine: &Upstream,
         path: &str,
         body: &impl Serialize,
         request_id: &str,
-    ) -> Result<bytes::Bytes, CallError> {
+    ) -> Result<Answer, CallError> {
         let response = self
             .send(
                 engine,
@@ -363,9 +369,13 @@ impl EngineClient {
                 body,
                 Some(self.timeouts.call),
                 Some(request_id),
+                None,
             )
             .await?;
-        read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await
+        Ok(Answer {
+            response,
+            within: self.timeouts.call,
+        })
     }
 
     async fn send<B: Serialize>(
@@ -375,9 +385,20 @@ impl EngineClient {
         body: &B,
         timeout: Option<Duration>,
         request_id: Option<&str>,
+        delivery: Option<&Delivery>,
     ) -> Result<reqwest::Response, CallError> {
+        let bytes = bytes::Bytes::from(serde_json::to_vec(body).map_err(|e| CallError::Build {
+            reason: format!("cannot write the request body: {e}"),
+        })?);
         let send = || {
-            let mut request = engine.post(&self.http, path).json(body);
+            let body = match delivery {
+                Some(delivery) => delivery.body(bytes.clone()),
+                None => reqwest::Body::from(bytes.clone()),
+            };
+            let mut request = engine
+                .post(&self.http, path)
+                .header(http::header::CONTENT_TYPE, "application/json")
+                .body(body);
             if let Some(id) = request_id {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
@@ -418,7 +439,7 @@ impl EngineClient {
         body: &B,
     ) -> Result<R, CallError> {
         let response = self
-            .send(engine, path, body, Some(self.timeouts.call), None)
+            .send(engine, path, body, Some(self.timeouts.call), None, None)
             .await?;
         let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
@@ -432,7 +453,7 @@ impl EngineClient {
         path: &str,
         body: &B,
     ) -> Result<ChunkStream, CallError> {
-        self.generate_with(engine, path, body, None, Some(self.timeouts.call))
+        self.generate_with(engine, path, body, None, Some(self.timeouts.call), None)
             .await
     }
 
@@ -443,10 +464,11 @@ impl EngineClient {
         body: &B,
         request_id: Option<&str>,
         head_within: Option<Duration>,
+        delivery: Option<&Delivery>,
     ) -> Result<ChunkStream, CallError> {
         // No whole-request timeout on a stream: it lives as long as the generation. The
         // headers get `head_within`, each chunk after that gets `stream_idle`.
-        let send = self.send(engine, path, body, None, request_id);
+        let send = self.send(engine, path, body, None, request_id, delivery);
         let response = match head_within {
             Some(within) => tokio::time::timeout(within, send)
                 .await
@@ -472,6 +494,47 @@ impl EngineClient {
             parse_chunks(bytes),
             self.timeouts.stream_idle,
         ))
+    }
+}
+
+/// A 2xx answer whose body is still to be read; see [`EngineClient::answer_leg`].
+#[derive(Debug)]
+pub struct Answer {
+    response: reqwest::Response,
+    within: Duration,
+}
+
+impl Answer {
+    /// The whole body, at most [`MAX_ANSWER_BYTES`], within the call timeout.
+    pub async fn read(self) -> Result<bytes::Bytes, CallError> {
+        read_capped(self.response, self.within, MAX_ANSWER_BYTES).await
+    }
+}
+
+/// Says when a request's body has all been handed to its connection: its receiver resolves
+/// once the HTTP client has taken the body's last byte to write (the body is sent chunked, so
+/// the client asks for more until it knows the end). A caller that must not hang up before the
+/// engine has the request (vLLM's decode leg, which frees the prefill's KV lease only if it
+/// got the params) waits for it before dropping the call. A request sent again on a fresh
+/// connection (the pooled one closed under it) does not signal twice.
+#[derive(Debug, Clone)]
+pub struct Delivery(Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>>);
+
+impl Delivery {
+    pub fn new() -> (Delivery, tokio::sync::oneshot::Receiver<()>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (Delivery(Arc::new(std::sync::Mutex::new(Some(tx)))), rx)
+    }
+
+    fn body(&self, bytes: bytes::Bytes) -> reqwest::Body {
+        let signal = self.0.clone();
+        let delivered = futures::stream::poll_fn(move |_| {
+            if let Some(tx) = signal.lock().ok().and_then(|mut tx| tx.take()) {
+                let _ = tx.send(());
+            }
+            std::task::Poll::Ready(None::<Result<bytes::Bytes, std::io::Error>>)
+        });
+        reqwest::Body::wrap_stream(futures::stream::iter([Ok(bytes)]).chain(delivered))
     }
 }
 

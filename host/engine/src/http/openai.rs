@@ -190,7 +190,10 @@ async fn generate(
         .and_then(|v| v.to_str().ok())
         .filter(|v| !v.is_empty())
         .map(str::to_owned);
-    let body: Value = read_request(req).await?;
+    let body: Value = match &state.pd {
+        Pd::Vllm(_) => super::vllm::read_body_or_release(&state, req).await?,
+        _ => read_request(req).await?,
+    };
     let Value::Object(raw) = body else {
         return Err(invalid("body", "the request body must be a JSON object"));
     };
@@ -410,12 +413,31 @@ pub(super) async fn prefill_and_hold(
 /// (MLC's prep_recv with `end = -1`). Dropping it before [`Reserved::start`] hands the pages
 /// back at once (through the expiry quarantine), so a cancelled or failed leg leaks nothing.
 pub(super) struct Reserved {
-    state: Arc<EngineState>,
-    user: String,
-    live: bool,
+    cancel: CancelReservation,
     pub reply: PrepRecvReply,
     /// Positions `[reply.prefix_matched_length, end)` are the window P writes.
     pub end: usize,
+}
+
+/// Cancels `user`'s reservation when dropped while armed. Commands are handled in order, so a
+/// cancel sent after the reservation's command never overtakes it, and one for a reservation
+/// that never came to be (or was taken over by a generation) is ignored.
+struct CancelReservation {
+    state: Arc<EngineState>,
+    user: String,
+    armed: bool,
+}
+
+impl Drop for CancelReservation {
+    fn drop(&mut self) {
+        if self.armed {
+            let user = std::mem::take(&mut self.user);
+            let _ = self
+                .state
+                .commands
+                .send(Command::CancelReservation { user });
+        }
+    }
 }
 
 impl Reserved {
@@ -426,24 +448,25 @@ impl Reserved {
         let user = format!("pd-{:032x}", rand::random::<u128>());
         let end = request.tokens.len() - 1;
         let (reply, answer) = oneshot::channel();
+        // Armed before the command leaves: dropped anywhere from here (the leg's connection
+        // closed), the reservation is cancelled, even one the core made and answered just as
+        // the answer's reader went away.
+        let cancel = CancelReservation {
+            state: state.clone(),
+            user: user.clone(),
+            armed: true,
+        };
         send(
             state,
             Command::PrepRecv {
-                user: user.clone(),
+                user,
                 request: request.generation.clone(),
                 end,
                 reply,
             },
         )?;
-        // Dropped while waiting: the core sees the closed reply and frees what it reserved.
         let reply = answer.await.map_err(|_| HttpError::CoreGone)??;
-        Ok(Reserved {
-            state: state.clone(),
-            user,
-            live: true,
-            reply,
-            end,
-        })
+        Ok(Reserved { cancel, reply, end })
     }
 
     /// Where P must write: the encoded slots of the window.
@@ -461,9 +484,9 @@ impl Reserved {
         let (events, rx) = mpsc::unbounded_channel();
         let (reply, answer) = oneshot::channel();
         send(
-            &self.state,
+            &self.cancel.state,
             Command::StartGenerate {
-                user: self.user.clone(),
+                user: self.cancel.user.clone(),
                 begin: self.end,
                 events,
                 reply,
@@ -471,22 +494,11 @@ impl Reserved {
         )?;
         let started = answer.await.map_err(|_| HttpError::CoreGone)?;
         if started.is_ok() {
-            self.live = false;
+            // The generation owns the pages now (and frees them when its events go unread).
+            self.cancel.armed = false;
         }
         started?;
         Ok(rx)
-    }
-}
-
-impl Drop for Reserved {
-    fn drop(&mut self) {
-        if self.live {
-            let user = std::mem::take(&mut self.user);
-            let _ = self
-                .state
-                .commands
-                .send(Command::CancelReservation { user });
-        }
     }
 }
 

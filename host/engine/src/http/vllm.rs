@@ -307,12 +307,16 @@ async fn decode(
     params: Value,
 ) -> Result<Response<Body>, HttpError> {
     let digest = body_digest(&arrived.raw, &LEG_FIELDS);
+    // From here, a leg that goes away before P has answered its pull (cancelled while it
+    // waits for pages or for the pull, failed, or a stream whose body was never polled) tells
+    // P to drop the lease.
+    let release = Release::for_params(&state, &params);
     let request = parse(&state, arrived)?;
     let meta = Meta::new(&state, &request);
     let request = Arc::new(request);
     let work = {
         let (state, request) = (state.clone(), request.clone());
-        async move { pull_and_start(state, &request, params, digest).await }
+        async move { pull_and_start(state, &request, params, release, digest).await }
     };
     if request.stream {
         Ok(sse_after(meta, request.include_usage, work))
@@ -326,6 +330,7 @@ async fn pull_and_start(
     state: Arc<EngineState>,
     request: &OpenAiRequest,
     params: Value,
+    mut release: Option<Release>,
     body_digest: String,
 ) -> Result<tokio::sync::mpsc::UnboundedReceiver<Event>, HttpError> {
     let metrics = &state.metrics.pd;
@@ -339,16 +344,6 @@ async fn pull_and_start(
         load_failure(format!("invalid kv_transfer_params: {e}"))
     })?;
     let side = side_url(&params.remote_host, params.remote_port);
-    // From here until P has answered, a leg that goes away (cancelled while it waits for pages
-    // or for the pull, or failed) tells P to drop the lease.
-    let mut release = Release {
-        client: state.client.clone(),
-        url: format!("{side}/release"),
-        body: Some(json!({
-            "remote_request_id": params.remote_request_id,
-            "remote_engine_id": params.remote_engine_id,
-        })),
-    };
     let reserved = Reserved::new(&state, request).await?;
     let pull = PullRequest {
         remote_request_id: params.remote_request_id.clone(),
@@ -373,7 +368,9 @@ async fn pull_and_start(
     match answer {
         Ok(r) if r.status().is_success() => {
             // P freed the lease itself.
-            release.body = None;
+            if let Some(release) = release.as_mut() {
+                release.body = None;
+            }
         }
         Ok(r) => {
             let status = r.status();
@@ -430,6 +427,54 @@ impl Drop for Release {
             }
         });
     }
+}
+
+impl Release {
+    /// The release a decode leg's body calls for: `None` unless it carries P's params.
+    fn for_decode_leg(state: &EngineState, body: &Value) -> Option<Release> {
+        let params = body.get("kv_transfer_params")?;
+        if params.get("do_remote_prefill").and_then(Value::as_bool) != Some(true) {
+            return None;
+        }
+        Self::for_params(state, params)
+    }
+
+    /// The release of the lease `params` (P's `kv_transfer_params`) name; `None` if they name
+    /// none (a violation the pull reports).
+    fn for_params(state: &EngineState, params: &Value) -> Option<Release> {
+        let params: Params = serde_json::from_value(params.clone()).ok()?;
+        Some(Release {
+            client: state.client.clone(),
+            url: format!(
+                "{}/release",
+                side_url(&params.remote_host, params.remote_port)
+            ),
+            body: Some(json!({
+                "remote_request_id": params.remote_request_id,
+                "remote_engine_id": params.remote_engine_id,
+            })),
+        })
+    }
+}
+
+/// The request body, read on a task of its own: a request that arrived whole is vLLM's even
+/// if its connection closed before this handler read it (hyper drops a handler whose client
+/// is gone, buffered body or not), and vLLM aborts such a request, which for a decode leg
+/// tells its prefill to drop the lease. So when nobody is left to take the body, a decode
+/// leg's release is sent from here.
+pub(super) async fn read_body_or_release(
+    state: &Arc<EngineState>,
+    req: Request<Incoming>,
+) -> Result<Value, HttpError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let state = state.clone();
+    tokio::spawn(async move {
+        let body = super::read_request::<Value>(req).await;
+        if let Err(Ok(body)) = tx.send(body) {
+            drop(Release::for_decode_leg(&state, &body));
+        }
+    });
+    rx.await.map_err(|_| HttpError::CoreGone)?
 }
 
 // === the side channel ===
@@ -540,42 +585,57 @@ async fn serve_pull(
         v.metrics.leases_pulled.inc();
         return Ok(json(StatusCode::OK, &json!({})));
     }
+    // A pull refused from here on has taken the lease: it counts as a failed pull.
+    let refused = |e: HttpError| {
+        v.metrics.pull_failures.inc();
+        e
+    };
     let pushed = async {
         let info = KvAddrInfo::decode_within(&pull.kv_addr_info, window.len())
-            .map_err(|e| HttpError::status(StatusCode::BAD_REQUEST, e.to_string()))?;
+            .map_err(|e| refused(HttpError::status(StatusCode::BAD_REQUEST, e.to_string())))?;
         if info.models.len() != 1 || info.total_len() as usize != window.len() {
-            return Err(HttpError::status(
+            return Err(refused(HttpError::status(
                 StatusCode::BAD_REQUEST,
                 "kv_addr_info does not cover the window",
-            ));
+            )));
         }
-        let addr: PeerAddr = pull
-            .kv_addr
-            .parse()
-            .map_err(|e| HttpError::status(StatusCode::BAD_REQUEST, format!("kv_addr: {e}")))?;
+        let addr: PeerAddr = pull.kv_addr.parse().map_err(|e| {
+            refused(HttpError::status(
+                StatusCode::BAD_REQUEST,
+                format!("kv_addr: {e}"),
+            ))
+        })?;
         state
             .transport
             .add_peer(pull.recv_rank, addr)
-            .map_err(|e| HttpError::status(StatusCode::BAD_REQUEST, format!("kv_addr: {e}")))?;
-        let push = tokio::spawn(push_kv(
+            .map_err(|e| {
+                refused(HttpError::status(
+                    StatusCode::BAD_REQUEST,
+                    format!("kv_addr: {e}"),
+                ))
+            })?;
+        // The push owns the lease and is counted on its own task: a decode leg that hangs up
+        // mid-pull (its connection to this side channel closes) drops this handler, not the
+        // push, whose outcome still counts.
+        let metrics = v.metrics.clone();
+        let push = push_kv(
             state.transport.clone(),
             state.latency,
             lease.kv,
             window,
             pull.recv_rank,
             info,
-        ));
+        );
+        let push = tokio::spawn(async move {
+            let pushed = push.await;
+            match &pushed {
+                Ok(()) => metrics.leases_pulled.inc(),
+                Err(_) => metrics.pull_failures.inc(),
+            };
+            pushed
+        });
         push.await.map_err(|_| HttpError::CoreGone)?
     }
     .await;
-    match pushed {
-        Ok(()) => {
-            v.metrics.leases_pulled.inc();
-            Ok(json(StatusCode::OK, &json!({})))
-        }
-        Err(e) => {
-            v.metrics.pull_failures.inc();
-            Err(e)
-        }
-    }
+    pushed.map(|()| json(StatusCode::OK, &json!({})))
 }

@@ -2,11 +2,14 @@
 //!
 //! vLLM (`shared/spec/vllm-pd.md`): the prefill leg (P) with the `do_remote_decode` stanza and
 //! one token, its whole JSON answer read, then the decode leg (D) with the client's body and
-//! P's `kv_transfer_params` verbatim. From the moment P may hold KV for D, only handing the
-//! params to D frees it early (an unclaimed lease lasts 30 s, 480 s on older vLLM), so the pair
-//! runs on a task of its own ([`detached`]): an attempt dropped meanwhile (the client left)
-//! still sends D, whose answer nobody reads is then dropped, which closes D's connection, and
-//! D aborts and tells P to free the blocks.
+//! P's `kv_transfer_params` verbatim. The pair runs on a task of its own ([`detached`]),
+//! which hears when the attempt is dropped (the client left). Before P answers, that hangs up
+//! on P: vLLM aborts a request whose client is gone, and an aborted prefill holds nothing. Once
+//! P answered, it holds the prompt's KV for D under a lease (30 s, 480 s on older vLLM) that
+//! only D frees early: D is sent the params anyway, and hung up on as soon as its request has
+//! been handed to the connection ([`Delivery`]); D then aborts and tells P to free the blocks
+//! (vLLM's early release). The one window left: P's answer on the wire while the router hangs
+//! up; vLLM then holds the blocks until the lease ends.
 //!
 //! SGLang (`shared/spec/sglang-pd.md`): the same body to P and D at once, joined by a fresh
 //! bootstrap room on P. Each engine waits for the other (300 s by default), so a leg that
@@ -18,6 +21,7 @@
 //! attempt, so a retry never meets a failed attempt's leftovers.
 
 use futures::{FutureExt, StreamExt};
+use tokio::sync::oneshot;
 use tracing::Instrument;
 
 use switchyard_contract::{EndpointId, Protocol};
@@ -29,7 +33,7 @@ use super::execute::{
     AttemptBody, AttemptId, ExecError, Executor, Generation, StepKind, detached, streams,
 };
 use crate::cluster::InFlight;
-use crate::microserving::{CallError, Upstream};
+use crate::microserving::{CallError, Delivery, Upstream};
 
 /// Which leg of a pair failed, and how.
 type LegFailure = (EndpointId, StepKind, CallError);
@@ -49,7 +53,14 @@ impl Executor {
         let (path, fields) = body.leg(protocol);
         let result = self
             .client()
-            .generate_leg(&engine, path, &fields, &id.upstream_id, streams(&fields))
+            .generate_leg(
+                &engine,
+                path,
+                &fields,
+                &id.upstream_id,
+                streams(&fields),
+                None,
+            )
             .instrument(span)
             .await;
         let chunks = self.check(result, endpoint, StepKind::Forward, id)?;
@@ -74,15 +85,27 @@ impl Executor {
         let (path, fields) = body.leg(Protocol::Vllm);
         let client = self.client().clone();
         let request_id = id.upstream_id.clone();
+        // The pair runs on a task of its own, told of the attempt's end by `gone` (its sender
+        // lives as long as the attempt waits here).
+        let (alive, mut gone) = oneshot::channel::<()>();
         let pair = async move {
-            let answer = client
-                .answer_leg(&p_engine, path, &vllm::prefill_body(&fields), &request_id)
-                .await
-                .and_then(|bytes| {
+            // Until P answers, P is the attempt's to cancel: hung up on, vLLM aborts it and it
+            // holds nothing. Once its answer's head is in, P holds the KV: an answer and a
+            // hang-up both ready go the answer's way (`biased`).
+            let p_body = vllm::prefill_body(&fields);
+            let head = tokio::select! {
+                biased;
+                head = client.answer_leg(&p_engine, path, &p_body, &request_id) => head,
+                _ = &mut gone => return None,
+            };
+            let answer = match head {
+                Ok(head) => head.read().await.and_then(|bytes| {
                     PrefillAnswer::parse(&bytes).ok_or_else(|| CallError::Decode {
                         reason: "the prefill answer is not a JSON object".into(),
                     })
-                });
+                }),
+                Err(e) => Err(e),
+            };
             drop(prefill_guard);
             let d_body = match answer {
                 Ok(PrefillAnswer::Params(params)) => vllm::decode_body(&fields, params),
@@ -92,16 +115,33 @@ impl Executor {
                     tracing::warn!(request = %request_id, prefill, "the prefill answered without kv_transfer_params; the decode engine prefills itself");
                     fields
                 }
-                Err(e) => return Err((prefill, StepKind::PrefillLeg, e)),
+                Err(e) => return Some(Err((prefill, StepKind::PrefillLeg, e))),
             };
-            client
-                .generate_leg(&d_engine, path, &d_body, &request_id, streams(&d_body))
-                .await
-                .map_err(|e| (decode, StepKind::DecodeLeg, e))
+            // P holds the KV for D now, and only D frees it early: D gets the params even if
+            // the attempt is gone, and is hung up on once it has them (it then aborts and
+            // tells P to drop the blocks).
+            let (delivery, delivered) = Delivery::new();
+            let d_leg = client.generate_leg(
+                &d_engine,
+                path,
+                &d_body,
+                &request_id,
+                streams(&d_body),
+                Some(&delivery),
+            );
+            tokio::select! {
+                head = d_leg => Some(head.map_err(|e| (decode, StepKind::DecodeLeg, e))),
+                _ = async {
+                    let _ = (&mut gone).await;
+                    let _ = delivered.await;
+                } => None,
+            }
         };
         let outcome = detached(pair.instrument(span))
             .await
+            .flatten()
             .ok_or_else(|| self.lost(decode, StepKind::DecodeLeg, id))?;
+        drop(alive);
         let chunks = match outcome {
             Ok(chunks) => {
                 self.check(Ok(()), prefill, StepKind::PrefillLeg, id)?;
@@ -150,7 +190,7 @@ impl Executor {
             let paired = &paired;
             async move {
                 let result: Result<ChunkStream, LegFailure> = client
-                    .generate_leg(engine, path, paired, &id.upstream_id, streams(paired))
+                    .generate_leg(engine, path, paired, &id.upstream_id, streams(paired), None)
                     .await
                     .map_err(|e| (endpoint, step, e));
                 result
