@@ -515,20 +515,29 @@ impl Executor {
                 self.cluster.record_success(endpoint);
                 Ok(value)
             }
-            Err(source) => {
-                if source.is_unreachable() {
-                    self.cluster.mark_unhealthy(endpoint);
-                }
-                let error = ExecError {
-                    endpoint,
-                    step,
-                    attempt: id.attempt,
-                    source,
-                };
-                error.record(&self.cluster);
-                Err(error)
-            }
+            Err(source) => Err(self.failed(source, endpoint, step, id)),
         }
+    }
+
+    /// A failed call, told to the cluster (see [`Executor::check`]).
+    pub(super) fn failed(
+        &self,
+        source: CallError,
+        endpoint: EndpointId,
+        step: StepKind,
+        id: &AttemptId,
+    ) -> ExecError {
+        if source.is_unreachable() {
+            self.cluster.mark_unhealthy(endpoint);
+        }
+        let error = ExecError {
+            endpoint,
+            step,
+            attempt: id.attempt,
+            source,
+        };
+        error.record(&self.cluster);
+        error
     }
 
     pub(super) fn upstream(

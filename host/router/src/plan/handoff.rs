@@ -152,7 +152,7 @@ impl Executor {
                     // P did its part.
                     self.check(Ok(()), prefill, StepKind::PrefillLeg, id)?;
                 }
-                return Err(self.check::<()>(Err(e), endpoint, step, id).unwrap_err());
+                return Err(self.failed(e, endpoint, step, id));
             }
         };
         Ok(Generation::new(chunks, decode, 0, false, guard))
@@ -206,7 +206,7 @@ impl Executor {
         let (p_chunks, d_chunks) = match heads {
             Ok(heads) => heads,
             Err((endpoint, step, e)) => {
-                return Err(self.check::<()>(Err(e), endpoint, step, id).unwrap_err());
+                return Err(self.failed(e, endpoint, step, id));
             }
         };
         self.check(Ok(()), prefill, StepKind::PrefillLeg, id)?;
