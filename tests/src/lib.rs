@@ -21,8 +21,8 @@ pub fn checkout() -> PathBuf {
         .to_owned()
 }
 
-/// A program from the test virtualenv (`$SWITCHYARD_VENV`, else `<checkout>/.venv`): Envoy and
-/// the Python interpreter with the Kubernetes client. `make test` installs them; a test that
+/// A program from the test virtualenv (`$SWITCHYARD_VENV`, else `<checkout>/.venv`): Envoy,
+/// vllm-router, and the Python interpreter with the Kubernetes client and sglang-router. `make test` installs them; a test that
 /// needs one fails with that hint rather than passing without it.
 pub fn venv_tool(name: &str) -> PathBuf {
     let venv = std::env::var_os("SWITCHYARD_VENV")
@@ -31,7 +31,7 @@ pub fn venv_tool(name: &str) -> PathBuf {
     let tool = venv.join("bin").join(name);
     assert!(
         tool.is_file(),
-        "{} is missing: `make venv` installs the test tools (Envoy, the Kubernetes client)",
+        "{} is missing: `make venv` installs the test tools (Envoy, the Kubernetes client, the peers' routers)",
         tool.display()
     );
     tool
