@@ -154,7 +154,8 @@ fn a_log_flood_is_cut_at_the_call_budget_and_the_cut_is_marked() {
     let flood = log.lines().filter(|l| l.contains("flood line")).count();
     // The guest writes one line of its own before the flood.
     assert_eq!(flood, LOG_LINES_PER_CALL - 1, "{log}");
-    let dropped = 100_000 - flood;
+    // The guest's `FLOOD_LINES` (tests/guests/misbehave).
+    let dropped = 20_000 - flood;
     assert!(
         log.contains(&format!("policy log truncated: {dropped} lines")),
         "{log}"
