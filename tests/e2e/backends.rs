@@ -3,7 +3,6 @@
 //! from the specs), and retries are checked for fresh request ids and rooms.
 
 use std::collections::BTreeMap;
-use std::convert::Infallible;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -14,7 +13,7 @@ use http_body_util::{BodyExt as _, Full};
 use serde_json::{Value, json};
 use switchyard_tests::RouterProcess;
 
-use crate::http::{client, post};
+use crate::http::{client, post, serve_loopback};
 use crate::router::eventually;
 
 /// One request an engine received.
@@ -45,31 +44,11 @@ struct Behaviour {
 const TEXT: &str = "ok, done";
 
 async fn recording_engine(legs: Legs, behaviour: Arc<Behaviour>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let (legs, behaviour) = (legs.clone(), behaviour.clone());
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let (legs, behaviour) = (legs.clone(), behaviour.clone());
-                        async move { Ok::<_, Infallible>(answer(req, &legs, &behaviour).await) }
-                    },
-                );
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, service)
-                    .await;
-            });
-        }
-    });
-    format!("http://{addr}")
+    serve_loopback(move |req| {
+        let (legs, behaviour) = (legs.clone(), behaviour.clone());
+        async move { answer(req, &legs, &behaviour).await }
+    })
+    .await
 }
 
 async fn answer(

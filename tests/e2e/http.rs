@@ -1,7 +1,11 @@
 //! HTTP helpers every end-to-end test uses against engines and routers alike.
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::time::Duration;
 
+use bytes::Bytes;
+use http_body_util::Full;
 use serde_json::Value;
 
 pub(crate) fn client() -> reqwest::Client {
@@ -41,4 +45,36 @@ pub(crate) fn sse_payloads(text: &str) -> Vec<String> {
                 .to_owned()
         })
         .collect()
+}
+
+/// Serve `answer` on a fresh loopback port, a task per connection, for as long as the test
+/// runs: a mock engine's base URL.
+pub(crate) async fn serve_loopback<F, Fut>(answer: F) -> String
+where
+    F: Fn(hyper::Request<hyper::body::Incoming>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: Future<Output = hyper::Response<Full<Bytes>>> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let answer = answer.clone();
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(move |req| {
+                    let answered = answer(req);
+                    async move { Ok::<_, Infallible>(answered.await) }
+                });
+                let io = hyper_util::rt::TokioIo::new(stream);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(io, service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
 }

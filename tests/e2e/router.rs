@@ -4,7 +4,6 @@
 //! bodies the router sends carry exactly the spec's fields.
 
 use std::collections::BTreeSet;
-use std::convert::Infallible;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -16,7 +15,7 @@ use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
 
-use crate::http::{client, post, post_json, sse_payloads};
+use crate::http::{client, post, post_json, serve_loopback, sse_payloads};
 
 /// What a client read from an SSE response.
 struct Streamed {
@@ -889,64 +888,42 @@ async fn mock_engine(log: Log) -> String {
 /// [`mock_engine`] started with an API key: every request without `Authorization: Bearer
 /// KEY`, probes included, gets 401 and is logged under the path `401 <path>`.
 async fn mock_engine_requiring(log: Log, key: Option<&'static str>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let log = log.clone();
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let log = log.clone();
-                        async move {
-                            let path = req.uri().path().to_owned();
-                            let auth = req.headers().get("authorization").cloned();
-                            if let Some(key) = key
-                                && auth.as_ref().and_then(|a| a.to_str().ok())
-                                    != Some(format!("Bearer {key}").as_str())
-                            {
-                                log.lock()
-                                    .expect("log")
-                                    .push((format!("401 {path}"), Value::Null));
-                                return Ok(hyper::Response::builder()
-                                    .status(401)
-                                    .body(Full::new(Bytes::from_static(b"{}")))
-                                    .expect("response"));
-                            }
-                            let bytes = req
-                                .into_body()
-                                .collect()
-                                .await
-                                .map(|b| b.to_bytes())
-                                .unwrap_or_default();
-                            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-                            let (content_type, answer) = mock_answer(&path, &body);
-                            // Health and KV-usage probes are not legs of a request.
-                            if !matches!(path.as_str(), "/v1/models" | "/metrics") {
-                                log.lock().expect("log").push((path, body));
-                            }
-                            Ok::<_, Infallible>(
-                                hyper::Response::builder()
-                                    .header("content-type", content_type)
-                                    .body(Full::new(Bytes::from(answer)))
-                                    .expect("response"),
-                            )
-                        }
-                    },
-                );
-                let io = hyper_util::rt::TokioIo::new(stream);
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(io, service)
-                    .await;
-            });
+    serve_loopback(move |req| {
+        let log = log.clone();
+        async move {
+            let path = req.uri().path().to_owned();
+            let auth = req.headers().get("authorization").cloned();
+            if let Some(key) = key
+                && auth.as_ref().and_then(|a| a.to_str().ok())
+                    != Some(format!("Bearer {key}").as_str())
+            {
+                log.lock()
+                    .expect("log")
+                    .push((format!("401 {path}"), Value::Null));
+                return hyper::Response::builder()
+                    .status(401)
+                    .body(Full::new(Bytes::from_static(b"{}")))
+                    .expect("response");
+            }
+            let bytes = req
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
+                .unwrap_or_default();
+            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let (content_type, answer) = mock_answer(&path, &body);
+            // Health and KV-usage probes are not legs of a request.
+            if !matches!(path.as_str(), "/v1/models" | "/metrics") {
+                log.lock().expect("log").push((path, body));
+            }
+            hyper::Response::builder()
+                .header("content-type", content_type)
+                .body(Full::new(Bytes::from(answer)))
+                .expect("response")
         }
-    });
-    format!("http://{addr}")
+    })
+    .await
 }
 
 fn mock_answer(path: &str, body: &Value) -> (&'static str, String) {
