@@ -11,7 +11,7 @@ use switchyard_tests::{EngineProcess, RouterProcess, free_port};
 
 use crate::faults::{SLOW, wait_health};
 use crate::http::{post_json, sse_payloads};
-use crate::router::{metric, open_stream, router_in_flight};
+use crate::router::{generating_decode, metric, open_stream};
 
 /// A prefill engine and two decode engines speaking `protocol` (tcp KV, P able to push to
 /// both), behind a router. Engines in router order: P, D1, D2.
@@ -148,13 +148,7 @@ async fn a_killed_decode_engine_is_continued_exactly(protocol: &str) {
             received.extend_from_slice(&chunk.expect("more than the opening"));
         }
         // ...when whichever decode engine generates it is killed (P is engine 0).
-        let generating = router_in_flight(&router)
-            .await
-            .iter()
-            .skip(1)
-            .position(|&n| n > 0)
-            .expect("a decode engine generates the stream")
-            + 1;
+        let generating = generating_decode(&router).await;
         engines[generating].kill();
         while let Some(chunk) = response.chunk().await.expect("the stream ends cleanly") {
             received.extend_from_slice(&chunk);

@@ -379,13 +379,7 @@ async fn real_model_streams_continue_exactly_when_their_decode_engine_is_killed(
         open_stream(&c.router.endpoint("/v1/completions"), &stream_body).await;
     let mut received = first.to_vec();
     // Kill whichever decode engine is generating it.
-    let generating = router_in_flight(&c.router)
-        .await
-        .iter()
-        .skip(1)
-        .position(|&n| n > 0)
-        .expect("a decode engine generates the stream")
-        + 1;
+    let generating = generating_decode(&c.router).await;
     c.engines[generating].kill();
     while let Some(chunk) = response.chunk().await.expect("the stream ends cleanly") {
         received.extend_from_slice(&chunk);
@@ -711,7 +705,18 @@ where
 }
 
 /// The router's in-flight count per endpoint (`/admin/endpoints`).
-pub(crate) async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
+/// The id of the decode engine generating the one stream in flight (endpoint 0 is P).
+pub(crate) async fn generating_decode(router: &RouterProcess) -> usize {
+    router_in_flight(router)
+        .await
+        .iter()
+        .skip(1)
+        .position(|&n| n > 0)
+        .expect("a decode engine generates the stream")
+        + 1
+}
+
+async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
     let endpoints = post_or_get(&router.endpoint("/admin/endpoints")).await;
     endpoints["endpoints"]
         .as_array()
