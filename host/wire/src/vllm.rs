@@ -45,11 +45,11 @@ pub fn prefill_body(client: &Map<String, Value>) -> Map<String, Value> {
     body
 }
 
-/// The D leg: the client's body as it came, plus P's `kv_transfer_params`.
-pub fn decode_body(client: &Map<String, Value>, params: Value) -> Map<String, Value> {
-    let mut body = client.clone();
-    body.insert(KV_TRANSFER_PARAMS.into(), params);
-    body
+/// The D leg: the client's body as it came (taken: it is the last leg built from it), plus
+/// P's `kv_transfer_params`.
+pub fn decode_body(mut client: Map<String, Value>, params: Value) -> Map<String, Value> {
+    client.insert(KV_TRANSFER_PARAMS.into(), params);
+    client
 }
 
 /// What P's answer says about the handoff.
@@ -132,7 +132,7 @@ mod tests {
             "remote_host":"10.0.0.5","remote_port":5600,"tp_size":1,"a_key_from_the_future":{}});
         let mut expected = client.clone();
         expected.insert(KV_TRANSFER_PARAMS.into(), params.clone());
-        assert_eq!(decode_body(&client, params), expected);
+        assert_eq!(decode_body(client, params), expected);
     }
 
     #[test]

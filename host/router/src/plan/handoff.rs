@@ -108,7 +108,7 @@ impl Executor {
             };
             drop(prefill_guard);
             let d_body = match answer {
-                Ok(PrefillAnswer::Params(params)) => vllm::decode_body(&fields, params),
+                Ok(PrefillAnswer::Params(params)) => vllm::decode_body(fields, params),
                 Ok(PrefillAnswer::NoParams) => {
                     // P kept no blocks (vLLM does so when the request ended otherwise than
                     // by the length cap): D prefills the prompt itself.
