@@ -309,39 +309,21 @@ impl Executor {
     pub async fn execute(
         &self,
         plan: &ValidPlan,
-        body: AttemptBody,
+        mut body: AttemptBody,
         id: &AttemptId,
     ) -> Result<Generation, ExecError> {
-        let AttemptBody {
-            tokens: mut body,
-            client,
-        } = body;
-        body.user = Some(id.upstream_id.clone());
+        body.tokens.user = Some(id.upstream_id.clone());
         match *plan {
             ValidPlan::Forward { endpoint } => {
                 match self.cluster.protocol(endpoint).unwrap_or_default() {
-                    Protocol::Mlc => self.forward(endpoint, body, id).await,
-                    protocol => {
-                        let body = AttemptBody {
-                            tokens: body,
-                            client,
-                        };
-                        self.forward_leg(endpoint, protocol, &body, id).await
-                    }
+                    Protocol::Mlc => self.forward(endpoint, body.tokens, id).await,
+                    protocol => self.forward_leg(endpoint, protocol, &body, id).await,
                 }
             }
             ValidPlan::Vllm { prefill, decode } => {
-                let body = AttemptBody {
-                    tokens: body,
-                    client,
-                };
                 self.vllm_handoff(prefill, decode, &body, id).await
             }
             ValidPlan::Sglang { prefill, decode } => {
-                let body = AttemptBody {
-                    tokens: body,
-                    client,
-                };
                 self.sglang_handoff(prefill, decode, &body, id).await
             }
             ValidPlan::Disagg {
@@ -350,7 +332,7 @@ impl Executor {
                 remote_send,
             } => {
                 let guard = self.guard(decode, StepKind::PrepRecv, id)?;
-                let (prep, reservation) = self.prep_recv(decode, end, body, id).await?;
+                let (prep, reservation) = self.prep_recv(decode, end, body.tokens, id).await?;
                 let mut remote_send_skipped = false;
                 if let Some(send) = remote_send {
                     let begin = send.begin.unwrap_or(prep.prefix_matched_length);
