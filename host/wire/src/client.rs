@@ -71,11 +71,6 @@ impl ClientBody {
             fields
         })
     }
-
-    /// Whether the client asked for a stream.
-    pub fn stream(&self) -> bool {
-        self.fields().get("stream").and_then(Value::as_bool) == Some(true)
-    }
 }
 
 #[cfg(test)]
@@ -93,6 +88,5 @@ mod tests {
             Value::Object(body.fields().clone()),
             json!({"model": "m", "prompt": "hi", "stream": true, "something_new": [1]})
         );
-        assert!(body.stream());
     }
 }
