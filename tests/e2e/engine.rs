@@ -304,6 +304,67 @@ async fn disaggregated_tokens_match_a_single_engine_over_cuda() {
     token_identity("cuda", &["--kv-device", "cuda:0"], 0xc0d, &SYNTHETIC).await;
 }
 
+/// `logprobs: true` answers one entry per generated token (MLC's shape), streamed or not, with
+/// or without the ids; `--ignore-return-token-ids` drops the ids as MLC's engines do (they do
+/// not know the field), which is what a router's no-ids continuation is tested against.
+#[tokio::test]
+async fn logprobs_count_every_generated_token_and_ids_can_be_ignored_as_mlc_does() {
+    for (flags, ids) in [(&[][..], true), (&["--ignore-return-token-ids"][..], false)] {
+        let engine = EngineProcess::spawn(flags);
+        let url = engine.endpoint("/v1/completions");
+        let body = json!({"prompt": "logprobs", "max_tokens": 12, "logprobs": true,
+            "return_token_ids": true});
+        let answer = post_json(&url, &body).await;
+        let choice = &answer["choices"][0];
+        let entries = choice["logprobs"]["content"].as_array().expect("entries");
+        assert_eq!(
+            entries.len() as u64,
+            answer["usage"]["completion_tokens"]
+                .as_u64()
+                .expect("usage"),
+            "{answer}"
+        );
+        assert!(
+            entries
+                .iter()
+                .all(|e| e["logprob"].as_f64().is_some_and(|l| l <= 0.0))
+        );
+        let spelled: String = entries
+            .iter()
+            .map(|e| e["token"].as_str().expect("token"))
+            .collect();
+        assert_eq!(
+            choice["text"],
+            spelled.as_str(),
+            "the entries spell the text"
+        );
+        assert_eq!(choice.get("token_ids").is_some(), ids, "{answer}");
+
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let (status, text) = post(&url, &streamed).await;
+        assert_eq!(status, 200);
+        let mut counted = 0;
+        for payload in sse_payloads(&text).iter().filter(|p| *p != "[DONE]") {
+            let chunk: Value = serde_json::from_str(payload).expect("chunk");
+            let choice = &chunk["choices"][0];
+            let n = choice["logprobs"]["content"].as_array().map_or(0, Vec::len);
+            if ids {
+                let sent = choice["token_ids"].as_array().map(Vec::len);
+                assert_eq!(sent, Some(n), "{chunk}");
+            } else {
+                assert!(choice.get("token_ids").is_none(), "{chunk}");
+            }
+            counted += n;
+        }
+        assert_eq!(
+            counted,
+            entries.len(),
+            "the stream counts as the answer does"
+        );
+    }
+}
+
 #[tokio::test]
 async fn a_wrong_slot_changes_the_output() {
     // Decoding on D with KV for the wrong positions must not silently give the right tokens:

@@ -43,7 +43,7 @@ use switchyard_wire::sse;
 use super::latency::Latency;
 use super::metrics::Metrics;
 use super::model::Sampling;
-use super::response::ResponseMeta;
+use super::response::{ResponseMeta, Tokens};
 use super::scheduler::{Command, CoreError, Event, FinishReason, GenRequest, SendLease};
 
 /// Bodies above this are refused: a 2000-token prompt with every field is a few KiB, and a
@@ -84,7 +84,9 @@ pub(super) struct EngineState {
     pub commands: Sender<Command>,
     /// False once the step loop's thread has ended (it panicked): nothing will be served again.
     pub alive: Arc<AtomicBool>,
-    pub tokenizer: tokenizers::Tokenizer,
+    pub tokenizer: Arc<tokenizers::Tokenizer>,
+    /// Whether a request's `return_token_ids` is honoured (not with `--ignore-return-token-ids`).
+    pub answers_token_ids: bool,
     /// Token ids a prompt may hold: `0..vocab_size`.
     pub vocab_size: u32,
     /// Shared with remote_send's transfer tasks, which may outlive their request.
@@ -599,6 +601,7 @@ fn generation_request(
         },
         max_tokens,
         stop,
+        logprobs: body.logprobs,
     })
 }
 
@@ -659,7 +662,8 @@ fn response_meta(state: &EngineState, body: &CompletionRequest, id: String) -> R
         id,
         created,
         model,
-        token_ids: body.return_token_ids,
+        token_ids: body.return_token_ids && state.answers_token_ids,
+        logprobs: body.logprobs.then(|| Arc::clone(&state.tokenizer)),
     }
 }
 
@@ -686,18 +690,18 @@ async fn collect(
     mut rx: mpsc::UnboundedReceiver<Event>,
 ) -> Result<Response<Body>, HttpError> {
     let mut text = String::new();
-    let mut ids = Vec::new();
+    let mut tokens = Tokens::default();
     while let Some(event) = rx.recv().await {
         text.push_str(&event.text);
-        ids.extend(event.token_ids);
+        tokens.extend(&event);
         if let Some((reason, usage)) = event.finish {
             if reason == FinishReason::Preempt {
                 text.clear();
-                ids.clear();
+                tokens = Tokens::default();
             }
             return Ok(json(
                 StatusCode::OK,
-                &meta.body(vec![meta.choice(text, ids, Some(reason))], Some(usage)),
+                &meta.body(vec![meta.choice(text, tokens, Some(reason))], Some(usage)),
             ));
         }
     }
@@ -726,12 +730,9 @@ fn sse(
         let (frame, next) = match phase {
             SsePhase::Tokens => match rx.recv().await {
                 Some(event) => {
-                    let frame = sse::event(&meta.chunk(
-                        event.text,
-                        event.token_ids,
-                        event.finish.map(|f| f.0),
-                    ));
-                    let next = match event.finish {
+                    let finish = event.finish;
+                    let frame = sse::event(&meta.chunk(event));
+                    let next = match finish {
                         Some((_, usage)) if include_usage => SsePhase::Usage(usage),
                         Some(_) => SsePhase::Done,
                         None => SsePhase::Tokens,

@@ -164,6 +164,10 @@ pub struct EngineArgs {
     /// Fault injection: preempt every K-th decoding request half-way through its max_tokens.
     #[arg(long)]
     pub preempt_every: Option<u64>,
+    /// Ignore `return_token_ids`, as MLC-LLM's engines do (they do not know the field): for
+    /// testing how a router continues a stream whose engine never says which ids it generated.
+    #[arg(long)]
+    pub ignore_return_token_ids: bool,
     /// Fault injection: answer this share (0 to 1) of POST calls (completions, chat, the
     /// microserving calls, either leg of a vLLM or SGLang handoff) with HTTP 500 before doing
     /// anything, as an engine failing internally would. Readiness and metrics keep answering.
@@ -418,7 +422,8 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
             ModelSpec::Synthetic => None,
             ModelSpec::Llama(m) => Some(m.llama.config().context),
         },
-        tokenizer: model.tokenizer,
+        tokenizer: Arc::new(model.tokenizer),
+        answers_token_ids: !args.ignore_return_token_ids,
         transport: Arc::new(transport),
         metrics,
         latency,

@@ -19,7 +19,7 @@
 //! let mut slot = vec![0; KvShape::SMALL.bytes_per_token()];
 //! model.fill_kv(chain[1], &mut slot);
 //! let digests = [model.digest_of(chain[0]), Model::slot_digest(&slot)];
-//! let next = model.next_token(digests.iter().copied(), 1, &Sampling::GREEDY);
+//! let next = model.next_token(digests.iter().copied(), 1, &Sampling::GREEDY).token;
 //! assert!(next == Model::EOS || (32..=126).contains(&next));
 //! ```
 
@@ -160,15 +160,21 @@ impl Model {
         digests: impl Iterator<Item = u64>,
         position: usize,
         sampling: &Sampling,
-    ) -> u32 {
+    ) -> Sampled {
         let state = digests
             .enumerate()
             .fold(self.chain_seed, |acc, (i, d)| mix(acc ^ d, i as u64));
-        let index = pick(&logits(state), sampling, position);
-        if index == PRINTABLE {
+        let logits = logits(state);
+        let index = pick(&logits, sampling, position);
+        let token = if index == PRINTABLE {
             Self::EOS
         } else {
             FIRST_PRINTABLE + index as u32
+        };
+        // 96 logits: cheap enough to always compute.
+        Sampled {
+            token,
+            logprob: Some(logprob(&logits, index)),
         }
     }
 }
@@ -192,6 +198,22 @@ fn logits(state: u64) -> [f64; PRINTABLE + 1] {
 /// The index `sampling` chooses among `logits` for the token after `position`: the first
 /// maximum when greedy, else a draw seeded by the request's seed and the position only (so a
 /// seeded run gives the same tokens on any engine, however it was batched or split).
+/// A sampled token and, when computed, its log-probability under the model's raw logits
+/// (before temperature and top-p, as vLLM reports it by default): what a `logprobs` answer
+/// carries.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sampled {
+    pub token: u32,
+    pub logprob: Option<f32>,
+}
+
+/// `log softmax(logits)[index]`, computed stably.
+pub(crate) fn logprob(logits: &[f64], index: usize) -> f32 {
+    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = logits.iter().map(|&l| (l - max).exp()).sum();
+    (logits[index] - max - sum.ln()) as f32
+}
+
 pub(crate) fn pick(logits: &[f64], sampling: &Sampling, position: usize) -> usize {
     if sampling.is_greedy() {
         argmax(logits)

@@ -1,7 +1,11 @@
 //! The engine's answers in MLC's shape: one identity ([`ResponseMeta`]) per response, repeated
 //! by every chunk of a stream.
 
-use switchyard_wire::completion::{Choice, CompletionResponse, EngineUsage, Usage};
+use std::sync::Arc;
+
+use switchyard_wire::completion::{
+    Choice, CompletionResponse, EngineUsage, Logprobs, TokenLogprob, Usage,
+};
 
 use crate::scheduler::{self, FinishReason};
 
@@ -13,6 +17,9 @@ pub struct ResponseMeta {
     pub model: String,
     /// Whether each choice carries its generated ids (the request's `return_token_ids`).
     pub token_ids: bool,
+    /// The tokenizer that names the tokens of a `logprobs` answer, when the request asked
+    /// for one (`logprobs: true`).
+    pub logprobs: Option<Arc<tokenizers::Tokenizer>>,
 }
 
 impl ResponseMeta {
@@ -32,27 +39,64 @@ impl ResponseMeta {
         }
     }
 
-    /// One choice with `text` (completing `ids`), ended by `finish` if it is the last.
-    pub fn chunk(
-        &self,
-        text: String,
-        ids: Vec<u32>,
-        finish: Option<FinishReason>,
-    ) -> CompletionResponse {
-        self.body(vec![self.choice(text, ids, finish)], None)
+    /// One chunk of a stream: the event's text, its tokens, and how it ended if it did.
+    pub fn chunk(&self, event: scheduler::Event) -> CompletionResponse {
+        let finish = event.finish.map(|f| f.0);
+        let tokens = Tokens {
+            ids: event.token_ids,
+            logprobs: event.logprobs,
+        };
+        self.body(vec![self.choice(event.text, tokens, finish)], None)
     }
 
-    /// One choice with `text` (completing `ids`), ended by `finish` if it is the last.
-    pub fn choice(&self, text: String, ids: Vec<u32>, finish: Option<FinishReason>) -> Choice {
+    /// One choice with `text` (completing `tokens`), ended by `finish` if it is the last.
+    pub fn choice(&self, text: String, tokens: Tokens, finish: Option<FinishReason>) -> Choice {
         Choice {
             index: 0,
             text,
             finish_reason: finish.map(|f| f.as_str().to_owned()),
-            logprobs: None,
-            token_ids: self.token_ids.then_some(ids),
+            logprobs: self.logprobs.as_ref().map(|t| logprobs(t, &tokens)),
+            token_ids: self.token_ids.then_some(tokens.ids),
             delta: None,
             message: None,
         }
+    }
+}
+
+/// Generated tokens a choice completes: ids and their log-probabilities, in order.
+#[derive(Debug, Default)]
+pub struct Tokens {
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+}
+
+impl Tokens {
+    pub fn extend(&mut self, event: &scheduler::Event) {
+        self.ids.extend(&event.token_ids);
+        self.logprobs.extend(&event.logprobs);
+    }
+}
+
+/// MLC's `logprobs` of a choice: one entry per generated token, in order, with the token's
+/// text and UTF-8 bytes (a token that is part of a character decodes lossily) and no
+/// alternatives (`top_logprobs` is not served).
+fn logprobs(tokenizer: &tokenizers::Tokenizer, tokens: &Tokens) -> Logprobs {
+    let content = tokens
+        .ids
+        .iter()
+        .zip(&tokens.logprobs)
+        .map(|(&id, &logprob)| {
+            let token = tokenizer.decode(&[id], false).unwrap_or_default();
+            TokenLogprob {
+                bytes: Some(token.as_bytes().to_vec()),
+                token,
+                logprob,
+                top_logprobs: Vec::new(),
+            }
+        })
+        .collect();
+    Logprobs {
+        content: Some(content),
     }
 }
 
@@ -75,6 +119,7 @@ mod tests {
             created: 7,
             model: "m".into(),
             token_ids: false,
+            logprobs: None,
         };
         let usage = scheduler::Usage {
             prompt_tokens: 3,
@@ -88,12 +133,44 @@ mod tests {
                 "completion_tokens": 2, "total_tokens": 5, "extra": null}})
         );
         let chunk =
-            serde_json::to_value(meta.chunk("a".into(), vec![97], Some(FinishReason::Preempt)))
-                .expect("serializes");
+            serde_json::to_value(meta.chunk(event("a", &[97], &[-0.5]))).expect("serializes");
         assert_eq!(
             chunk["choices"],
             serde_json::json!([{"index": 0, "text": "a", "finish_reason": "preempt", "logprobs": null}])
         );
         assert_eq!(chunk["usage"], serde_json::Value::Null);
+    }
+
+    fn event(text: &str, ids: &[u32], logprobs: &[f32]) -> scheduler::Event {
+        scheduler::Event {
+            text: text.into(),
+            token_ids: ids.to_vec(),
+            logprobs: logprobs.to_vec(),
+            finish: Some((FinishReason::Preempt, scheduler::Usage::default())),
+        }
+    }
+
+    #[test]
+    fn logprobs_name_every_token_of_a_chunk_once() {
+        let meta = ResponseMeta {
+            id: "cmpl-1".into(),
+            created: 7,
+            model: "m".into(),
+            token_ids: false,
+            logprobs: Some(Arc::new(switchyard_wire::tokenizer::byte_level_tokenizer())),
+        };
+        let chunk = serde_json::to_value(meta.chunk(event(
+            "hi",
+            b"hi".map(u32::from).as_slice(),
+            &[-0.5, -1.25],
+        )))
+        .expect("serializes");
+        assert_eq!(
+            chunk["choices"][0]["logprobs"],
+            serde_json::json!({"content": [
+                {"token": "h", "logprob": -0.5, "bytes": [104], "top_logprobs": []},
+                {"token": "i", "logprob": -1.25, "bytes": [105], "top_logprobs": []}]})
+        );
+        assert!(chunk["choices"][0].get("token_ids").is_none());
     }
 }

@@ -33,7 +33,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::kv_pool::{PagePool, extend_page_keys};
 use super::latency::{Latency, StepWork};
 use super::metrics::Metrics;
-use super::model::Sampling;
+use super::model::{Sampled, Sampling};
 use backend::{Backend, Planned};
 use switchyard_kv::{KvAddrInfo, KvStore};
 
@@ -69,6 +69,8 @@ pub struct GenRequest {
     pub sampling: Sampling,
     pub max_tokens: usize,
     pub stop: Vec<String>,
+    /// Report each generated token's log-probability ([`Event::logprobs`]).
+    pub logprobs: bool,
 }
 
 /// Why a generation ended, as OpenAI spells it.
@@ -97,12 +99,15 @@ pub struct Usage {
 
 /// One step's output for one request: new text, the ids whose text it completes, and how it
 /// ended if it did.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Event {
     pub text: String,
     /// The generated ids whose text is now fully streamed (this event's text included); at the
     /// end, every id not sent yet. What a router continues from, token-exactly.
     pub token_ids: Vec<u32>,
+    /// The log-probability of each of `token_ids`, in order, when the request asked for them
+    /// ([`GenRequest::logprobs`]); else empty.
+    pub logprobs: Vec<f32>,
     pub finish: Option<(FinishReason, Usage)>,
 }
 
@@ -230,6 +235,7 @@ enum Work {
 #[derive(Debug)]
 struct GenState {
     sampling: Sampling,
+    logprobs: bool,
     max_tokens: usize,
     stop: Vec<String>,
     events: Events,
@@ -238,9 +244,8 @@ struct GenState {
     pending: Vec<u8>,
     text: String,
     emitted: usize,
-    /// Generated ids not yet sent, each with the text length that covers it (`usize::MAX`
-    /// while its bytes are still pending).
-    unsent_ids: VecDeque<(u32, usize)>,
+    /// Generated tokens not yet sent.
+    unsent_ids: VecDeque<Unsent>,
     preempt_at: Option<usize>,
     counted: bool,
     /// Where the prompt's KV goes when the generation finishes ([`Command::GenerateAndHold`]).
@@ -533,6 +538,7 @@ impl Core {
             chain: self.backend.chain_at(&[], 0),
             work: Work::Generate(GenState {
                 sampling: request.sampling,
+                logprobs: request.logprobs,
                 max_tokens: request.max_tokens,
                 stop: request.stop,
                 events,
@@ -904,8 +910,10 @@ impl Core {
         let Work::Generate(g) = &seq.work else {
             return true;
         };
-        let token = self.backend.next_token(&self.pool, seq, &g.sampling);
-        let outcome = self.accept_token(i, token);
+        let sampled = self
+            .backend
+            .next_token(&self.pool, seq, &g.sampling, g.logprobs);
+        let outcome = self.accept_token(i, sampled);
         match outcome {
             StepResult::Continue => true,
             StepResult::Finished | StepResult::ClientGone => {
@@ -937,7 +945,7 @@ impl Core {
     }
 
     /// Appends a sampled token, streams its text, and decides whether the generation ends.
-    fn accept_token(&mut self, i: usize, token: u32) -> StepResult {
+    fn accept_token(&mut self, i: usize, Sampled { token, logprob }: Sampled) -> StepResult {
         let preempt_every = self.cfg.preempt_every;
         let seq = &mut self.running[i];
         let prompt_len = seq.prompt_len;
@@ -963,14 +971,18 @@ impl Core {
             let before = g.text.len();
             g.pending.extend_from_slice(self.backend.token_bytes(token));
             decode_pending(&mut g.pending, &mut g.text, false);
-            g.unsent_ids.push_back((token, usize::MAX));
+            g.unsent_ids.push_back(Unsent {
+                id: token,
+                logprob: logprob.filter(|_| g.logprobs),
+                covered: usize::MAX,
+            });
             if g.pending.is_empty() {
                 let covered = g.text.len();
-                for id in g.unsent_ids.iter_mut().rev() {
-                    if id.1 != usize::MAX {
+                for unsent in g.unsent_ids.iter_mut().rev() {
+                    if unsent.covered != usize::MAX {
                         break;
                     }
-                    id.1 = covered;
+                    unsent.covered = covered;
                 }
             }
             if let Some(at) = first_stop_match(&g.text, &g.stop, g.text.len() - before) {
@@ -983,12 +995,13 @@ impl Core {
         if finish.is_none() && g.preempt_at == Some(g.generated) {
             // Text held back as a possible stop-string start stays unsent: the preemption chunk
             // carries no text (MLC's), and the rerun produces it again anyway.
-            let (delta, token_ids) = take_safe_text(g, false);
+            let (delta, token_ids, logprobs) = take_safe_text(g, false);
             if !delta.is_empty()
                 && g.events
                     .send(Event {
                         text: delta,
                         token_ids,
+                        logprobs,
                         finish: None,
                     })
                     .is_err()
@@ -1000,7 +1013,7 @@ impl Core {
         if finish.is_some() {
             decode_pending(&mut g.pending, &mut g.text, true);
         }
-        let (delta, token_ids) = take_safe_text(g, finish.is_some());
+        let (delta, token_ids, logprobs) = take_safe_text(g, finish.is_some());
         let usage = Usage {
             prompt_tokens: prompt_len,
             completion_tokens: g.generated,
@@ -1008,6 +1021,7 @@ impl Core {
         let event = Event {
             text: delta,
             token_ids,
+            logprobs,
             finish: finish.map(|f| (f, usage)),
         };
         let silent = event.text.is_empty() && event.finish.is_none();
@@ -1087,6 +1101,7 @@ impl Core {
             let _ = events.send(Event {
                 text: String::new(),
                 token_ids: Vec::new(),
+                logprobs: Vec::new(),
                 finish: Some((FinishReason::Preempt, Usage::default())),
             });
         }
@@ -1169,7 +1184,17 @@ fn window_slots(pool: &PagePool, pages: &[u32], from: usize, to: usize) -> Vec<u
 /// The text not yet streamed that can no longer turn out to be the start of a stop string (all
 /// of it when the generation is over), and the ids whose text that completes (all of them at
 /// the end).
-fn take_safe_text(g: &mut GenState, flush: bool) -> (String, Vec<u32>) {
+/// A generated token not sent yet, with the text length that covers it (`usize::MAX` while its
+/// bytes are still pending).
+#[derive(Debug)]
+struct Unsent {
+    id: u32,
+    logprob: Option<f32>,
+    covered: usize,
+}
+
+/// The text that can be sent now, with the ids (and their log-probabilities) it completes.
+fn take_safe_text(g: &mut GenState, flush: bool) -> (String, Vec<u32>, Vec<f32>) {
     let bytes = g.text.as_bytes();
     let mut safe = bytes.len();
     if !flush {
@@ -1190,10 +1215,18 @@ fn take_safe_text(g: &mut GenState, flush: bool) -> (String, Vec<u32>) {
     let sent = if flush {
         g.unsent_ids.len()
     } else {
-        g.unsent_ids.iter().take_while(|id| id.1 <= safe).count()
+        g.unsent_ids
+            .iter()
+            .take_while(|u| u.covered <= safe)
+            .count()
     };
-    let ids = g.unsent_ids.drain(..sent).map(|id| id.0).collect();
-    (out, ids)
+    let mut ids = Vec::with_capacity(sent);
+    let mut logprobs = Vec::new();
+    for unsent in g.unsent_ids.drain(..sent) {
+        ids.push(unsent.id);
+        logprobs.extend(unsent.logprob);
+    }
+    (out, ids, logprobs)
 }
 
 /// Moves the complete UTF-8 characters at the front of `pending` into `text`, so a streamed

@@ -229,7 +229,7 @@ pub struct Choice {
     #[serde(default)]
     pub finish_reason: Option<String>,
     #[serde(default)]
-    pub logprobs: Option<serde_json::Value>,
+    pub logprobs: Option<Logprobs>,
     /// The generated token ids this choice's text completes, when the request asked for them
     /// (`return_token_ids`, vLLM's spelling; SGLang's chat answers say `response_token_ids`):
     /// what a router continues a broken stream from.
@@ -246,6 +246,43 @@ pub struct Choice {
     /// A whole chat answer's text (`message.content`), likewise.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<ChatContent>,
+}
+
+impl Choice {
+    /// How many generated tokens this choice completes, when the engine says: its
+    /// `token_ids`, else its `logprobs` entries (one per token, which MLC's engines send when
+    /// asked though they ignore `return_token_ids`).
+    pub fn generated(&self) -> Option<usize> {
+        match (&self.token_ids, &self.logprobs) {
+            (Some(ids), _) => Some(ids.len()),
+            (None, Some(Logprobs { content: Some(c) })) => Some(c.len()),
+            _ => None,
+        }
+    }
+}
+
+/// A choice's `logprobs` as MLC's engines (and OpenAI's chat) write them: one entry per
+/// generated token. Other shapes (OpenAI's legacy completions `tokens`/`token_logprobs`) read
+/// as no `content`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Logprobs {
+    #[serde(default)]
+    pub content: Option<Vec<TokenLogprob>>,
+}
+
+/// One generated token's log-probability.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TokenLogprob {
+    #[serde(default)]
+    pub token: String,
+    #[serde(default)]
+    pub logprob: f32,
+    /// The token's UTF-8 bytes.
+    #[serde(default)]
+    pub bytes: Option<Vec<u8>>,
+    /// Alternatives, when asked for (`top_logprobs`); kept as the engine wrote them.
+    #[serde(default)]
+    pub top_logprobs: Vec<serde_json::Value>,
 }
 
 /// The part of a chat `delta` or `message` a router relays.

@@ -341,6 +341,8 @@ pub(super) fn parse(state: &EngineState, incoming: Arrived) -> Result<OpenAiRequ
         },
         max_tokens,
         stop: f.stop.clone().map(Stop::into_vec).unwrap_or_default(),
+        // The OpenAI routes do not serve logprobs.
+        logprobs: false,
     };
     Ok(OpenAiRequest {
         shape,

@@ -8,6 +8,7 @@ fn meta() -> ResponseMeta {
         created: 0,
         model: "m".into(),
         token_ids: false,
+        logprobs: None,
     }
 }
 
@@ -15,6 +16,7 @@ fn token(text: &str) -> Event {
     Event {
         text: text.into(),
         token_ids: Vec::new(),
+        logprobs: Vec::new(),
         finish: None,
     }
 }
@@ -43,6 +45,7 @@ async fn a_finished_stream_ends_with_done() {
     tx.send(Event {
         text: String::new(),
         token_ids: Vec::new(),
+        logprobs: Vec::new(),
         finish: Some((FinishReason::Length, Default::default())),
     })
     .unwrap();

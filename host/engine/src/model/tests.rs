@@ -15,7 +15,7 @@ fn generate(model: &Model, prompt: &[u32], n: usize, sampling: &Sampling) -> Vec
             slots.push(slot);
         }
         let digests = slots.iter().map(|s| Model::slot_digest(s));
-        let next = model.next_token(digests, tokens.len() - 1, sampling);
+        let next = model.next_token(digests, tokens.len() - 1, sampling).token;
         out.push(next);
         if next == Model::EOS {
             break;
@@ -61,7 +61,9 @@ fn corrupting_one_slot_changes_the_next_token() {
     let model = Model::new(KvShape::SMALL);
     let prompt: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 256).collect();
     let good = digests_of(&model, &prompt);
-    let expected = model.next_token(good.iter().copied(), prompt.len() - 1, &Sampling::GREEDY);
+    let expected = model
+        .next_token(good.iter().copied(), prompt.len() - 1, &Sampling::GREEDY)
+        .token;
     // Any one corrupted slot (here: one flipped byte) must change the prediction for a sizeable
     // share of positions; with 96 outcomes a collision is possible but not for most slots.
     let mut changed = 0;
@@ -71,7 +73,9 @@ fn corrupting_one_slot_changes_the_next_token() {
         slot[17] ^= 1;
         let mut digests = good.clone();
         digests[victim] = Model::slot_digest(&slot);
-        if model.next_token(digests.iter().copied(), prompt.len() - 1, &Sampling::GREEDY)
+        if model
+            .next_token(digests.iter().copied(), prompt.len() - 1, &Sampling::GREEDY)
+            .token
             != expected
         {
             changed += 1;
@@ -164,10 +168,27 @@ fn sampling_depends_on_seed_and_shape() {
 fn eos_is_reachable_but_rare() {
     let model = Model::new(KvShape::SMALL);
     let greedy_eos = (0..20_000u64)
-        .filter(|&s| model.next_token([s].into_iter(), 0, &Sampling::GREEDY) == Model::EOS)
+        .filter(|&s| {
+            model
+                .next_token([s].into_iter(), 0, &Sampling::GREEDY)
+                .token
+                == Model::EOS
+        })
         .count();
     assert!(
         (10..=120).contains(&greedy_eos),
         "{greedy_eos} EOS in 20000 states"
     );
+}
+
+#[test]
+fn logprobs_are_the_log_softmax_of_the_logits() {
+    let logits = [1.0, 2.0, 3.0];
+    let total: f64 = logits.iter().map(|l: &f64| l.exp()).sum();
+    for (i, l) in logits.iter().enumerate() {
+        let expected = (l.exp() / total).ln() as f32;
+        assert!((logprob(&logits, i) - expected).abs() < 1e-6);
+    }
+    // Stable where a naive exp would overflow.
+    assert_eq!(logprob(&[1000.0, 1000.0], 0), -std::f32::consts::LN_2);
 }

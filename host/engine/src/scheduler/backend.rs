@@ -10,7 +10,7 @@ use switchyard_kv::KvStore;
 use super::Seq;
 use crate::kv_pool::PagePool;
 use crate::llama::{Llama, SeqChunk};
-use crate::model::{self, Model, Sampling};
+use crate::model::{self, Model, Sampled, Sampling};
 
 /// The model an engine runs, with the token vocabulary as bytes for detokenizing.
 #[derive(Debug, Clone)]
@@ -182,8 +182,16 @@ impl Backend {
         }
     }
 
-    /// The token after the last computed position of `seq`, per its sampling parameters.
-    pub fn next_token(&mut self, pool: &PagePool, seq: &Seq, sampling: &Sampling) -> u32 {
+    /// The token after the last computed position of `seq`, per its sampling parameters, and
+    /// its log-probability if `with_logprob` (a pass over the vocabulary's logits, which the
+    /// real model does only when asked).
+    pub fn next_token(
+        &mut self,
+        pool: &PagePool,
+        seq: &Seq,
+        sampling: &Sampling,
+        with_logprob: bool,
+    ) -> Sampled {
         let position = seq.computed - 1;
         match self {
             Backend::Synthetic {
@@ -198,7 +206,11 @@ impl Backend {
                     .remove(&seq.id)
                     .expect("the pass that ended a sequence's tokens kept its logits");
                 let l: Vec<f64> = l.into_iter().map(f64::from).collect();
-                model::pick(&l, sampling, position) as u32
+                let index = model::pick(&l, sampling, position);
+                Sampled {
+                    token: index as u32,
+                    logprob: with_logprob.then(|| model::logprob(&l, index)),
+                }
             }
         }
     }

@@ -69,6 +69,7 @@ fn request(prompt: &[u8], max_tokens: usize) -> GenRequest {
         sampling: Sampling::GREEDY,
         max_tokens,
         stop: Vec::new(),
+        logprobs: false,
     }
 }
 
@@ -677,6 +678,7 @@ fn smollm2_request(text: &str, max_tokens: usize, sampling: Sampling) -> GenRequ
         sampling,
         max_tokens,
         stop: Vec::new(),
+        logprobs: false,
     }
 }
 
