@@ -493,7 +493,11 @@ impl<E: Execute> Router<E> {
             Some(ids) => ids.clone(),
             None => self.continuation_tokens(&st.delivered.text)?,
         };
-        let already = continued.len() as u32;
+        // The engines' own count when they gave one: the re-tokenized text may count otherwise.
+        let already = st
+            .delivered
+            .generated
+            .unwrap_or_else(|| u32::try_from(continued.len()).unwrap_or(u32::MAX));
         let remaining = req.max_tokens.saturating_sub(already);
         if remaining == 0 {
             // Preempted right after the last token: the response is complete.
@@ -527,7 +531,7 @@ impl<E: Execute> Router<E> {
         st.summary.prefix_matched = generation.prefix_matched;
         st.summary.remote_sends_skipped += u32::from(generation.remote_send_skipped);
         let before = st.delivered.text.len();
-        let ids_before = st.delivered.token_ids.as_ref().map(Vec::len);
+        let generated_before = st.delivered.generated;
         let end = relay(&mut generation, tx, attempt, &mut st.delivered).await;
         match &end {
             RelayEnd::Finished { .. } => {
@@ -545,9 +549,9 @@ impl<E: Execute> Router<E> {
                 finish_reason,
                 usage,
             } => {
-                let this_attempt = match (usage, ids_before, &st.delivered.token_ids) {
+                let this_attempt = match (usage, generated_before, st.delivered.generated) {
                     (Some(u), ..) => u.completion_tokens,
-                    (None, Some(from), Some(ids)) => (ids.len() - from) as u32,
+                    (None, Some(from), Some(now)) => now - from,
                     _ => self.count_tokens(&st.delivered.text[before..])?,
                 };
                 let usage = final_usage(req, already, Some(this_attempt));
@@ -678,8 +682,8 @@ impl<E: Execute> Router<E> {
         } else {
             tracing::warn!(request = %req.request_id, %error, url, "request failed");
         }
-        let tokens = match &st.delivered.token_ids {
-            Some(ids) => Ok(ids.len() as u32),
+        let tokens = match st.delivered.generated {
+            Some(n) => Ok(n),
             None => self.count_tokens(&st.delivered.text),
         };
         if let Ok(tokens) = tokens {

@@ -3,10 +3,11 @@
 //! endpoint). The generation is returned as a stream and never buffered: the relay hands each
 //! chunk to the client as it arrives.
 //!
-//! The generating leg (start_generate, forward) asks for the generated token ids
-//! (`return_token_ids`), which a broken or preempted stream is continued from exactly; engines
-//! that do not know the field ignore it (MLC's request models ignore unknown fields), and the
-//! router then re-tokenizes the delivered text.
+//! MLC legs ask for the generated token ids (`return_token_ids`), which a broken or preempted
+//! stream is continued from exactly, and for `logprobs`. MLC's engines ignore the field they do
+//! not know (their request models ignore unknown fields) but send one `logprobs` entry per
+//! generated token: the router then continues from the delivered text re-tokenized, counting
+//! the tokens as the engine did (see [`super::relay::Delivered`]).
 //!
 //! Errors are classified here, once: [`ExecError`] names the endpoint, the step and the
 //! attempt, and says whether another attempt may help ([`ExecError::retryable`]), whether the
@@ -188,6 +189,16 @@ impl AttemptBody {
     }
 }
 
+/// An MLC call's request, asking for the generated ids (`return_token_ids`) and, since MLC's
+/// engines ignore that field, for `logprobs`, which they answer with one entry per generated
+/// token. Every call of a disaggregated request carries both: MLC's engines keep the
+/// parameters prep_recv brought.
+fn counted(mut tokens: CompletionRequest) -> CompletionRequest {
+    tokens.return_token_ids = true;
+    tokens.logprobs = true;
+    tokens
+}
+
 /// Whether a leg's body asks for a stream.
 pub(super) fn streams(fields: &Map<String, Value>) -> bool {
     fields.get("stream").and_then(Value::as_bool) == Some(true)
@@ -316,7 +327,7 @@ impl Executor {
         match *plan {
             ValidPlan::Forward { endpoint } => {
                 match self.cluster.protocol(endpoint).unwrap_or_default() {
-                    Protocol::Mlc => self.forward(endpoint, body.tokens, id).await,
+                    Protocol::Mlc => self.forward(endpoint, counted(body.tokens), id).await,
                     protocol => self.forward_leg(endpoint, protocol, &body, id).await,
                 }
             }
@@ -332,7 +343,9 @@ impl Executor {
                 remote_send,
             } => {
                 let guard = self.guard(decode, StepKind::PrepRecv, id)?;
-                let (prep, reservation) = self.prep_recv(decode, end, body.tokens, id).await?;
+                let (prep, reservation) = self
+                    .prep_recv(decode, end, counted(body.tokens), id)
+                    .await?;
                 let mut remote_send_skipped = false;
                 if let Some(send) = remote_send {
                     let begin = send.begin.unwrap_or(prep.prefix_matched_length);
@@ -448,9 +461,6 @@ impl Executor {
     ) -> Result<ChunkStream, ExecError> {
         let span = tracing::debug_span!("start_generate", request = %id.upstream_id, attempt = id.attempt, endpoint = decode);
         let mut taken = reservation.disarm();
-        if let Some(request) = taken.request.as_mut() {
-            request.common.return_token_ids = true;
-        }
         let call = async move {
             let answer = taken
                 .client
@@ -470,10 +480,9 @@ impl Executor {
     async fn forward(
         &self,
         endpoint: EndpointId,
-        mut body: CompletionRequest,
+        body: CompletionRequest,
         id: &AttemptId,
     ) -> Result<Generation, ExecError> {
-        body.return_token_ids = true;
         let span = tracing::debug_span!("forward", request = %id.upstream_id, attempt = id.attempt, endpoint);
         let guard = self.guard(endpoint, StepKind::Forward, id)?;
         let engine = self.upstream(endpoint, StepKind::Forward, id)?;

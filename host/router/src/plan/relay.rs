@@ -38,6 +38,13 @@ pub struct Delivered {
     /// from the first chunk that did not. A continuation starts from these exact ids: text
     /// re-tokenized with a BPE tokenizer may give other ids, and another count.
     pub token_ids: Option<Vec<u32>>,
+    /// How many tokens the engines generated for `text`, counted from their chunks (ids, or
+    /// `logprobs` entries from engines that ignore `return_token_ids`, as MLC's do), while
+    /// every chunk with text said; `None` from the first that did not. Where the ids are
+    /// unknown, a continuation re-tokenizes `text` (other ids, maybe another count, with a
+    /// BPE tokenizer), but still stops at `max_tokens` and reports a usage counting exactly
+    /// what the engines generated.
+    pub generated: Option<u32>,
     /// When the first text reached the client's channel.
     pub first_at: Option<Instant>,
 }
@@ -47,6 +54,7 @@ impl Default for Delivered {
         Delivered {
             text: String::new(),
             token_ids: Some(Vec::new()),
+            generated: Some(0),
             first_at: None,
         }
     }
@@ -99,6 +107,11 @@ pub async fn relay(
         };
         if choice.finish_reason.as_deref() == Some(FINISH_PREEMPT) {
             return RelayEnd::Preempted;
+        }
+        match (&mut delivered.generated, choice.generated()) {
+            (Some(n), Some(new)) => *n = n.saturating_add(u32::try_from(new).unwrap_or(u32::MAX)),
+            (Some(_), None) if !choice.text.is_empty() => delivered.generated = None,
+            _ => {}
         }
         match (&mut delivered.token_ids, choice.token_ids) {
             (Some(ids), Some(new)) => ids.extend(new),

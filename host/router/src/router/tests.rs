@@ -13,7 +13,9 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
 use switchyard_contract::{EndpointId, Plan, Role, Step};
-use switchyard_wire::completion::{Choice, CompletionResponse, FINISH_PREEMPT};
+use switchyard_wire::completion::{
+    Choice, CompletionResponse, FINISH_PREEMPT, Logprobs, TokenLogprob,
+};
 use switchyard_wire::sse::ChunkStream;
 
 use super::*;
@@ -198,6 +200,26 @@ fn text_with_ids(
 ) -> Result<CompletionResponse, SseError> {
     let mut c = chunk(t, finish_reason)?;
     c.choices[0].token_ids = Some(ids.to_vec());
+    Ok(c)
+}
+
+/// A chunk as MLC's engines send it when asked for `logprobs`: one entry per generated token,
+/// and no ids (they ignore `return_token_ids`).
+fn text_with_logprobs(
+    t: &str,
+    tokens: usize,
+    finish_reason: Option<&str>,
+) -> Result<CompletionResponse, SseError> {
+    let mut c = chunk(t, finish_reason)?;
+    let entry = TokenLogprob {
+        token: String::new(),
+        logprob: -0.5,
+        bytes: None,
+        top_logprobs: Vec::new(),
+    };
+    c.choices[0].logprobs = Some(Logprobs {
+        content: Some(vec![entry; tokens]),
+    });
     Ok(c)
 }
 
@@ -617,6 +639,66 @@ async fn preemption_continues_from_the_engines_token_ids() {
     );
     assert_eq!(ran[1].body.max_tokens, Some(2), "4 - 2 generated");
     assert_eq!(h.outcome().completion_tokens, 4);
+}
+
+/// Without ids (MLC's engines ignore `return_token_ids`), a preempted stream continues from
+/// the delivered text re-tokenized, but counts the tokens as the engine did, from its
+/// `logprobs` entries: here "abc" is two tokens to the engine and three re-tokenized
+/// (byte-level), so the continuation may generate two more, not one, and the usage says 4.
+#[tokio::test(start_paused = true)]
+async fn without_ids_a_preempted_stream_counts_the_engines_tokens_not_the_retokenized_text() {
+    let mut h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![
+                text_with_logprobs("ab", 1, None),
+                text_with_logprobs("c", 1, None),
+                finish(FINISH_PREEMPT),
+            ]),
+            Script::Stream(vec![
+                text_with_logprobs("de", 1, None),
+                text_with_logprobs("f", 1, Some("length")),
+            ]),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 4).await;
+    assert_eq!(delivered, "abcdef");
+    let (finish_reason, usage, _) = expect_done(last);
+    assert_eq!(finish_reason, "length");
+    assert_eq!(
+        usage.completion_tokens, 4,
+        "the engine's count, not the text re-tokenized (6)"
+    );
+    let ran = h.ran();
+    assert_eq!(
+        ran[1].body.prompt,
+        Prompt::Tokens(tokens("helloabc")),
+        "without ids, prompt + the delivered text re-tokenized"
+    );
+    assert_eq!(ran[1].body.max_tokens, Some(2), "4 - 2 generated");
+    assert_eq!(h.outcome().completion_tokens, 4);
+}
+
+/// A chunk with text that says nothing of its tokens stops the count: from then on the text
+/// re-tokenized is all the router has.
+#[tokio::test(start_paused = true)]
+async fn a_chunk_without_ids_or_logprobs_falls_back_to_the_retokenized_text() {
+    let h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![
+                text_with_logprobs("ab", 1, None),
+                text("c"),
+                finish(FINISH_PREEMPT),
+            ]),
+            Script::Stream(vec![text("d"), finish("length")]),
+        ],
+    );
+    let (delivered, last) = h.route("hello", 4).await;
+    assert_eq!(delivered, "abcd");
+    let (_, usage, _) = expect_done(last);
+    assert_eq!(usage.completion_tokens, 4, "re-tokenized: one per byte");
+    assert_eq!(h.ran()[1].body.max_tokens, Some(1), "4 - 3 re-tokenized");
 }
 
 #[tokio::test(start_paused = true)]
