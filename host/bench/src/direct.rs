@@ -235,6 +235,9 @@ impl DirectArm {
         common.stream_options = Some(StreamOptions {
             include_usage: true,
         });
+        // As the router asks on every MLC call: the engines do the same work in both arms.
+        common.return_token_ids = true;
+        common.logprobs = true;
         common
     }
 

@@ -95,9 +95,7 @@ fn logprobs(tokenizer: &tokenizers::Tokenizer, tokens: &Tokens) -> Logprobs {
             }
         })
         .collect();
-    Logprobs {
-        content: Some(content),
-    }
+    Logprobs::Entries(content)
 }
 
 fn engine_usage(u: scheduler::Usage) -> EngineUsage {

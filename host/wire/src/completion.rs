@@ -255,19 +255,99 @@ impl Choice {
     pub fn generated(&self) -> Option<usize> {
         match (&self.token_ids, &self.logprobs) {
             (Some(ids), _) => Some(ids.len()),
-            (None, Some(Logprobs { content: Some(c) })) => Some(c.len()),
+            (None, Some(logprobs)) => logprobs.tokens(),
             _ => None,
         }
     }
 }
 
-/// A choice's `logprobs` as MLC's engines (and OpenAI's chat) write them: one entry per
-/// generated token. Other shapes (OpenAI's legacy completions `tokens`/`token_logprobs`) read
-/// as no `content`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct Logprobs {
-    #[serde(default)]
-    pub content: Option<Vec<TokenLogprob>>,
+/// A choice's `logprobs` as MLC's engines (and OpenAI's chat) write them: `{"content": [...]}`,
+/// one entry per generated token. An engine writes the entries; a router needs only how many
+/// there are, so reading keeps the count and no entry (every chunk of a stream carries them).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Logprobs {
+    /// The entries, as an engine writes them.
+    Entries(Vec<TokenLogprob>),
+    /// As read: how many entries `content` held; `None` without a `content` list (OpenAI's
+    /// legacy completions shape, `tokens`/`token_logprobs`).
+    Counted(Option<usize>),
+}
+
+impl Logprobs {
+    /// How many generated tokens the entries cover, when there is a `content` list.
+    pub fn tokens(&self) -> Option<usize> {
+        match self {
+            Logprobs::Entries(entries) => Some(entries.len()),
+            Logprobs::Counted(n) => *n,
+        }
+    }
+}
+
+impl Serialize for Logprobs {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = serializer.serialize_map(Some(1))?;
+        match self {
+            Logprobs::Entries(entries) => map.serialize_entry("content", entries)?,
+            // A count has no entries to write.
+            Logprobs::Counted(_) => map.serialize_entry("content", &())?,
+        }
+        map.end()
+    }
+}
+
+impl<'de> Deserialize<'de> for Logprobs {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+        /// `content`'s length, skipping every entry.
+        struct Count(Option<usize>);
+        impl<'de> Deserialize<'de> for Count {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                struct CountVisitor;
+                impl<'de> Visitor<'de> for CountVisitor {
+                    type Value = Count;
+                    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                        f.write_str("a list of logprobs entries, or null")
+                    }
+                    fn visit_unit<E>(self) -> Result<Count, E> {
+                        Ok(Count(None))
+                    }
+                    fn visit_none<E>(self) -> Result<Count, E> {
+                        Ok(Count(None))
+                    }
+                    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Count, A::Error> {
+                        let mut n = 0;
+                        while seq.next_element::<IgnoredAny>()?.is_some() {
+                            n += 1;
+                        }
+                        Ok(Count(Some(n)))
+                    }
+                }
+                d.deserialize_any(CountVisitor)
+            }
+        }
+
+        struct LogprobsVisitor;
+        impl<'de> Visitor<'de> for LogprobsVisitor {
+            type Value = Logprobs;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a logprobs object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Logprobs, A::Error> {
+                let mut count = None;
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "content" {
+                        count = map.next_value::<Count>()?.0;
+                    } else {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(Logprobs::Counted(count))
+            }
+        }
+        deserializer.deserialize_map(LogprobsVisitor)
+    }
 }
 
 /// One generated token's log-probability.
@@ -396,6 +476,43 @@ mod tests {
         )
         .expect("parses");
         assert_eq!(usage_only.usage.map(|u| u.counts.total_tokens), Some(5));
+    }
+
+    /// Reading counts `logprobs` entries (what a router needs), in MLC's shape; other shapes
+    /// and `null` say nothing of the count, and the ids win when both are there.
+    #[test]
+    fn logprobs_read_as_a_count_of_generated_tokens() {
+        let choice = |json: &str| -> Choice { serde_json::from_str(json).expect("parses") };
+        let mlc = choice(
+            r#"{"text":"Hi!","logprobs":{"content":[
+                {"token":"Hi","logprob":-0.1,"bytes":[72,105],"top_logprobs":[]},
+                {"token":"!","logprob":-2.5,"bytes":[33],"top_logprobs":[{"token":"?","logprob":-3}]}]}}"#,
+        );
+        assert_eq!(mlc.generated(), Some(2));
+        assert_eq!(
+            choice(r#"{"text":"","logprobs":{"content":[]}}"#).generated(),
+            Some(0)
+        );
+        let legacy = choice(
+            r#"{"text":"Hi","logprobs":{"tokens":["Hi"],"token_logprobs":[-0.1],
+                "top_logprobs":null,"text_offset":[0]}}"#,
+        );
+        assert_eq!(legacy.generated(), None);
+        assert_eq!(choice(r#"{"text":"Hi","logprobs":null}"#).generated(), None);
+        assert_eq!(choice(r#"{"text":"Hi"}"#).generated(), None);
+        let both = choice(r#"{"text":"Hi","token_ids":[1,2,3],"logprobs":{"content":[{}]}}"#);
+        assert_eq!(both.generated(), Some(3));
+        // What an engine writes reads back as its count.
+        let entry = TokenLogprob {
+            token: "Hi".into(),
+            logprob: -0.1,
+            bytes: Some(b"Hi".to_vec()),
+            top_logprobs: Vec::new(),
+        };
+        let written = serde_json::to_string(&Logprobs::Entries(vec![entry.clone(), entry]))
+            .expect("serializes");
+        let read: Logprobs = serde_json::from_str(&written).expect("parses");
+        assert_eq!(read, Logprobs::Counted(Some(2)));
     }
 
     #[test]

@@ -13,9 +13,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
 use switchyard_contract::{EndpointId, Plan, Role, Step};
-use switchyard_wire::completion::{
-    Choice, CompletionResponse, FINISH_PREEMPT, Logprobs, TokenLogprob,
-};
+use switchyard_wire::completion::{Choice, CompletionResponse, FINISH_PREEMPT, Logprobs};
 use switchyard_wire::sse::ChunkStream;
 
 use super::*;
@@ -211,15 +209,7 @@ fn text_with_logprobs(
     finish_reason: Option<&str>,
 ) -> Result<CompletionResponse, SseError> {
     let mut c = chunk(t, finish_reason)?;
-    let entry = TokenLogprob {
-        token: String::new(),
-        logprob: -0.5,
-        bytes: None,
-        top_logprobs: Vec::new(),
-    };
-    c.choices[0].logprobs = Some(Logprobs {
-        content: Some(vec![entry; tokens]),
-    });
+    c.choices[0].logprobs = Some(Logprobs::Counted(Some(tokens)));
     Ok(c)
 }
 
