@@ -7,27 +7,27 @@
 //! disaggregated run (prefill on P, decode on D) would not reproduce a single engine's tokens.
 //! Here every step is row-independent and sums in a fixed order:
 //!
-//! - weight matmuls are candle's `QMatMul` over Q8_0 weights (each output row depends only on
-//!   its input row; weights of other types are requantized to Q8_0 at load, which is also 2–5×
-//!   faster on CPU than candle's scalar Q4_1 kernel);
+//! - weight matmuls are Q8_0 ([`q8`]: each output value depends only on its input row and its
+//!   weight row, computed by one sequence of operations on every CPU; weights of other types
+//!   are requantized to Q8_0 at load, which is also 2–5× faster on CPU than a Q4_1 kernel);
 //! - RMS norm, SiLU, the interleaved (GGUF) rope and attention are plain loops here; attention
 //!   runs per (row, head) over positions `0..=pos` in order, reading K/V from [`SeqChunk::kv`].
 //!
 //! So a position's logits are bit-identical whether it was computed in one batch, in chunks,
-//! one token at a time, beside other sequences, or from K/V another process computed, as long
-//! as both processes run the same kernels: candle picks its Q8_0 kernel at run time from the
-//! CPU's features (scalar, AVX2, AVX512-VNNI), so engines exchanging KV must run on CPUs with
-//! the same feature level (or all be built without `target-cpu` differences and forced to the
-//! same level, e.g. `MISTRALRS_FORCE_AVX2=1`, which candle reads).
+//! one token at a time, beside other sequences, or from K/V another process computed, on this
+//! CPU or another: the Q8_0 kernel's AVX2 and portable paths give the same bits (candle's own
+//! kernels did not: it picked scalar, AVX2 or AVX512-VNNI code by CPU, each summing otherwise).
 //!
 //! One slot of the pool holds one position's K and V of every layer as f32, laid out
 //! `[layer][k, v][kv_head][head_dim]` (46 080 bytes for SmolLM2-135M).
 
 use std::path::Path;
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor, gguf_file};
-use candle_core::{Device, Module, Tensor};
+use candle_core::Device;
+use candle_core::quantized::{QTensor, gguf_file};
 use switchyard_kv::KvShape;
+
+use q8::Q8Rows;
 use switchyard_wire::gguf::GgufMetadata;
 
 /// Why a GGUF model could not be loaded or run.
@@ -118,14 +118,14 @@ impl LlamaConfig {
 
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: QMatMul,
-    wk: QMatMul,
-    wv: QMatMul,
-    wo: QMatMul,
+    wq: Q8Rows,
+    wk: Q8Rows,
+    wv: Q8Rows,
+    wo: Q8Rows,
     ffn_norm: Vec<f32>,
-    w_gate: QMatMul,
-    w_up: QMatMul,
-    w_down: QMatMul,
+    w_gate: Q8Rows,
+    w_up: Q8Rows,
+    w_down: Q8Rows,
 }
 
 /// A loaded llama-family model. Immutable: one instance serves every sequence.
@@ -135,7 +135,7 @@ pub struct Llama {
     embedding: Vec<f32>,
     layers: Vec<Layer>,
     norm: Vec<f32>,
-    output: QMatMul,
+    output: Q8Rows,
     /// `1 / theta^(2i / head_dim)` for each rotated pair.
     inv_freq: Vec<f32>,
     /// Threads the attention of a many-row pass is split over (by rows: each row's sums stay
@@ -191,10 +191,10 @@ impl Llama {
             });
         }
         let output = if content.tensor_infos.contains_key("output.weight") {
-            matmul(tensor("output.weight")?)?
+            Q8Rows::from_weight(tensor("output.weight")?)?
         } else {
             // Tied embeddings (SmolLM2): the embedding table is also the output layer.
-            matmul(embedding_q)?
+            Q8Rows::from_weight(embedding_q)?
         };
         let norm = vector(tensor("output_norm.weight")?)?;
         let mut layers = Vec::with_capacity(cfg.layers);
@@ -202,14 +202,14 @@ impl Llama {
             let mut t = |name: &str| tensor(&format!("blk.{l}.{name}.weight"));
             layers.push(Layer {
                 attn_norm: vector(t("attn_norm")?)?,
-                wq: matmul(t("attn_q")?)?,
-                wk: matmul(t("attn_k")?)?,
-                wv: matmul(t("attn_v")?)?,
-                wo: matmul(t("attn_output")?)?,
+                wq: Q8Rows::from_weight(t("attn_q")?)?,
+                wk: Q8Rows::from_weight(t("attn_k")?)?,
+                wv: Q8Rows::from_weight(t("attn_v")?)?,
+                wo: Q8Rows::from_weight(t("attn_output")?)?,
                 ffn_norm: vector(t("ffn_norm")?)?,
-                w_gate: matmul(t("ffn_gate")?)?,
-                w_up: matmul(t("ffn_up")?)?,
-                w_down: matmul(t("ffn_down")?)?,
+                w_gate: Q8Rows::from_weight(t("ffn_gate")?)?,
+                w_up: Q8Rows::from_weight(t("ffn_up")?)?,
+                w_down: Q8Rows::from_weight(t("ffn_down")?)?,
             });
         }
         let pairs = cfg.head_dim / 2;
@@ -276,9 +276,9 @@ impl Llama {
         let mut attn = vec![0.0f32; n * cfg.heads * hd];
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
-            let mut q = apply(&layer.wq, h.clone(), n, hidden)?;
-            let mut k = apply(&layer.wk, h.clone(), n, hidden)?;
-            let v = apply(&layer.wv, h, n, hidden)?;
+            let mut q = apply(&layer.wq, &h, n, hidden);
+            let mut k = apply(&layer.wk, &h, n, hidden);
+            let v = apply(&layer.wv, &h, n, hidden);
             for (r, &(c, pos)) in rows.iter().enumerate() {
                 self.rope(&mut q[r * cfg.heads * hd..(r + 1) * cfg.heads * hd], pos);
                 self.rope(&mut k[r * kv_dim..(r + 1) * kv_dim], pos);
@@ -320,14 +320,14 @@ impl Llama {
                     }
                 });
             }
-            let o = apply(&layer.wo, attn.clone(), n, cfg.heads * hd)?;
+            let o = apply(&layer.wo, &attn, n, cfg.heads * hd);
             add(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps);
-            let gate = apply(&layer.w_gate, h.clone(), n, hidden)?;
-            let up = apply(&layer.w_up, h, n, hidden)?;
+            let gate = apply(&layer.w_gate, &h, n, hidden);
+            let up = apply(&layer.w_up, &h, n, hidden);
             let ffn = gate.len() / n;
             let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-            let down = apply(&layer.w_down, act, n, ffn)?;
+            let down = apply(&layer.w_down, &act, n, ffn);
             add(&mut x, &down);
         }
         // Logits only for the last row of each chunk that asks: rows are independent, so
@@ -349,7 +349,7 @@ impl Llama {
             sel.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
         let sel = rms_norm(&sel, &self.norm, cfg.rms_eps);
-        let logits = apply(&self.output, sel, wanted.len(), hidden)?;
+        let logits = apply(&self.output, &sel, wanted.len(), hidden);
         let vocab = logits.len() / wanted.len();
         for (i, &(c, _)) in wanted.iter().enumerate() {
             out[c] = Some(logits[i * vocab..(i + 1) * vocab].to_vec());
@@ -373,24 +373,14 @@ impl Llama {
     }
 }
 
-/// A weight as a Q8_0 `QMatMul` (see the module docs for why every weight is Q8_0).
-fn matmul(t: QTensor) -> Result<QMatMul, LlamaError> {
-    let t = if t.dtype() == GgmlDType::Q8_0 {
-        t
-    } else {
-        QTensor::quantize(&t.dequantize(&Device::Cpu)?, GgmlDType::Q8_0)?
-    };
-    Ok(QMatMul::from_qtensor(t)?)
-}
-
 fn vector(t: QTensor) -> Result<Vec<f32>, LlamaError> {
     Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
 }
 
-/// `x (rows × k) · wᵀ` through candle's quantized kernel.
-fn apply(w: &QMatMul, x: Vec<f32>, rows: usize, k: usize) -> Result<Vec<f32>, LlamaError> {
-    let x = Tensor::from_vec(x, (rows, k), &Device::Cpu)?;
-    Ok(w.forward(&x)?.flatten_all()?.to_vec1()?)
+/// `x (rows × k) · wᵀ`.
+fn apply(w: &Q8Rows, x: &[f32], rows: usize, k: usize) -> Vec<f32> {
+    debug_assert_eq!(x.len(), rows * k);
+    w.matmul(x, rows)
 }
 
 /// A dot product with eight accumulators combined in a fixed order: vectorizes, and gives the
@@ -475,5 +465,6 @@ fn attend(q: &[f32], kv: &[f32], at: Window, scores: &mut Vec<f32>, out: &mut [f
     }
 }
 
+mod q8;
 #[cfg(test)]
 mod tests;
