@@ -289,22 +289,28 @@ impl Llama {
                     .copy_from_slice(&v[r * kv_dim..(r + 1) * kv_dim]);
             }
             let kvs: Vec<&[f32]> = chunks.iter().map(|ch| ch.kv.as_slice()).collect();
+            // The query heads that share a KV head (grouped-query attention) attend together.
+            let group = cfg.heads / cfg.kv_heads;
             let layer_attention = |first: usize, out: &mut [f32]| {
                 let mut scores = Vec::new();
                 let width = cfg.heads * hd;
                 for (i, row_out) in out.chunks_exact_mut(width).enumerate() {
                     let r = first + i;
                     let (c, pos) = rows[r];
-                    for (head, head_out) in row_out.chunks_exact_mut(hd).enumerate() {
-                        let kvh = head / (cfg.heads / cfg.kv_heads);
-                        let qh = &q[(r * cfg.heads + head) * hd..(r * cfg.heads + head + 1) * hd];
+                    let row_q = &q[r * width..(r + 1) * width];
+                    for (kvh, (group_q, group_out)) in row_q
+                        .chunks_exact(group * hd)
+                        .zip(row_out.chunks_exact_mut(group * hd))
+                        .enumerate()
+                    {
                         let at = Window {
                             pos,
                             offset: l * 2 * kv_dim + kvh * hd,
                             kv_dim,
                             slot,
+                            head_dim: hd,
                         };
-                        attend(qh, kvs[c], at, &mut scores, head_out);
+                        attend(group_q, kvs[c], at, &mut scores, group_out);
                     }
                 }
             };
@@ -431,37 +437,50 @@ struct Window {
     offset: usize,
     kv_dim: usize,
     slot: usize,
+    head_dim: usize,
 }
 
-/// One head's attention for the row at `at.pos`: softmax(q·K[0..=pos] / √d) · V[0..=pos], over
-/// positions in order.
-fn attend(q: &[f32], kv: &[f32], at: Window, scores: &mut Vec<f32>, out: &mut [f32]) {
+/// The attention of the query heads `qs` (each `head_dim` long) that share the KV head at `at`,
+/// for the row at `at.pos`: per head, softmax(q·K[0..=pos] / √d) · V[0..=pos], over positions
+/// in order. Each position's K and V are read once for all the heads (they sit a whole slot
+/// apart, so reading is what attention costs); each head's sums are the same as alone.
+fn attend(qs: &[f32], kv: &[f32], at: Window, scores: &mut Vec<f32>, out: &mut [f32]) {
     let Window {
         pos,
         offset,
         kv_dim,
         slot,
+        head_dim: hd,
     } = at;
-    let hd = q.len();
+    let heads = qs.len() / hd;
+    let positions = pos + 1;
     let scale = 1.0 / (hd as f32).sqrt();
+    // scores[h * positions + t]: head h's score for position t.
     scores.clear();
-    let mut max = f32::NEG_INFINITY;
-    for t in 0..=pos {
+    scores.resize(heads * positions, 0.0);
+    let mut max = vec![f32::NEG_INFINITY; heads];
+    for t in 0..positions {
         let k = &kv[t * slot + offset..t * slot + offset + hd];
-        let s = dot(q, k) * scale;
-        max = max.max(s);
-        scores.push(s);
+        for (h, q) in qs.chunks_exact(hd).enumerate() {
+            let s = dot(q, k) * scale;
+            max[h] = max[h].max(s);
+            scores[h * positions + t] = s;
+        }
     }
-    let mut sum = 0.0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    let mut sum = vec![0.0f32; heads];
+    for (h, head_scores) in scores.chunks_exact_mut(positions).enumerate() {
+        for s in head_scores.iter_mut() {
+            *s = (*s - max[h]).exp();
+            sum[h] += *s;
+        }
     }
     out.fill(0.0);
-    for (t, &w) in scores.iter().enumerate() {
+    for t in 0..positions {
         let v = &kv[t * slot + offset + kv_dim..t * slot + offset + kv_dim + hd];
-        let w = w / sum;
-        out.iter_mut().zip(v).for_each(|(o, &v)| *o += w * v);
+        for (h, head_out) in out.chunks_exact_mut(hd).enumerate() {
+            let w = scores[h * positions + t] / sum[h];
+            head_out.iter_mut().zip(v).for_each(|(o, &v)| *o += w * v);
+        }
     }
 }
 
