@@ -22,6 +22,7 @@
 //! `[layer][k, v][kv_head][head_dim]` (46 080 bytes for SmolLM2-135M).
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use candle_core::Device;
 use candle_core::quantized::{QTensor, gguf_file};
@@ -138,8 +139,7 @@ pub struct Llama {
     output: Q8Rows,
     /// `1 / theta^(2i / head_dim)` for each rotated pair.
     inv_freq: Vec<f32>,
-    /// Threads the attention of a many-row pass is split over (by rows: each row's sums stay
-    /// on one thread, in order, so the split changes no bit).
+    /// Whether attention is split over the matmul threads (more than one).
     threads: usize,
 }
 
@@ -290,42 +290,34 @@ impl Llama {
             }
             let kvs: Vec<&[f32]> = chunks.iter().map(|ch| ch.kv.as_slice()).collect();
             // The query heads that share a KV head (grouped-query attention) attend together.
-            let group = cfg.heads / cfg.kv_heads;
-            let layer_attention = |first: usize, out: &mut [f32]| {
-                let mut scores = Vec::new();
-                let width = cfg.heads * hd;
-                for (i, row_out) in out.chunks_exact_mut(width).enumerate() {
-                    let r = first + i;
-                    let (c, pos) = rows[r];
-                    let row_q = &q[r * width..(r + 1) * width];
-                    for (kvh, (group_q, group_out)) in row_q
-                        .chunks_exact(group * hd)
-                        .zip(row_out.chunks_exact_mut(group * hd))
-                        .enumerate()
-                    {
-                        let at = Window {
-                            pos,
-                            offset: l * 2 * kv_dim + kvh * hd,
-                            kv_dim,
-                            slot,
-                            head_dim: hd,
-                        };
-                        attend(group_q, kvs[c], at, &mut scores, group_out);
-                    }
-                }
+            // One work item per (row, KV head): its query heads' outputs, a part of `attn` of
+            // its own (the lock is never contended). Items split over the matmul threads (each
+            // item's sums stay on one thread, in order, so the split changes no bit), which
+            // also puts a decode step's attention on both cores.
+            let group_width = cfg.heads / cfg.kv_heads * hd;
+            let parts: Vec<Mutex<&mut [f32]>> =
+                attn.chunks_mut(group_width).map(Mutex::new).collect();
+            let attend_item = |item: usize| {
+                let (r, kvh) = (item / cfg.kv_heads, item % cfg.kv_heads);
+                let (c, pos) = rows[r];
+                let at = Window {
+                    pos,
+                    offset: l * 2 * kv_dim + kvh * hd,
+                    kv_dim,
+                    slot,
+                    head_dim: hd,
+                };
+                let q = &q[item * group_width..(item + 1) * group_width];
+                let mut out = parts[item].lock().unwrap_or_else(|e| e.into_inner());
+                attend(q, kvs[c], at, &mut out);
             };
-            // Rows split over threads only when there are enough of them to pay for it.
-            let per_thread = n.div_ceil(self.threads).max(PARALLEL_ROWS);
-            if per_thread >= n {
-                layer_attention(0, &mut attn);
+            if self.threads > 1 {
+                candle_core::utils::barrier_pool()
+                    .execute_chunked(parts.len(), |items| items.for_each(attend_item));
             } else {
-                std::thread::scope(|s| {
-                    for (i, part) in attn.chunks_mut(per_thread * cfg.heads * hd).enumerate() {
-                        let layer_attention = &layer_attention;
-                        s.spawn(move || layer_attention(i * per_thread, part));
-                    }
-                });
+                (0..parts.len()).for_each(attend_item);
             }
+            drop(parts);
             let o = apply(&layer.wo, &attn, n, cfg.heads * hd);
             add(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps);
@@ -426,9 +418,6 @@ fn add(x: &mut [f32], y: &[f32]) {
     x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }
 
-/// Fewest rows worth a thread of their own in attention.
-const PARALLEL_ROWS: usize = 16;
-
 /// Where one head's K and V sit in a sequence's slots: `offset` is where this layer's K for
 /// this KV head starts in a slot (its V is `kv_dim` further), for positions `0..=pos`.
 #[derive(Clone, Copy)]
@@ -444,7 +433,7 @@ struct Window {
 /// for the row at `at.pos`: per head, softmax(q·K[0..=pos] / √d) · V[0..=pos], over positions
 /// in order. Each position's K and V are read once for all the heads (they sit a whole slot
 /// apart, so reading is what attention costs); each head's sums are the same as alone.
-fn attend(qs: &[f32], kv: &[f32], at: Window, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn attend(qs: &[f32], kv: &[f32], at: Window, out: &mut [f32]) {
     let Window {
         pos,
         offset,
@@ -456,8 +445,7 @@ fn attend(qs: &[f32], kv: &[f32], at: Window, scores: &mut Vec<f32>, out: &mut [
     let positions = pos + 1;
     let scale = 1.0 / (hd as f32).sqrt();
     // scores[h * positions + t]: head h's score for position t.
-    scores.clear();
-    scores.resize(heads * positions, 0.0);
+    let mut scores = vec![0.0f32; heads * positions];
     let mut max = vec![f32::NEG_INFINITY; heads];
     for t in 0..positions {
         let k = &kv[t * slot + offset..t * slot + offset + hd];

@@ -127,28 +127,33 @@ fn logits_are_bit_identical_across_batching_chunking_and_kv_export() {
 #[ignore = "a measurement: cargo test -p switchyard-engine --lib forward_speed -- --ignored --nocapture"]
 fn forward_speed() {
     let llama = llama();
-    let prompt: Vec<u32> = (0..256).map(|i| 1000 + i).collect();
-    let mut kv = Vec::new();
-    let started = std::time::Instant::now();
-    let mut chunk = [SeqChunk {
-        tokens: &prompt,
-        start: 0,
-        kv: &mut kv,
-        logits: true,
-    }];
-    let mut next = argmax(llama.forward(&mut chunk).unwrap()[0].as_ref().unwrap());
-    let prefill = prompt.len() as f64 / started.elapsed().as_secs_f64();
-    let started = std::time::Instant::now();
-    for pos in prompt.len()..prompt.len() + 64 {
-        let token = [next];
+    for context in [32, 256] {
+        let prompt: Vec<u32> = (0..context).map(|i| 1000 + i).collect();
+        let mut kv = Vec::new();
+        let started = std::time::Instant::now();
         let mut chunk = [SeqChunk {
-            tokens: &token,
-            start: pos,
+            tokens: &prompt,
+            start: 0,
             kv: &mut kv,
             logits: true,
         }];
-        next = argmax(llama.forward(&mut chunk).unwrap()[0].as_ref().unwrap());
+        let mut next = argmax(llama.forward(&mut chunk).unwrap()[0].as_ref().unwrap());
+        let prefill = prompt.len() as f64 / started.elapsed().as_secs_f64();
+        let started = std::time::Instant::now();
+        for pos in prompt.len()..prompt.len() + 64 {
+            let token = [next];
+            let mut chunk = [SeqChunk {
+                tokens: &token,
+                start: pos,
+                kv: &mut kv,
+                logits: true,
+            }];
+            next = argmax(llama.forward(&mut chunk).unwrap()[0].as_ref().unwrap());
+        }
+        let decode = 64.0 / started.elapsed().as_secs_f64();
+        eprintln!(
+            "prefill {prefill:.0} tok/s ({context} tokens), decode {decode:.1} tok/s (at {context}..{})",
+            context + 64
+        );
     }
-    let decode = 64.0 / started.elapsed().as_secs_f64();
-    eprintln!("prefill {prefill:.0} tok/s (256 tokens), decode {decode:.1} tok/s (at 256..320)");
 }
