@@ -15,6 +15,7 @@
 //! exchange K/V and still agree on every token.
 
 use std::borrow::Cow;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use candle_core::Device;
@@ -29,6 +30,8 @@ const BLOCK: usize = 32;
 const BLOCK_BYTES: usize = 2 + BLOCK;
 /// Weight rows one pass of the kernel reads together (they share each input block's load).
 const ROW_GROUP: usize = 4;
+/// Input rows one pass of the kernel reads together (they share each weight block's load).
+const INPUT_GROUP: usize = 2;
 
 /// Rows of `k` values in Q8_0: `k / 32` blocks per row, each 32 signed bytes and a scale (kept
 /// as f32: exact, since a Q8_0 scale is an f16).
@@ -120,11 +123,14 @@ impl Q8Rows {
             for group in range {
                 let first = group * ROW_GROUP;
                 let last = (first + ROW_GROUP).min(self.rows);
-                for i in 0..n {
-                    let mut sums = [0f32; ROW_GROUP];
-                    kernel.dot_rows(self, first..last, &x, i, &mut sums);
-                    for (j, sum) in sums[..last - first].iter().enumerate() {
-                        out[i * out_width + first + j].store(sum.to_bits(), Ordering::Relaxed);
+                for i in (0..n).step_by(INPUT_GROUP) {
+                    let inputs = i..(i + INPUT_GROUP).min(n);
+                    let mut sums = [[0f32; ROW_GROUP]; INPUT_GROUP];
+                    kernel.dot_rows(self, first..last, &x, inputs.clone(), &mut sums);
+                    for (i, sums) in inputs.zip(&sums) {
+                        for (j, sum) in sums[..last - first].iter().enumerate() {
+                            out[i * out_width + first + j].store(sum.to_bits(), Ordering::Relaxed);
+                        }
                     }
                 }
             }
@@ -152,21 +158,24 @@ impl Kernel {
         Kernel::Portable
     }
 
-    /// The dot products of weight rows `rows` (at most [`ROW_GROUP`]) with row `i` of `x`.
+    /// The dot products of weight rows `rows` (at most [`ROW_GROUP`]) with rows `inputs` (at
+    /// most [`INPUT_GROUP`]) of `x`: `sums[input][row]`.
     fn dot_rows(
         self,
         w: &Q8Rows,
-        rows: std::ops::Range<usize>,
+        rows: Range<usize>,
         x: &Q8Rows,
-        i: usize,
-        sums: &mut [f32; ROW_GROUP],
+        inputs: Range<usize>,
+        sums: &mut Sums,
     ) {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx2 => avx2::dot_rows(w, rows, x, i, sums),
+            Kernel::Avx2 => avx2::dot_rows(w, rows, x, inputs, sums),
             Kernel::Portable => {
-                for (r, sum) in rows.zip(sums.iter_mut()) {
-                    *sum = portable_dot(w.row(r), x.row(i));
+                for (i, sums) in inputs.zip(sums.iter_mut()) {
+                    for (r, sum) in rows.clone().zip(sums.iter_mut()) {
+                        *sum = portable_dot(w.row(r), x.row(i));
+                    }
                 }
             }
         }
@@ -192,6 +201,9 @@ fn portable_dot((wq, wd): (&[i8], &[f32]), (xq, xd): (&[i8], &[f32])) -> f32 {
     hsum(acc)
 }
 
+/// Dot products of a group of weight rows with a group of input rows: `[input][row]`.
+type Sums = [[f32; ROW_GROUP]; INPUT_GROUP];
+
 /// `_mm256` lanes summed in the order of candle's `hsum_float_8`.
 fn hsum(a: [f32; 8]) -> f32 {
     let r = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
@@ -208,7 +220,9 @@ fn hsum(a: [f32; 8]) -> f32 {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{BLOCK, Q8Rows, ROW_GROUP};
+    use std::ops::Range;
+
+    use super::{BLOCK, INPUT_GROUP, Q8Rows, ROW_GROUP, Sums};
 
     /// Eight i32 lanes, lane `j` the exact sum of products of bytes `4j..4j+4`. `|w|` times
     /// `x` signed as `w`: `maddubs` needs an unsigned operand; no i16 pair can saturate, since
@@ -237,36 +251,85 @@ mod avx2 {
     /// [`dot`] for a CPU whose AVX2 and FMA [`super::Kernel::detect`] found.
     pub(super) fn dot_rows(
         w: &Q8Rows,
-        rows: std::ops::Range<usize>,
+        rows: Range<usize>,
         x: &Q8Rows,
-        i: usize,
-        sums: &mut [f32; ROW_GROUP],
+        inputs: Range<usize>,
+        sums: &mut Sums,
     ) {
         assert!(is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"));
         // SAFETY: the features were just checked (a cached lookup).
-        unsafe { dot(w, rows, x, i, sums) }
+        unsafe { dot(w, rows, x, inputs, sums) }
     }
 
     #[target_feature(enable = "avx2,fma")]
     unsafe fn dot(
         w: &Q8Rows,
-        rows: std::ops::Range<usize>,
+        rows: Range<usize>,
         x: &Q8Rows,
-        i: usize,
-        sums: &mut [f32; ROW_GROUP],
+        inputs: Range<usize>,
+        sums: &mut Sums,
     ) {
-        let (xq, xd) = x.row(i);
         if rows.len() == ROW_GROUP {
             let r = rows.start;
             let rows = [w.row(r), w.row(r + 1), w.row(r + 2), w.row(r + 3)];
-            // SAFETY: the caller's features; rows and input hold the same whole blocks.
-            *sums = unsafe { dot4(rows, (xq, xd)) };
+            if inputs.len() == INPUT_GROUP {
+                let i = inputs.start;
+                // SAFETY: the caller's features; rows and inputs hold the same whole blocks.
+                *sums = unsafe { dot4x2(rows, [x.row(i), x.row(i + 1)]) };
+            } else {
+                for (i, sums) in inputs.zip(sums.iter_mut()) {
+                    // SAFETY: as above.
+                    *sums = unsafe { dot4(rows, x.row(i)) };
+                }
+            }
         } else {
-            for (sum, r) in sums.iter_mut().zip(rows) {
-                // SAFETY: as above.
-                *sum = unsafe { dot1(w.row(r), (xq, xd)) };
+            for (i, sums) in inputs.zip(sums.iter_mut()) {
+                for (sum, r) in sums.iter_mut().zip(rows.clone()) {
+                    // SAFETY: as above.
+                    *sum = unsafe { dot1(w.row(r), x.row(i)) };
+                }
             }
         }
+    }
+
+    /// Four weight rows against two input rows: each weight block is loaded (and made
+    /// unsigned) once for both inputs, each input block once for the four rows. Every
+    /// (row, input) pair gets the same operations, in the same order, as in [`dot1`].
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dot4x2(
+        rows: [(&[i8], &[f32]); ROW_GROUP],
+        inputs: [(&[i8], &[f32]); INPUT_GROUP],
+    ) -> Sums {
+        let [(x0q, x0d), (x1q, x1d)] = inputs;
+        let blocks = x0d.len();
+        for (q, d) in rows.into_iter().chain(inputs) {
+            assert!(q.len() == blocks * BLOCK && d.len() == blocks);
+        }
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); ROW_GROUP]; INPUT_GROUP];
+        for b in 0..blocks {
+            let at = b * BLOCK;
+            // SAFETY: block `b` is in bounds of every row and input (asserted above).
+            unsafe {
+                let x0 = _mm256_loadu_si256(x0q.as_ptr().add(at).cast());
+                let x1 = _mm256_loadu_si256(x1q.as_ptr().add(at).cast());
+                let (dx0, dx1) = (*x0d.get_unchecked(b), *x1d.get_unchecked(b));
+                for j in 0..ROW_GROUP {
+                    let (wq, wd) = rows[j];
+                    let wv = _mm256_loadu_si256(wq.as_ptr().add(at).cast());
+                    let aw = _mm256_sign_epi8(wv, wv);
+                    let dw = *wd.get_unchecked(b);
+                    let q0 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x0, wv));
+                    let q0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, q0));
+                    acc[0][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx0), q0, acc[0][j]);
+                    let q1 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x1, wv));
+                    let q1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, q1));
+                    acc[1][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx1), q1, acc[1][j]);
+                }
+            }
+        }
+        // SAFETY: the caller's features.
+        acc.map(|row| row.map(|a| unsafe { hsum(a) }))
     }
 
     /// One weight row: the same operations, in the same order, as each row of [`dot4`].
@@ -405,15 +468,19 @@ mod tests {
 
     #[test]
     fn the_portable_kernel_gives_the_avx2_bits() {
-        let (k, m) = (576, 9);
+        let (k, m) = (576, 10);
         let w = weight(m, k);
-        let x = Q8Rows::quantize(&rows(2, k, 5), k);
-        for i in 0..2 {
-            let mut fast = [0f32; ROW_GROUP];
-            let mut portable = [0f32; ROW_GROUP];
-            Kernel::detect().dot_rows(&w, 4..8, &x, i, &mut fast);
-            Kernel::Portable.dot_rows(&w, 4..8, &x, i, &mut portable);
-            assert_eq!(fast.map(f32::to_bits), portable.map(f32::to_bits));
+        let x = Q8Rows::quantize(&rows(3, k, 5), k);
+        // Whole groups and partial ones, of weight rows and of input rows.
+        for (rows, inputs) in [(4..8, 0..2), (4..8, 2..3), (8..10, 0..2), (8..10, 1..2)] {
+            let mut fast = [[0f32; ROW_GROUP]; INPUT_GROUP];
+            let mut portable = [[0f32; ROW_GROUP]; INPUT_GROUP];
+            Kernel::detect().dot_rows(&w, rows.clone(), &x, inputs.clone(), &mut fast);
+            Kernel::Portable.dot_rows(&w, rows, &x, inputs, &mut portable);
+            assert_eq!(
+                fast.map(|r| r.map(f32::to_bits)),
+                portable.map(|r| r.map(f32::to_bits))
+            );
         }
     }
 }
