@@ -5,9 +5,10 @@
 //! fused-multiply-added with the product of the two block scales into eight lane accumulators,
 //! which are then summed in one fixed order. What differs is the cost around it. candle
 //! converted both f16 block scales with a function call per block of every dot product (a sixth
-//! of a decode step), used other kernels (VNNI tiles, with other sums) for some shapes on some
-//! CPUs, and made a quantized copy of the input per weight. Here weight scales are f32 from load
-//! on, four weight rows share each load of an input block, and one kernel serves every shape.
+//! of a decode step) and used other kernels (VNNI tiles, with other sums) for some shapes on
+//! some CPUs. Here weight scales are f32 from load on, a pass takes four weight rows by two
+//! input rows (each block of either loaded once for the others), and one kernel serves every
+//! shape.
 //!
 //! Every output value is computed by the same sequence of operations whatever the batch, the
 //! row split over threads, or the CPU: the AVX2 path and the portable one give the same bits
