@@ -225,15 +225,14 @@ mod avx2 {
 
     use super::{BLOCK, INPUT_GROUP, Q8Rows, ROW_GROUP, Sums};
 
-    /// Eight i32 lanes, lane `j` the exact sum of products of bytes `4j..4j+4`. `|w|` times
-    /// `x` signed as `w`: `maddubs` needs an unsigned operand; no i16 pair can saturate, since
-    /// Q8_0 bytes are in `-127..=127`.
+    /// Eight i32 lanes (as f32), lane `j` the exact sum of products of bytes `4j..4j+4` of a
+    /// weight block `w` and an input block `x`, given `abs_w = |w|` (made once per weight block,
+    /// however many inputs it meets): `maddubs` needs an unsigned operand, so `|w|` times `x`
+    /// signed as `w`; no i16 pair can saturate, since Q8_0 bytes are in `-127..=127`.
     #[inline(always)]
-    unsafe fn block_dot(w: __m256i, x: __m256i) -> __m256 {
+    unsafe fn block_dot(abs_w: __m256i, w: __m256i, x: __m256i) -> __m256 {
         unsafe {
-            let ax = _mm256_sign_epi8(w, w);
-            let sx = _mm256_sign_epi8(x, w);
-            let pairs = _mm256_maddubs_epi16(ax, sx);
+            let pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
             _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
         }
     }
@@ -306,7 +305,6 @@ mod avx2 {
         for (q, d) in rows.into_iter().chain(inputs) {
             assert!(q.len() == blocks * BLOCK && d.len() == blocks);
         }
-        let ones = _mm256_set1_epi16(1);
         let mut acc = [[_mm256_setzero_ps(); ROW_GROUP]; INPUT_GROUP];
         for b in 0..blocks {
             let at = b * BLOCK;
@@ -320,11 +318,9 @@ mod avx2 {
                     let wv = _mm256_loadu_si256(wq.as_ptr().add(at).cast());
                     let aw = _mm256_sign_epi8(wv, wv);
                     let dw = *wd.get_unchecked(b);
-                    let q0 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x0, wv));
-                    let q0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, q0));
+                    let q0 = block_dot(aw, wv, x0);
                     acc[0][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx0), q0, acc[0][j]);
-                    let q1 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x1, wv));
-                    let q1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(ones, q1));
+                    let q1 = block_dot(aw, wv, x1);
                     acc[1][j] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx1), q1, acc[1][j]);
                 }
             }
@@ -343,7 +339,8 @@ mod avx2 {
             unsafe {
                 let xv = _mm256_loadu_si256(xq.as_ptr().add(b * BLOCK).cast());
                 let wv = _mm256_loadu_si256(wq.as_ptr().add(b * BLOCK).cast());
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), block_dot(wv, xv), acc);
+                let q = block_dot(_mm256_sign_epi8(wv, wv), wv, xv);
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx), q, acc);
             }
         }
         // SAFETY: the caller's features.
@@ -358,47 +355,22 @@ mod avx2 {
         for (wq, wd) in rows {
             assert!(wq.len() == xq.len() && wd.len() == blocks && xq.len() == blocks * BLOCK);
         }
-        let [(q0, d0), (q1, d1), (q2, d2), (q3, d3)] = rows;
-        let (mut a0, mut a1, mut a2, mut a3) = (
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-            _mm256_setzero_ps(),
-        );
+        let mut acc = [_mm256_setzero_ps(); ROW_GROUP];
         for b in 0..blocks {
             let at = b * BLOCK;
             // SAFETY: block `b` is in bounds of every row (asserted above).
             unsafe {
                 let xv = _mm256_loadu_si256(xq.as_ptr().add(at).cast());
                 let dx = *xd.get_unchecked(b);
-                let w0 = _mm256_loadu_si256(q0.as_ptr().add(at).cast());
-                let w1 = _mm256_loadu_si256(q1.as_ptr().add(at).cast());
-                let w2 = _mm256_loadu_si256(q2.as_ptr().add(at).cast());
-                let w3 = _mm256_loadu_si256(q3.as_ptr().add(at).cast());
-                a0 = _mm256_fmadd_ps(
-                    _mm256_set1_ps(*d0.get_unchecked(b) * dx),
-                    block_dot(w0, xv),
-                    a0,
-                );
-                a1 = _mm256_fmadd_ps(
-                    _mm256_set1_ps(*d1.get_unchecked(b) * dx),
-                    block_dot(w1, xv),
-                    a1,
-                );
-                a2 = _mm256_fmadd_ps(
-                    _mm256_set1_ps(*d2.get_unchecked(b) * dx),
-                    block_dot(w2, xv),
-                    a2,
-                );
-                a3 = _mm256_fmadd_ps(
-                    _mm256_set1_ps(*d3.get_unchecked(b) * dx),
-                    block_dot(w3, xv),
-                    a3,
-                );
+                for (acc, (wq, wd)) in acc.iter_mut().zip(rows) {
+                    let wv = _mm256_loadu_si256(wq.as_ptr().add(at).cast());
+                    let q = block_dot(_mm256_sign_epi8(wv, wv), wv, xv);
+                    *acc = _mm256_fmadd_ps(_mm256_set1_ps(*wd.get_unchecked(b) * dx), q, *acc);
+                }
             }
         }
         // SAFETY: the caller's features.
-        unsafe { [hsum(a0), hsum(a1), hsum(a2), hsum(a3)] }
+        acc.map(|a| unsafe { hsum(a) })
     }
 }
 
