@@ -9,11 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::Full;
 use serde_json::{Value, json};
 use switchyard_tests::RouterProcess;
 
-use crate::http::{client, post, serve_loopback};
+use crate::http::{client, json_body, post, serve_loopback};
 use crate::router::eventually;
 
 /// One request an engine received.
@@ -78,13 +78,7 @@ async fn answer(
         "/metrics" => return respond(404, "text/plain", String::new()),
         _ => {}
     }
-    let bytes = req
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
-    let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let body = json_body(req).await;
     legs.lock().expect("legs").push(Leg {
         to: behaviour.role,
         path: path.clone(),

@@ -5,7 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt as _, Full};
 use serde_json::Value;
 
 pub(crate) fn client() -> reqwest::Client {
@@ -45,6 +45,18 @@ pub(crate) fn sse_payloads(text: &str) -> Vec<String> {
                 .to_owned()
         })
         .collect()
+}
+
+/// A request's body read whole as JSON (`null` when it is empty or not JSON): what a mock
+/// engine records of a leg.
+pub(crate) async fn json_body(req: hyper::Request<hyper::body::Incoming>) -> Value {
+    let bytes = req
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    serde_json::from_slice(&bytes).unwrap_or(Value::Null)
 }
 
 /// Serve `answer` on a fresh loopback port, a task per connection, for as long as the test

@@ -9,13 +9,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt as _, Full};
+use http_body_util::Full;
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
 
-use crate::http::{client, post, post_json, serve_loopback, sse_payloads};
+use crate::http::{client, json_body, post, post_json, serve_loopback, sse_payloads};
 
 /// What a client read from an SSE response.
 struct Streamed {
@@ -954,13 +954,7 @@ async fn mock_engine_requiring(log: Log, key: Option<&'static str>) -> String {
                     .body(Full::new(Bytes::from_static(b"{}")))
                     .expect("response");
             }
-            let bytes = req
-                .into_body()
-                .collect()
-                .await
-                .map(|b| b.to_bytes())
-                .unwrap_or_default();
-            let body: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+            let body = json_body(req).await;
             let (content_type, answer) = mock_answer(&path, &body);
             // Health and KV-usage probes are not legs of a request.
             if !matches!(path.as_str(), "/v1/models" | "/metrics") {
