@@ -354,11 +354,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let num_slots = pool_slots(args)?;
     check_reservation_ttl(args)?;
     check_protocol(args)?;
-    let threads = args.threads.map_or_else(
-        || std::thread::available_parallelism().map_or(1, |n| n.get()),
-        usize::from,
-    );
-    let model = load_model(&args.model, threads).await?;
+    let model = load_model(&args.model).await?;
     let store = KvStore::new_on(args.kv_device, model.kv_shape(args.model_shape), num_slots)?;
     let store = Arc::new(store.with_guarded_slots());
     let transport = start_transport(args, store.clone()).await?;
@@ -538,7 +534,7 @@ pub fn fetch_hint(model: &str) -> &'static str {
     }
 }
 
-async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineError> {
+async fn load_model(model: &str) -> Result<LoadedModel, EngineError> {
     let Some(path) = model_path(model) else {
         return Ok(LoadedModel {
             spec: ModelSpec::Synthetic,
@@ -556,7 +552,7 @@ async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineEr
     };
     let load_path = path.clone();
     // Loading requantizes every weight: seconds of CPU, off the async threads.
-    let loaded = tokio::task::spawn_blocking(move || load_gguf(&load_path, threads))
+    let loaded = tokio::task::spawn_blocking(move || load_gguf(&load_path))
         .await
         .map_err(|e| fail(e.to_string()))?;
     let (model, tokenizer) = loaded.map_err(|e| fail(e.to_string()))?;
@@ -576,12 +572,11 @@ async fn load_model(model: &str, threads: usize) -> Result<LoadedModel, EngineEr
 /// The GGUF at `path` with its tokenizer.
 fn load_gguf(
     path: &std::path::Path,
-    threads: usize,
 ) -> Result<(LlamaModel, tokenizers::Tokenizer), llama::LlamaError> {
     let meta = GgufMetadata::read(path)?;
     let files = meta.model_files()?;
     let tokenizer = files.tokenizer()?;
-    let llama = Llama::load(path, &meta, threads)?;
+    let llama = Llama::load(path, &meta)?;
     Ok((llama_model(llama, &meta, files.eos_id)?, tokenizer))
 }
 
@@ -592,8 +587,8 @@ fn test_smollm2() -> &'static (Arc<LlamaModel>, tokenizers::Tokenizer) {
         std::sync::OnceLock::new();
     MODEL.get_or_init(|| {
         let path = switchyard_wire::gguf::smollm2_path().expect("HOME or SWITCHYARD_CACHE");
-        let (model, tokenizer) = load_gguf(&path, 2)
-            .unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
+        let (model, tokenizer) =
+            load_gguf(&path).unwrap_or_else(|e| panic!("{e}: run `make model` to fetch SmolLM2"));
         (Arc::new(model), tokenizer)
     })
 }

@@ -139,8 +139,6 @@ pub struct Llama {
     output: Q8Rows,
     /// `1 / theta^(2i / head_dim)` for each rotated pair.
     inv_freq: Vec<f32>,
-    /// Whether attention is split over the matmul threads (more than one).
-    threads: usize,
 }
 
 impl std::fmt::Debug for Llama {
@@ -163,9 +161,9 @@ pub struct SeqChunk<'a> {
 }
 
 impl Llama {
-    /// Loads `path`, requantizing every quantized weight to Q8_0 (see the module docs);
-    /// attention over many rows runs on `threads` threads.
-    pub fn load(path: &Path, meta: &GgufMetadata, threads: usize) -> Result<Self, LlamaError> {
+    /// Loads `path`, requantizing every quantized weight to Q8_0 (see the module docs). The
+    /// matmuls and attention run on candle's thread pool (`CANDLE_NUM_THREADS`).
+    pub fn load(path: &Path, meta: &GgufMetadata) -> Result<Self, LlamaError> {
         let cfg = LlamaConfig::from_metadata(meta)?;
         let open_err = |source| LlamaError::Open {
             path: path.display().to_string(),
@@ -223,7 +221,6 @@ impl Llama {
             norm,
             output,
             inv_freq,
-            threads: threads.max(1),
         })
     }
 
@@ -276,9 +273,9 @@ impl Llama {
         let mut attn = vec![0.0f32; n * cfg.heads * hd];
         for (l, layer) in self.layers.iter().enumerate() {
             let h = rms_norm(&x, &layer.attn_norm, cfg.rms_eps);
-            let mut q = apply(&layer.wq, &h, n, hidden);
-            let mut k = apply(&layer.wk, &h, n, hidden);
-            let v = apply(&layer.wv, &h, n, hidden);
+            let mut q = layer.wq.matmul(&h, n);
+            let mut k = layer.wk.matmul(&h, n);
+            let v = layer.wv.matmul(&h, n);
             for (r, &(c, pos)) in rows.iter().enumerate() {
                 self.rope(&mut q[r * cfg.heads * hd..(r + 1) * cfg.heads * hd], pos);
                 self.rope(&mut k[r * kv_dim..(r + 1) * kv_dim], pos);
@@ -311,21 +308,16 @@ impl Llama {
                 let mut out = parts[item].lock().unwrap_or_else(|e| e.into_inner());
                 attend(q, kvs[c], at, &mut out);
             };
-            if self.threads > 1 {
-                candle_core::utils::barrier_pool()
-                    .execute_chunked(parts.len(), |items| items.for_each(attend_item));
-            } else {
-                (0..parts.len()).for_each(attend_item);
-            }
+            candle_core::utils::barrier_pool()
+                .execute_chunked(parts.len(), |items| items.for_each(attend_item));
             drop(parts);
-            let o = apply(&layer.wo, &attn, n, cfg.heads * hd);
+            let o = layer.wo.matmul(&attn, n);
             add(&mut x, &o);
             let h = rms_norm(&x, &layer.ffn_norm, cfg.rms_eps);
-            let gate = apply(&layer.w_gate, &h, n, hidden);
-            let up = apply(&layer.w_up, &h, n, hidden);
-            let ffn = gate.len() / n;
+            let gate = layer.w_gate.matmul(&h, n);
+            let up = layer.w_up.matmul(&h, n);
             let act: Vec<f32> = gate.iter().zip(&up).map(|(&g, &u)| silu(g) * u).collect();
-            let down = apply(&layer.w_down, &act, n, ffn);
+            let down = layer.w_down.matmul(&act, n);
             add(&mut x, &down);
         }
         // Logits only for the last row of each chunk that asks: rows are independent, so
@@ -347,7 +339,7 @@ impl Llama {
             sel.extend_from_slice(&x[r * hidden..(r + 1) * hidden]);
         }
         let sel = rms_norm(&sel, &self.norm, cfg.rms_eps);
-        let logits = apply(&self.output, &sel, wanted.len(), hidden);
+        let logits = self.output.matmul(&sel, wanted.len());
         let vocab = logits.len() / wanted.len();
         for (i, &(c, _)) in wanted.iter().enumerate() {
             out[c] = Some(logits[i * vocab..(i + 1) * vocab].to_vec());
@@ -373,12 +365,6 @@ impl Llama {
 
 fn vector(t: QTensor) -> Result<Vec<f32>, LlamaError> {
     Ok(t.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1()?)
-}
-
-/// `x (rows × k) · wᵀ`.
-fn apply(w: &Q8Rows, x: &[f32], rows: usize, k: usize) -> Vec<f32> {
-    debug_assert_eq!(x.len(), rows * k);
-    w.matmul(x, rows)
 }
 
 /// A dot product with eight accumulators combined in a fixed order: vectorizes, and gives the
