@@ -350,18 +350,15 @@ impl<'de> Deserialize<'de> for Logprobs {
     }
 }
 
-/// One generated token's log-probability.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One generated token's log-probability, as an engine writes it (a router reads only how many
+/// there are: [`Logprobs::Counted`]).
+#[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TokenLogprob {
-    #[serde(default)]
     pub token: String,
-    #[serde(default)]
     pub logprob: f32,
     /// The token's UTF-8 bytes.
-    #[serde(default)]
     pub bytes: Option<Vec<u8>>,
-    /// Alternatives, when asked for (`top_logprobs`); kept as the engine wrote them.
-    #[serde(default)]
+    /// Alternatives (`top_logprobs`), when served.
     pub top_logprobs: Vec<serde_json::Value>,
 }
 
