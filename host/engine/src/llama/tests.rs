@@ -156,4 +156,37 @@ fn forward_speed() {
             context + 64
         );
     }
+    // Batch 8: eight 32-token sequences decoding together, one token each per step.
+    let mut kvs: Vec<Vec<_>> = (0..8).map(|_| Vec::new()).collect();
+    let mut next: Vec<u32> = Vec::new();
+    for (s, kv) in kvs.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..32).map(|i| 2000 + 50 * s as u32 + i).collect();
+        let mut chunk = [SeqChunk {
+            tokens: &prompt,
+            start: 0,
+            kv,
+            logits: true,
+        }];
+        next.push(argmax(
+            llama.forward(&mut chunk).unwrap()[0].as_ref().unwrap(),
+        ));
+    }
+    let started = std::time::Instant::now();
+    for pos in 32..32 + 32 {
+        let tokens: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let mut chunks: Vec<SeqChunk<'_>> = tokens
+            .iter()
+            .zip(kvs.iter_mut())
+            .map(|(token, kv)| SeqChunk {
+                tokens: token,
+                start: pos,
+                kv,
+                logits: true,
+            })
+            .collect();
+        let logits = llama.forward(&mut chunks).unwrap();
+        next = logits.iter().map(|l| argmax(l.as_ref().unwrap())).collect();
+    }
+    let aggregate = 8.0 * 32.0 / started.elapsed().as_secs_f64();
+    eprintln!("batch 8: decode {aggregate:.1} tok/s aggregate (at 32..64)");
 }
