@@ -87,7 +87,7 @@ impl Q8Rows {
             let scale = amax / 127.0;
             let inverse = if scale != 0.0 { 1.0 / scale } else { 0.0 };
             d.push(f16::from_f32(scale).to_f32());
-            qs.extend(block.iter().map(|&v| (v * inverse).round() as i8));
+            qs.extend(block.iter().map(|&v| round_to_byte(v * inverse)));
         }
         Q8Rows {
             rows: x.len() / k,
@@ -139,6 +139,24 @@ impl Q8Rows {
         out.into_iter()
             .map(|v| f32::from_bits(v.into_inner()))
             .collect()
+    }
+}
+
+/// `y.round() as i8` (halves away from zero, saturating) for `|y| < 2²³`, without `roundf`, which the
+/// baseline x86_64 target calls as a function for every activation value: the truncation and
+/// the remainder are exact at this size, so the result is the same.
+fn round_to_byte(y: f32) -> i8 {
+    let t = y as i32;
+    let rest = y - t as f32;
+    (t + i32::from(rest >= 0.5) - i32::from(rest <= -0.5)).clamp(-128, 127) as i8
+}
+
+/// Asks the CPU to start loading `data[at..at + len]` into its caches: a hint, which touches
+/// nothing past `data`'s end.
+pub(super) fn prefetch<T>(data: &[T], at: usize, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for line in (at..at + len).step_by(64 / size_of::<T>().max(1)) {
+        avx2::prefetch(data.as_ptr().wrapping_add(line).cast());
     }
 }
 
@@ -225,6 +243,14 @@ mod avx2 {
 
     use super::{BLOCK, INPUT_GROUP, Q8Rows, ROW_GROUP, Sums};
 
+    /// How far ahead of the block being multiplied its weight row's bytes are prefetched (a
+    /// hint: past the matrix's end it touches nothing). A
+    /// matrix's rows lie one after the other, so this reaches into the next groups' rows: the
+    /// hardware prefetcher alone left a decode step waiting on memory for most of its weight
+    /// loads (measured: 37 → 52–60 tok/s for one sequence on one thread, 116 → 142–151 at
+    /// batch 8; 512 bytes gave less, 1–8 KiB about the same).
+    const PREFETCH: usize = 4096;
+
     /// Eight i32 lanes (as f32), lane `j` the exact sum of products of bytes `4j..4j+4` of a
     /// weight block `w` and an input block `x`, given `abs_w = |w|` (made once per weight block,
     /// however many inputs it meets): `maddubs` needs an unsigned operand, so `|w|` times `x`
@@ -235,6 +261,14 @@ mod avx2 {
             let pairs = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
             _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_set1_epi16(1), pairs))
         }
+    }
+
+    /// See [`super::prefetch`].
+    #[inline(always)]
+    pub(super) fn prefetch(p: *const i8) {
+        // SAFETY: a prefetch reads nothing a program can see and faults on no address; SSE is
+        // part of every x86_64 CPU.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p) }
     }
 
     #[inline(always)]
@@ -315,6 +349,7 @@ mod avx2 {
                 let (dx0, dx1) = (*x0d.get_unchecked(b), *x1d.get_unchecked(b));
                 for j in 0..ROW_GROUP {
                     let (wq, wd) = rows[j];
+                    prefetch(wq.as_ptr().wrapping_add(at + PREFETCH).cast());
                     let wv = _mm256_loadu_si256(wq.as_ptr().add(at).cast());
                     let aw = _mm256_sign_epi8(wv, wv);
                     let dw = *wd.get_unchecked(b);
@@ -363,6 +398,7 @@ mod avx2 {
                 let xv = _mm256_loadu_si256(xq.as_ptr().add(at).cast());
                 let dx = *xd.get_unchecked(b);
                 for (acc, (wq, wd)) in acc.iter_mut().zip(rows) {
+                    prefetch(wq.as_ptr().wrapping_add(at + PREFETCH).cast());
                     let wv = _mm256_loadu_si256(wq.as_ptr().add(at).cast());
                     let q = block_dot(_mm256_sign_epi8(wv, wv), wv, xv);
                     *acc = _mm256_fmadd_ps(_mm256_set1_ps(*wd.get_unchecked(b) * dx), q, *acc);
@@ -436,6 +472,24 @@ mod tests {
         for i in 0..5 {
             let alone = w.matmul(&x[i * k..(i + 1) * k], 1);
             assert_eq!(alone, batch[i * m..(i + 1) * m]);
+        }
+    }
+
+    #[test]
+    fn activations_round_as_f32_round_does() {
+        let halves = (-255..=255).map(|h| h as f32 / 2.0);
+        let near = (-1000..=1000).map(|i| i as f32 * 0.127_3);
+        let edges = [
+            0.499_999_97,
+            -0.499_999_97,
+            126.5,
+            -126.5,
+            127.49,
+            f32::NAN,
+            -0.0,
+        ];
+        for y in halves.chain(near).chain(edges) {
+            assert_eq!(round_to_byte(y), y.round() as i8, "{y}");
         }
     }
 
