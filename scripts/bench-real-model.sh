@@ -16,7 +16,7 @@ for threads in 1 2; do
   wait_for "$log/engine" "ready on"
   echo "single engine, --threads $threads:"
   scripts/bench-real-model.py http://127.0.0.1:18450 --lens "$LENS" --runs "$RUNS"
-  [ "$threads" = 1 ] && scripts/bench-real-model.py http://127.0.0.1:18450 --lens 32 --runs "$RUNS" --batch 8 | tail -1
+  scripts/bench-real-model.py http://127.0.0.1:18450 --lens 32 --runs "$RUNS" --batch 8 | tail -1
   kill %1; wait %1 2>/dev/null || true
 done
 

@@ -135,13 +135,17 @@ pub enum Release {
 #[derive(Clone, PartialEq, Eq)]
 pub struct Upstream {
     base: Arc<str>,
+    /// `base` parsed once (`None` if it does not parse: each call then fails as the client
+    /// reports), so a call's URL is a copy with its path set rather than a string to parse.
+    url: Option<reqwest::Url>,
     auth: Option<http::HeaderValue>,
 }
 
 impl Upstream {
     /// `base` (`http://host:port`, no trailing slash), called with `auth` when given.
     pub fn new(base: Arc<str>, auth: Option<http::HeaderValue>) -> Upstream {
-        Upstream { base, auth }
+        let url = reqwest::Url::parse(&base).ok();
+        Upstream { base, url, auth }
     }
 
     pub fn base(&self) -> &str {
@@ -154,19 +158,40 @@ impl Upstream {
     }
 
     fn post(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
-        self.authorized(http.post(format!("{}{path}", self.base)))
+        self.request(http, reqwest::Method::POST, path)
     }
 
     fn get(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
-        self.authorized(http.get(format!("{}{path}", self.base)))
+        self.request(http, reqwest::Method::GET, path)
     }
 
-    fn authorized(&self, request: reqwest::RequestBuilder) -> reqwest::RequestBuilder {
+    /// `method` on `base` + `path`, with the engine's `Authorization` when it wants one.
+    fn request(
+        &self,
+        http: &reqwest::Client,
+        method: reqwest::Method,
+        path: &str,
+    ) -> reqwest::RequestBuilder {
+        let request = match &self.url {
+            Some(base) => http.request(method, with_path(base, path)),
+            None => http.request(method, format!("{}{path}", self.base)),
+        };
         match &self.auth {
             Some(auth) => request.header(http::header::AUTHORIZATION, auth.clone()),
             None => request,
         }
     }
+}
+
+/// `base` (no trailing slash) followed by `path` (from `/`), as concatenating the two strings
+/// would give.
+fn with_path(base: &reqwest::Url, path: &str) -> reqwest::Url {
+    let mut url = base.clone();
+    match base.path() {
+        "/" => url.set_path(path),
+        prefix => url.set_path(&format!("{prefix}{path}")),
+    }
+    url
 }
 
 impl std::fmt::Debug for Upstream {

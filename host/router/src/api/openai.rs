@@ -298,10 +298,16 @@ fn check_length(
 /// A string, a list of token ids, or a one-element list of either, parsed from raw JSON: ids
 /// go straight into a `Vec<u32>`.
 fn prompt_tokens(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
-    match serde_json::from_str::<[&RawValue; 1]>(raw.get()) {
-        // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`). One level only:
-        // however deep the client nests, nothing here recurses.
-        Ok([one]) if one.get().starts_with(['"', '[']) => one_prompt(one, tokenizer),
+    // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`). One level only:
+    // however deep the client nests, nothing here recurses. (A text prompt, the common case,
+    // is not tried as a list: a failed parse builds an error message.)
+    let batch_of_one = if raw.get().starts_with('[') {
+        serde_json::from_str::<[&RawValue; 1]>(raw.get()).ok()
+    } else {
+        None
+    };
+    match batch_of_one {
+        Some([one]) if one.get().starts_with(['"', '[']) => one_prompt(one, tokenizer),
         _ => one_prompt(raw, tokenizer),
     }
 }

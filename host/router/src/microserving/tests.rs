@@ -137,3 +137,29 @@ async fn a_connection_closed_before_any_answer_is_tried_once_more_on_a_fresh_one
     assert_eq!(prep.prefix_matched_length, 0);
     served.await.expect("both connections served");
 }
+
+/// A call's URL is the endpoint's base with the path appended, as the two strings would
+/// concatenate, including for a base behind a path prefix.
+#[test]
+fn a_calls_url_is_the_base_followed_by_the_path() {
+    for (base, path, url) in [
+        (
+            "http://127.0.0.1:8000",
+            "/v1/completions",
+            "http://127.0.0.1:8000/v1/completions",
+        ),
+        (
+            "http://127.0.0.1:8000/engine",
+            "/v1/models",
+            "http://127.0.0.1:8000/engine/v1/models",
+        ),
+        (
+            "https://[::1]:9/a/b",
+            "/metrics",
+            "https://[::1]:9/a/b/metrics",
+        ),
+    ] {
+        let base = reqwest::Url::parse(base).expect("base");
+        assert_eq!(with_path(&base, path).as_str(), url);
+    }
+}
