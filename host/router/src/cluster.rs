@@ -135,8 +135,11 @@ impl<'de> serde::Deserialize<'de> for ApiKey {
 impl EndpointSpec {
     /// An `http(s)://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
     pub fn check(&self) -> Result<(), String> {
-        let url = reqwest::Url::parse(&self.url).map_err(|e| e.to_string())?;
-        if !matches!(url.scheme(), "http" | "https") || url.host().is_none() {
+        let url: http::Uri = self
+            .url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+        if !matches!(url.scheme_str(), Some("http" | "https")) || url.host().is_none() {
             return Err("expected http://HOST:PORT".into());
         }
         if self.num_gpus == 0 {
@@ -166,8 +169,8 @@ impl EndpointSpec {
     /// SGLang prefill endpoint.
     pub fn bootstrap(&self) -> Option<(String, u16)> {
         let port = self.bootstrap_port?;
-        let url = reqwest::Url::parse(&self.url).ok()?;
-        Some((url.host_str()?.trim_matches(['[', ']']).to_owned(), port))
+        let url: http::Uri = self.url.parse().ok()?;
+        Some((url.host()?.trim_matches(['[', ']']).to_owned(), port))
     }
 
     fn base_url(&self) -> String {

@@ -26,10 +26,20 @@
 #[cfg(test)]
 mod tests;
 
+use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http_body_util::BodyExt;
+use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_contract::Protocol;
@@ -83,8 +93,8 @@ impl Default for Timeouts {
 /// error bodies name endpoints by id) and the log alike.
 #[derive(Debug, thiserror::Error)]
 pub enum CallError {
-    /// The HTTP client itself could not be set up (at startup, before any engine is called).
-    #[error("cannot build the HTTP client for engines: {reason}")]
+    /// The request could not be written (its body does not serialize).
+    #[error("cannot build the request: {reason}")]
     Build { reason: String },
     /// Refused: nothing listens there (a sign the engine is down).
     #[error("cannot connect: {reason}")]
@@ -135,17 +145,56 @@ pub enum Release {
 #[derive(Clone, PartialEq, Eq)]
 pub struct Upstream {
     base: Arc<str>,
-    /// `base` parsed once (`None` if it does not parse: each call then fails as the client
-    /// reports), so a call's URL is a copy with its path set rather than a string to parse.
-    url: Option<reqwest::Url>,
+    /// `base` split once (`None` if it is no `http://HOST[:PORT][/PREFIX]` URI: every call
+    /// then fails to connect), so a call's URI is assembled, not parsed.
+    target: Option<Target>,
     auth: Option<http::HeaderValue>,
+}
+
+/// An engine's base URI in the parts every call's URI shares.
+#[derive(Clone, PartialEq, Eq)]
+struct Target {
+    scheme: Scheme,
+    authority: Authority,
+    /// The base's path without its trailing slash: empty, or e.g. `/engine`.
+    prefix: Box<str>,
+}
+
+impl Target {
+    fn parse(base: &str) -> Option<Target> {
+        let uri: http::Uri = base.parse().ok()?;
+        let parts = uri.into_parts();
+        Some(Target {
+            scheme: parts.scheme?,
+            authority: parts.authority?,
+            prefix: parts
+                .path_and_query
+                .as_ref()
+                .map_or("", |p| p.path())
+                .trim_end_matches('/')
+                .into(),
+        })
+    }
+
+    /// This base followed by `path` (from `/`), as concatenating the two strings would give.
+    fn with_path(&self, path: &str) -> Result<http::Uri, http::Error> {
+        let path = match &*self.prefix {
+            "" => PathAndQuery::try_from(path)?,
+            prefix => PathAndQuery::try_from(format!("{prefix}{path}"))?,
+        };
+        http::Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(path)
+            .build()
+    }
 }
 
 impl Upstream {
     /// `base` (`http://host:port`, no trailing slash), called with `auth` when given.
     pub fn new(base: Arc<str>, auth: Option<http::HeaderValue>) -> Upstream {
-        let url = reqwest::Url::parse(&base).ok();
-        Upstream { base, url, auth }
+        let target = Target::parse(&base);
+        Upstream { base, target, auth }
     }
 
     pub fn base(&self) -> &str {
@@ -157,41 +206,28 @@ impl Upstream {
         Arc::clone(&self.base)
     }
 
-    fn post(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
-        self.request(http, reqwest::Method::POST, path)
-    }
-
-    fn get(&self, http: &reqwest::Client, path: &str) -> reqwest::RequestBuilder {
-        self.request(http, reqwest::Method::GET, path)
-    }
-
     /// `method` on `base` + `path`, with the engine's `Authorization` when it wants one.
     fn request(
         &self,
-        http: &reqwest::Client,
-        method: reqwest::Method,
+        method: http::Method,
         path: &str,
-    ) -> reqwest::RequestBuilder {
-        let request = match &self.url {
-            Some(base) => http.request(method, with_path(base, path)),
-            None => http.request(method, format!("{}{path}", self.base)),
-        };
-        match &self.auth {
+    ) -> Result<http::request::Builder, CallError> {
+        let uri = self
+            .target
+            .as_ref()
+            .ok_or("the endpoint's URL is no http://HOST:PORT")
+            .and_then(|target| {
+                target
+                    .with_path(path)
+                    .map_err(|_| "the path does not make a URI")
+            })
+            .map_err(|why| CallError::Connect { reason: why.into() })?;
+        let request = http::Request::builder().method(method).uri(uri);
+        Ok(match &self.auth {
             Some(auth) => request.header(http::header::AUTHORIZATION, auth.clone()),
             None => request,
-        }
+        })
     }
-}
-
-/// `base` (no trailing slash) followed by `path` (from `/`), as concatenating the two strings
-/// would give.
-fn with_path(base: &reqwest::Url, path: &str) -> reqwest::Url {
-    let mut url = base.clone();
-    match base.path() {
-        "/" => url.set_path(path),
-        prefix => url.set_path(&format!("{prefix}{path}")),
-    }
-    url
 }
 
 impl std::fmt::Debug for Upstream {
@@ -204,26 +240,32 @@ impl std::fmt::Debug for Upstream {
     }
 }
 
-/// One HTTP client shared by every call to every engine (connections are pooled per host).
+/// One HTTP/1 client shared by every call to every engine (keep-alive connections pooled per
+/// host): hyper-util's pooled client, driven from the calling task. reqwest's layers above it
+/// (its redirect policy parses every request's URI into a URL again, its tower stack) cost a
+/// proxy hop about 15 µs of CPU per request here (`host/bench/examples/passthrough.rs` both
+/// ways), and the router follows no redirects from engines.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
-    http: reqwest::Client,
+    http: Client<HttpConnector, CallBody>,
     timeouts: Timeouts,
 }
 
+/// An engine's answer, its body still to read.
+type EngineResponse = http::Response<Incoming>;
+
 impl EngineClient {
-    pub fn new(timeouts: Timeouts) -> Result<Self, CallError> {
-        let http = reqwest::Client::builder()
-            .connect_timeout(timeouts.connect)
+    pub fn new(timeouts: Timeouts) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(timeouts.connect));
+        connector.set_nodelay(true);
+        let http = Client::builder(TokioExecutor::new())
             // Below common engine keep-alive timeouts (uvicorn closes idle connections after
             // 5 s), so a request is not sent on a connection the engine is closing.
             .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| CallError::Build {
-                reason: e.to_string(),
-            })?;
-        Ok(EngineClient { http, timeouts })
+            .pool_timer(TokioTimer::new())
+            .build(connector);
+        EngineClient { http, timeouts }
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -277,17 +319,23 @@ impl EngineClient {
     /// aborting frees its KV. Only for an id whose prep_recv answered: an MLC engine crashes on
     /// a start_generate for an id it never prepared.
     pub async fn release(&self, engine: &Upstream, body: &StartGenerateRequest) -> Release {
-        let sent = engine
-            .post(&self.http, "/microserving/start_generate")
-            .json(body)
-            .timeout(self.timeouts.call)
-            .send()
-            .await;
+        let request = engine
+            .request(http::Method::POST, "/microserving/start_generate")
+            .and_then(|request| json_request(request, to_json(body)?, None));
+        let request = match request {
+            Ok(request) => request,
+            Err(e) => return Release::Later(e.to_string()),
+        };
+        let within = self.timeouts.call;
+        let Ok(sent) = tokio::time::timeout(within, self.http.request(request)).await else {
+            // Sent, but no answer came (a frozen engine): see below.
+            return Release::Gone(format!("sent, answer lost: no answer within {within:?}"));
+        };
         match sent {
             // Dropping the response closes the connection before the generation ends.
             Ok(response) if response.status().is_success() => Release::Freed,
             // A transfer into the reservation is still being written (reference engine).
-            Ok(response) if response.status() == reqwest::StatusCode::CONFLICT => {
+            Ok(response) if response.status() == http::StatusCode::CONFLICT => {
                 Release::Later("a KV transfer into it is still under way".into())
             }
             Ok(response) if response.status().is_client_error() => {
@@ -297,13 +345,13 @@ impl EngineClient {
                 Release::Later(format!("the engine answered HTTP {}", response.status()))
             }
             // Not even connected: the request never left, so it is safe to send again.
-            Err(e) if e.is_connect() && e.is_timeout() => Release::Later(reason(e)),
+            Err(e) if e.is_connect() && connect_timed_out(&e) => Release::Later(error_chain(&e)),
             // Refused: the engine process is gone, and its reservations with it.
-            Err(e) if e.is_connect() => Release::Gone(reason(e)),
+            Err(e) if e.is_connect() => Release::Gone(error_chain(&e)),
             // Sent, but no answer came (a frozen engine): the engine runs it when it can, sees
             // the connection gone and aborts, which frees the pages. Sending it again could
             // reach an MLC engine for an id it no longer holds, which it does not survive.
-            Err(e) => Release::Gone(format!("sent, answer lost: {}", reason(e))),
+            Err(e) => Release::Gone(format!("sent, answer lost: {}", error_chain(&e))),
         }
     }
 
@@ -338,19 +386,21 @@ impl EngineClient {
 
     /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
     /// probe timeout.
-    async fn probe(&self, engine: &Upstream, path: &str) -> Option<bytes::Bytes> {
-        let response = engine
-            .get(&self.http, path)
-            .timeout(self.timeouts.probe)
-            .send()
-            .await
+    async fn probe(&self, engine: &Upstream, path: &str) -> Option<Bytes> {
+        let deadline = tokio::time::Instant::now() + self.timeouts.probe;
+        let request = engine
+            .request(http::Method::GET, path)
+            .ok()?
+            .body(CallBody::empty())
             .ok()?;
-        if response.status() != reqwest::StatusCode::OK {
+        let response = tokio::time::timeout_at(deadline, self.http.request(request))
+            .await
+            .ok()?
+            .ok()?;
+        if response.status() != http::StatusCode::OK {
             return None;
         }
-        read_capped(response, self.timeouts.probe, MAX_PROBE_BYTES)
-            .await
-            .ok()
+        read_capped(response, deadline, MAX_PROBE_BYTES).await.ok()
     }
 
     /// One leg of a vLLM or SGLang handoff, or a forward to a non-MLC engine: `body` to
@@ -387,58 +437,49 @@ impl EngineClient {
         body: &impl Serialize,
         request_id: &str,
     ) -> Result<Answer, CallError> {
+        let deadline = tokio::time::Instant::now() + self.timeouts.call;
         let response = self
-            .send(
-                engine,
-                path,
-                body,
-                Some(self.timeouts.call),
-                Some(request_id),
-                None,
-            )
+            .send(engine, path, body, Some(deadline), Some(request_id), None)
             .await?;
-        Ok(Answer {
-            response,
-            within: self.timeouts.call,
-        })
+        Ok(Answer { response, deadline })
     }
 
+    /// `body` to `path`, its answer's head by `deadline` when given: a 2xx answer, or the
+    /// error status (with the start of its body) as the error.
     async fn send<B: Serialize>(
         &self,
         engine: &Upstream,
         path: &str,
         body: &B,
-        timeout: Option<Duration>,
+        deadline: Option<tokio::time::Instant>,
         request_id: Option<&str>,
         delivery: Option<&Delivery>,
-    ) -> Result<reqwest::Response, CallError> {
-        let bytes = bytes::Bytes::from(serde_json::to_vec(body).map_err(|e| CallError::Build {
-            reason: format!("cannot write the request body: {e}"),
-        })?);
-        let send = || {
-            let body = match delivery {
-                Some(delivery) => delivery.body(bytes.clone()),
-                None => reqwest::Body::from(bytes.clone()),
-            };
-            let mut request = engine
-                .post(&self.http, path)
-                .header(http::header::CONTENT_TYPE, "application/json")
-                .body(body);
+    ) -> Result<EngineResponse, CallError> {
+        let json = to_json(body)?;
+        let send = || async {
+            let mut request = engine.request(http::Method::POST, path)?;
             if let Some(id) = request_id {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
-            match timeout {
-                Some(t) => request.timeout(t).send(),
-                None => request.send(),
+            let request = json_request(request, json.clone(), delivery.cloned())?;
+            let sent = self.http.request(request);
+            match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
+                    CallError::Timeout {
+                        after: self.timeouts.call,
+                    }
+                })?,
+                None => sent.await,
             }
+            .map_err(classify)
         };
-        let response = match send().await.map_err(|e| classify(e, self.timeouts.call)) {
+        let response = match send().await {
             // The engine closed a pooled connection just as the request went out (its
             // keep-alive ran out): once more, on a fresh connection, without blaming it.
             Err(CallError::Closed { reason }) => {
                 let engine = engine.base();
                 tracing::debug!(engine, path, %reason, "connection closed before an answer; sending again");
-                send().await.map_err(|e| classify(e, self.timeouts.call))
+                send().await
             }
             answer => answer,
         }?;
@@ -447,7 +488,8 @@ impl EngineClient {
             return Ok(response);
         }
         // The body only explains the status: a cut or oversized one still yields the status.
-        let body = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES)
+        let explained_by = tokio::time::Instant::now() + self.timeouts.call;
+        let body = read_capped(response, deadline.unwrap_or(explained_by), MAX_ANSWER_BYTES)
             .await
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
             .unwrap_or_default();
@@ -463,10 +505,11 @@ impl EngineClient {
         path: &str,
         body: &B,
     ) -> Result<R, CallError> {
+        let deadline = tokio::time::Instant::now() + self.timeouts.call;
         let response = self
-            .send(engine, path, body, Some(self.timeouts.call), None, None)
+            .send(engine, path, body, Some(deadline), None, None)
             .await?;
-        let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
+        let bytes = read_capped(response, deadline, MAX_ANSWER_BYTES).await?;
         serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
             reason: e.to_string(),
         })
@@ -502,11 +545,12 @@ impl EngineClient {
         };
         let is_sse = response
             .headers()
-            .get(reqwest::header::CONTENT_TYPE)
+            .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let bytes = read_capped(response, self.timeouts.call, MAX_ANSWER_BYTES).await?;
+            let deadline = tokio::time::Instant::now() + self.timeouts.call;
+            let bytes = read_capped(response, deadline, MAX_ANSWER_BYTES).await?;
             let mut one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
                     reason: e.to_string(),
@@ -514,7 +558,10 @@ impl EngineClient {
             one.fold_chat();
             return Ok(single_chunk(one));
         }
-        let bytes = response.bytes_stream().map_err(reqwest::Error::without_url);
+        let bytes = response
+            .into_body()
+            .into_data_stream()
+            .map_err(|e| error_chain(&e));
         Ok(with_idle_timeout(
             parse_chunks(bytes),
             self.timeouts.stream_idle,
@@ -525,14 +572,15 @@ impl EngineClient {
 /// A 2xx answer whose body is still to be read; see [`EngineClient::answer_leg`].
 #[derive(Debug)]
 pub struct Answer {
-    response: reqwest::Response,
-    within: Duration,
+    response: EngineResponse,
+    /// The call's: the whole answer is due within the call timeout of its sending.
+    deadline: tokio::time::Instant,
 }
 
 impl Answer {
-    /// The whole body, at most [`MAX_ANSWER_BYTES`], within the call timeout.
-    pub async fn read(self) -> Result<bytes::Bytes, CallError> {
-        read_capped(self.response, self.within, MAX_ANSWER_BYTES).await
+    /// The whole body, at most [`MAX_ANSWER_BYTES`], by the call's deadline.
+    pub async fn read(self) -> Result<Bytes, CallError> {
+        read_capped(self.response, self.deadline, MAX_ANSWER_BYTES).await
     }
 }
 
@@ -551,27 +599,99 @@ impl Delivery {
         (Delivery(Arc::new(std::sync::Mutex::new(Some(tx)))), rx)
     }
 
-    fn body(&self, bytes: bytes::Bytes) -> reqwest::Body {
-        let signal = self.0.clone();
-        let delivered = futures::stream::poll_fn(move |_| {
-            if let Some(tx) = signal.lock().ok().and_then(|mut tx| tx.take()) {
-                let _ = tx.send(());
-            }
-            std::task::Poll::Ready(None::<Result<bytes::Bytes, std::io::Error>>)
-        });
-        reqwest::Body::wrap_stream(futures::stream::iter([Ok(bytes)]).chain(delivered))
+    fn delivered(&self) {
+        if let Some(tx) = self.0.lock().ok().and_then(|mut tx| tx.take()) {
+            let _ = tx.send(());
+        }
     }
+}
+
+/// A call's body: its JSON in one frame, sent with its length, and the [`Delivery`] to signal
+/// when the client takes that frame to write (its last byte).
+#[derive(Debug)]
+pub struct CallBody {
+    json: Option<Bytes>,
+    delivery: Option<Delivery>,
+}
+
+impl CallBody {
+    fn new(json: Bytes, delivery: Option<Delivery>) -> CallBody {
+        CallBody {
+            json: Some(json),
+            delivery,
+        }
+    }
+
+    fn empty() -> CallBody {
+        CallBody {
+            json: None,
+            delivery: None,
+        }
+    }
+}
+
+impl hyper::body::Body for CallBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = self.get_mut();
+        let frame = this.json.take().map(|json| Ok(Frame::data(json)));
+        if let Some(delivery) = this.delivery.take() {
+            delivery.delivered();
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.json.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.json.as_ref().map_or(0, |json| json.len() as u64))
+    }
+}
+
+/// `body` as JSON.
+fn to_json(body: &impl Serialize) -> Result<Bytes, CallError> {
+    serde_json::to_vec(body)
+        .map(Bytes::from)
+        .map_err(|e| CallError::Build {
+            reason: format!("cannot write the request body: {e}"),
+        })
+}
+
+/// `request` with `json` as its body.
+fn json_request(
+    request: http::request::Builder,
+    json: Bytes,
+    delivery: Option<Delivery>,
+) -> Result<http::Request<CallBody>, CallError> {
+    request
+        .header(http::header::CONTENT_TYPE, "application/json")
+        .body(CallBody::new(json, delivery))
+        .map_err(|e| CallError::Build {
+            reason: e.to_string(),
+        })
 }
 
 /// A whole non-streamed answer, at most `cap` bytes, within `within`.
 async fn read_capped(
-    mut response: reqwest::Response,
-    within: Duration,
+    response: EngineResponse,
+    deadline: tokio::time::Instant,
     cap: usize,
-) -> Result<bytes::Bytes, CallError> {
+) -> Result<Bytes, CallError> {
+    let started = tokio::time::Instant::now();
     let read = async {
         let mut body = Vec::new();
-        while let Some(chunk) = response.chunk().await.map_err(broken_answer)? {
+        let mut frames = response.into_body();
+        while let Some(frame) = frames.frame().await {
+            let Ok(chunk) = frame.map_err(broken_answer)?.into_data() else {
+                continue; // trailers
+            };
             if body.len() + chunk.len() > cap {
                 return Err(CallError::Decode {
                     reason: format!("the answer is over {cap} bytes"),
@@ -579,23 +699,33 @@ async fn read_capped(
             }
             body.extend_from_slice(&chunk);
         }
-        Ok(bytes::Bytes::from(body))
+        Ok(Bytes::from(body))
     };
-    tokio::time::timeout(within, read)
+    tokio::time::timeout_at(deadline, read)
         .await
-        .map_err(|_| CallError::Timeout { after: within })?
+        .map_err(|_| CallError::Timeout {
+            after: deadline.saturating_duration_since(started),
+        })?
 }
 
 /// An answer that started and then broke off: the engine is up (it answered), so this is a
-/// failed call to retry, not a sign the endpoint is down, and not a malformed answer either
-/// (reqwest reports body failures as "decode" errors).
-fn broken_answer(e: reqwest::Error) -> CallError {
-    CallError::Stream(SseError::Transport(reason(e)))
+/// failed call to retry, not a sign the endpoint is down, and not a malformed answer either.
+fn broken_answer(e: hyper::Error) -> CallError {
+    CallError::Stream(SseError::Transport(error_chain(&e)))
 }
 
-/// A reqwest error's message and causes, without the URL reqwest puts in it.
-fn reason(e: reqwest::Error) -> String {
-    error_chain(&e.without_url())
+/// Whether a connect failed by timing out (the request never left), not by being refused.
+fn connect_timed_out(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut cause = std::error::Error::source(e);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
+        {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 /// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:
@@ -616,17 +746,17 @@ fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
     )
 }
 
-fn classify(e: reqwest::Error, after: Duration) -> CallError {
-    if e.is_timeout() {
-        CallError::Timeout { after }
-    } else if e.is_connect() {
-        CallError::Connect { reason: reason(e) }
-    } else if e.is_decode() {
-        CallError::Decode { reason: reason(e) }
+fn classify(e: hyper_util::client::legacy::Error) -> CallError {
+    if e.is_connect() {
+        CallError::Connect {
+            reason: error_chain(&e),
+        }
     } else {
-        // Reset or closed before any answer. (Once an answer has started, a break is
-        // `broken_answer`'s, not this.)
-        CallError::Closed { reason: reason(e) }
+        // Reset or closed before any answer (or one that is no HTTP). Once an answer has
+        // started, a break is `broken_answer`'s, not this.
+        CallError::Closed {
+            reason: error_chain(&e),
+        }
     }
 }
 

@@ -187,7 +187,7 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         cluster = cluster.awaiting_discovery();
     }
     let cluster = Arc::new(cluster);
-    let client = EngineClient::new(config.timeouts)?;
+    let client = EngineClient::new(config.timeouts);
     spawn_probes(&cluster, &client, ProbeConfig::default());
     let executor = Executor::new(cluster, client);
     if let Some(path) = &config.endpoints_file {

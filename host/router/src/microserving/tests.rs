@@ -43,7 +43,6 @@ fn client(call: Duration) -> EngineClient {
         call,
         ..Timeouts::default()
     })
-    .expect("client")
 }
 
 fn prep_body() -> PrepRecvRequest {
@@ -138,11 +137,11 @@ async fn a_connection_closed_before_any_answer_is_tried_once_more_on_a_fresh_one
     served.await.expect("both connections served");
 }
 
-/// A call's URL is the endpoint's base with the path appended, as the two strings would
+/// A call's URI is the endpoint's base with the path appended, as the two strings would
 /// concatenate, including for a base behind a path prefix.
 #[test]
-fn a_calls_url_is_the_base_followed_by_the_path() {
-    for (base, path, url) in [
+fn a_calls_uri_is_the_base_followed_by_the_path() {
+    for (base, path, uri) in [
         (
             "http://127.0.0.1:8000",
             "/v1/completions",
@@ -154,12 +153,13 @@ fn a_calls_url_is_the_base_followed_by_the_path() {
             "http://127.0.0.1:8000/engine/v1/models",
         ),
         (
-            "https://[::1]:9/a/b",
+            "http://[::1]:9/a/b/",
             "/metrics",
-            "https://[::1]:9/a/b/metrics",
+            "http://[::1]:9/a/b/metrics",
         ),
     ] {
-        let base = reqwest::Url::parse(base).expect("base");
-        assert_eq!(with_path(&base, path).as_str(), url);
+        let target = Target::parse(base).expect("base");
+        assert_eq!(target.with_path(path).expect("uri").to_string(), uri);
     }
+    assert!(Target::parse("127.0.0.1:8000").is_none(), "no scheme");
 }
