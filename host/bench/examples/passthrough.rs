@@ -1,7 +1,7 @@
 //! The floor under any HTTP router built on switchyard's stack: a reverse proxy that does only
 //! what every router must. It forwards each request (method, path, body unread) to the engines
 //! in turn (round-robin) and streams their answers back unread, on the same stack as switchyard
-//! (hyper server, reqwest client with pooled keep-alive connections, a multi-thread Tokio
+//! (hyper server, hyper-util's client with pooled keep-alive connections, a multi-thread Tokio
 //! runtime, TCP_NODELAY on both sides).
 //!
 //! `scripts/bench-overhead.sh` runs the forward scenario through it as well, so the table can say
@@ -15,14 +15,17 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use futures::TryStreamExt;
-use http_body_util::{BodyExt, StreamBody, combinators::BoxBody};
-use hyper::body::{Frame, Incoming};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
+use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 struct Upstreams {
-    client: reqwest::Client,
+    client: hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        http_body_util::Full<bytes::Bytes>,
+    >,
     urls: Vec<String>,
     next: AtomicUsize,
 }
@@ -37,7 +40,11 @@ async fn main() -> anyhow::Result<()> {
     let urls: Vec<String> = args.collect();
     anyhow::ensure!(!urls.is_empty(), usage);
     let upstreams = Arc::new(Upstreams {
-        client: reqwest::Client::builder().tcp_nodelay(true).build()?,
+        client: {
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new()).build(connector)
+        },
         urls,
         next: AtomicUsize::new(0),
     });
@@ -62,25 +69,26 @@ async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Bo
     let Ok(body) = body.collect().await.map(|b| b.to_bytes()) else {
         return Ok(status(StatusCode::BAD_REQUEST));
     };
-    let mut request = up.client.request(parts.method, format!("{base}{path}"));
+    let mut request = Request::builder()
+        .method(parts.method)
+        .uri(format!("{base}{path}"));
     if let Some(kind) = parts.headers.get(http::header::CONTENT_TYPE) {
         request = request.header(http::header::CONTENT_TYPE, kind);
     }
-    let answer = request.body(body).send().await;
-    let Ok(answer) = answer else {
+    let Ok(request) = request.body(Full::new(body)) else {
+        return Ok(status(StatusCode::BAD_REQUEST));
+    };
+    let Ok(answer) = up.client.request(request).await else {
         return Ok(status(StatusCode::BAD_GATEWAY));
     };
     let mut response = Response::builder().status(answer.status());
     if let Some(kind) = answer.headers().get(http::header::CONTENT_TYPE) {
         response = response.header(http::header::CONTENT_TYPE, kind);
     }
-    let frames = answer
-        .bytes_stream()
-        .map_ok(Frame::data)
-        .map_err(std::io::Error::other);
+    let frames = answer.into_body().map_err(std::io::Error::other);
     // The status and content type are the engine's own, so the response builds.
     Ok(response
-        .body(BodyExt::boxed(StreamBody::new(frames)))
+        .body(frames.boxed())
         .unwrap_or_else(|_| status(StatusCode::BAD_GATEWAY)))
 }
 
