@@ -8,13 +8,19 @@
 //! plus the wall time it spent blocked in a host call by its own choice (WASI `poll`, e.g. a
 //! sleep; see `blocking_io`).
 //!
+//! Reading a thread's CPU clock is a system call (no vDSO serves it), and a request makes two
+//! guest calls: a call starts from the thread's last reading when that is at most
+//! [`START_READING_REUSE`] old, so it may be charged that much of the CPU its thread used just
+//! before it began (never less than it used).
+//!
 //! The epoch ticker still drives the checks: the store's epoch deadline is set to the budget in
 //! wall-clock ticks, and when it is reached [`CallClock::on_epoch`] looks at the CPU time.
 //! A call that was starved has used less than its budget and is given the rest; a call that
 //! spent its budget computing is interrupted. So a runaway guest stops after its budget plus at
 //! most a tick, and a guest starved of CPU is never stopped for it.
 
-use std::time::Duration;
+use std::cell::Cell;
+use std::time::{Duration, Instant};
 
 use wasmtime::UpdateDeadline;
 
@@ -37,7 +43,7 @@ impl CallClock {
     pub(super) fn start(&mut self, budget: Duration) -> u64 {
         *self = CallClock {
             budget,
-            cpu_at_start: thread_cpu_time(),
+            cpu_at_start: thread_cpu_time_within(START_READING_REUSE),
             waited: Duration::ZERO,
             overran: false,
         };
@@ -93,6 +99,30 @@ fn ticks(budget: Duration) -> u64 {
     u64::try_from(ticks).unwrap_or(u64::MAX).saturating_add(1)
 }
 
+/// How old a reading of the thread's CPU time may be and still start a call (see the module
+/// doc): at most this much of the thread's CPU time before a call is charged to it, against
+/// budgets of tens of milliseconds, and a busy worker reads its clock about once per
+/// millisecond instead of twice per request.
+const START_READING_REUSE: Duration = Duration::from_millis(1);
+
+thread_local! {
+    /// This thread's last reading of its CPU time, and when (wall clock) it was taken.
+    static LAST_READING: Cell<Option<(Instant, Duration)>> = const { Cell::new(None) };
+}
+
+/// The calling thread's CPU time, read less than `within` ago: never more than it is now.
+fn thread_cpu_time_within(within: Duration) -> Duration {
+    let now = Instant::now();
+    LAST_READING.with(|last| match last.get() {
+        Some((at, cpu)) if now.saturating_duration_since(at) < within => cpu,
+        _ => {
+            let cpu = thread_cpu_time();
+            last.set(Some((now, cpu)));
+            cpu
+        }
+    })
+}
+
 /// CPU time the calling thread has used since it started.
 pub(super) fn thread_cpu_time() -> Duration {
     let now = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
@@ -123,6 +153,20 @@ mod tests {
         }
         assert!(matches!(clock.on_epoch(), UpdateDeadline::Interrupt));
         assert!(clock.overran());
+    }
+
+    #[test]
+    fn a_recent_reading_of_the_thread_clock_starts_a_call_and_an_old_one_does_not() {
+        let cpu = thread_cpu_time();
+        let earlier = cpu.saturating_sub(Duration::from_millis(1));
+        LAST_READING.with(|last| last.set(Some((Instant::now(), earlier))));
+        assert_eq!(thread_cpu_time_within(Duration::from_secs(3600)), earlier);
+        let fresh = thread_cpu_time_within(Duration::ZERO);
+        assert!(fresh >= cpu, "a fresh reading: {fresh:?} < {cpu:?}");
+        assert_eq!(
+            LAST_READING.with(Cell::get).map(|(_, cpu)| cpu),
+            Some(fresh)
+        );
     }
 
     #[test]
