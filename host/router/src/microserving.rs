@@ -241,10 +241,10 @@ impl std::fmt::Debug for Upstream {
 }
 
 /// One HTTP/1 client shared by every call to every engine (keep-alive connections pooled per
-/// host): hyper-util's pooled client, driven from the calling task. reqwest's layers above it
-/// (its redirect policy parses every request's URI into a URL again, its tower stack) cost a
-/// proxy hop about 15 µs of CPU per request here (`host/bench/examples/passthrough.rs` both
-/// ways), and the router follows no redirects from engines.
+/// host): hyper-util's pooled client, the one under reqwest, called directly. reqwest's layers
+/// above it (its redirect policy parses every request's URI into a URL again, its tower stack)
+/// cost a proxy hop about 15 µs of CPU per request here (`host/bench/examples/passthrough.rs`
+/// both ways), and the router follows no redirects from engines.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
     http: Client<HttpConnector, CallBody>,
