@@ -100,12 +100,13 @@ start_engines() {
     done
 }
 
-# start_router NAME POLICY: the router in front of both engines, ready once /health is 200.
+# start_router NAME POLICY [SERVE_ARGS...]: the router in front of both engines, ready once
+# /health is 200.
 start_router() {
     local name=$1 policy=$2
     "$BIN" serve --port "$ROUTER_PORT" --plugins plugins --policy "$policy" \
         --endpoint "http://127.0.0.1:${ENGINE_PORTS[0]}" \
-        --endpoint "http://127.0.0.1:${ENGINE_PORTS[1]}" \
+        --endpoint "http://127.0.0.1:${ENGINE_PORTS[1]}" "${@:3}" \
         >"$OUT/logs/$name-router.log" 2>&1 &
     ROUTER_PID=$!
     PIDS+=("$ROUTER_PID")
@@ -176,7 +177,8 @@ scenario disagg-realistic disagg disagg llama3-8b-h100 "$REALISTIC_REQUESTS" "$C
 
 # Large bodies: each engine needs KV pages for 16 prompts of LARGE_INPUT_LEN tokens.
 start_engines large-body null --kv-pages $((17 * LARGE_INPUT_LEN / 16))
-start_router large-body disagg
+# The router refuses prompts longer than its context length (default 32768) with a 400.
+start_router large-body disagg --context-length $((LARGE_INPUT_LEN + 64))
 bench large-body --compare-direct --plan disagg --num-requests "$LARGE_REQUESTS" \
     --concurrency 16 --prompt-format tokens --input-len "$LARGE_INPUT_LEN" --output-len 16
 stop_all
