@@ -272,6 +272,11 @@ impl EngineClient {
         self.timeouts
     }
 
+    /// When a call (or the rest of an answer) started now is due: the call timeout from now.
+    fn call_deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.timeouts.call
+    }
+
     /// Ask the decode engine to reserve KV slots for `[0, end)`.
     pub async fn prep_recv(
         &self,
@@ -437,7 +442,7 @@ impl EngineClient {
         body: &impl Serialize,
         request_id: &str,
     ) -> Result<Answer, CallError> {
-        let deadline = tokio::time::Instant::now() + self.timeouts.call;
+        let deadline = self.call_deadline();
         let response = self
             .send(engine, path, body, Some(deadline), Some(request_id), None)
             .await?;
@@ -488,8 +493,8 @@ impl EngineClient {
             return Ok(response);
         }
         // The body only explains the status: a cut or oversized one still yields the status.
-        let explained_by = tokio::time::Instant::now() + self.timeouts.call;
-        let body = read_capped(response, deadline.unwrap_or(explained_by), MAX_ANSWER_BYTES)
+        let deadline = deadline.unwrap_or_else(|| self.call_deadline());
+        let body = read_capped(response, deadline, MAX_ANSWER_BYTES)
             .await
             .map(|bytes| String::from_utf8_lossy(&bytes).into_owned())
             .unwrap_or_default();
@@ -505,7 +510,7 @@ impl EngineClient {
         path: &str,
         body: &B,
     ) -> Result<R, CallError> {
-        let deadline = tokio::time::Instant::now() + self.timeouts.call;
+        let deadline = self.call_deadline();
         let response = self
             .send(engine, path, body, Some(deadline), None, None)
             .await?;
@@ -549,7 +554,7 @@ impl EngineClient {
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
         if !is_sse {
-            let deadline = tokio::time::Instant::now() + self.timeouts.call;
+            let deadline = self.call_deadline();
             let bytes = read_capped(response, deadline, MAX_ANSWER_BYTES).await?;
             let mut one: CompletionResponse =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
