@@ -142,9 +142,9 @@ impl Q8Rows {
     }
 }
 
-/// `y.round() as i8` (halves away from zero, saturating) for `|y| < 2²³`, without `roundf`, which the
-/// baseline x86_64 target calls as a function for every activation value: the truncation and
-/// the remainder are exact at this size, so the result is the same.
+/// `y.round() as i8` (halves away from zero, saturating) for `|y| < 2²³`, without `roundf`,
+/// which the baseline x86_64 target calls as a function for every activation value: the
+/// truncation and the remainder are exact at this size, so the result is the same.
 fn round_to_byte(y: f32) -> i8 {
     let t = y as i32;
     let rest = y - t as f32;
@@ -158,6 +158,9 @@ pub(super) fn prefetch<T>(data: &[T], at: usize, len: usize) {
     for line in (at..at + len).step_by(64 / size_of::<T>().max(1)) {
         avx2::prefetch(data.as_ptr().wrapping_add(line).cast());
     }
+    // Elsewhere a hint the engine does without.
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, at, len);
 }
 
 /// Which implementation of the (one) arithmetic runs here.
@@ -244,11 +247,11 @@ mod avx2 {
     use super::{BLOCK, INPUT_GROUP, Q8Rows, ROW_GROUP, Sums};
 
     /// How far ahead of the block being multiplied its weight row's bytes are prefetched (a
-    /// hint: past the matrix's end it touches nothing). A
-    /// matrix's rows lie one after the other, so this reaches into the next groups' rows: the
-    /// hardware prefetcher alone left a decode step waiting on memory for most of its weight
-    /// loads (measured: 37 → 52–60 tok/s for one sequence on one thread, 116 → 142–151 at
-    /// batch 8; 512 bytes gave less, 1–8 KiB about the same).
+    /// hint: past the matrix's end it touches nothing). A matrix's rows lie one after the
+    /// other, so this reaches into the next groups' rows: the hardware prefetcher alone left a
+    /// decode step waiting on memory for most of its weight loads (measured: 37 → 52–60 tok/s
+    /// for one sequence on one thread, 116 → 142–151 at batch 8; 512 bytes gave less, 1–8 KiB
+    /// about the same).
     const PREFETCH: usize = 4096;
 
     /// Eight i32 lanes (as f32), lane `j` the exact sum of products of bytes `4j..4j+4` of a
