@@ -16,7 +16,8 @@
 //! ([`serve_admin`]) when an admin port is configured. A request may pick its policy with the
 //! `x-switchyard-policy` header (unless disabled); an unknown name gets 400.
 //!
-//! Generating requests pass [`admission`] once their body is read; every connection is
+//! Connections are accepted on the caller's runtime and served on the [`Workers`], one thread
+//! each. Generating requests pass [`admission`] once their body is read; every connection is
 //! watched by [`connection`]'s deadlines; a [`Drain`] stops it all in order.
 //!
 //! Every error body is written by [`respond`].
@@ -31,6 +32,7 @@ mod openai;
 mod respond;
 mod sse;
 mod tokenize;
+mod workers;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -59,6 +61,7 @@ pub use drain::{Drain, DrainConfig};
 pub use metrics::{AdmissionMetrics, Metrics};
 pub use openai::Shape;
 pub use respond::ApiError;
+pub use workers::Workers;
 // The request path's pure pieces, for the hot-path benchmarks (host/router/benches/hot_path.rs).
 pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
 pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, TokenizerError};
@@ -216,18 +219,24 @@ pub struct Peer(pub SocketAddr);
 const LAST_WRITES: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Serve HTTP on `listener` until `state.drain` stops accepting, then let open connections
-/// finish until its grace period is over.
-pub async fn serve(listener: TcpListener, state: Arc<AppState>) {
-    serve_with(listener, state, handle).await;
+/// finish until its grace period is over. Connections are accepted here and served on
+/// `workers`.
+pub async fn serve(listener: TcpListener, state: Arc<AppState>, workers: Arc<Workers>) {
+    serve_with(listener, state, handle, Some(workers)).await;
 }
 
-/// Serve only `/admin/*` on `listener` (the admin port), as [`serve`] does.
+/// Serve only `/admin/*` on `listener` (the admin port), as [`serve`] does, on this runtime:
+/// its few requests need no worker of their own.
 pub async fn serve_admin(listener: TcpListener, state: Arc<AppState>) {
-    serve_with(listener, state, admin::handle).await;
+    serve_with(listener, state, admin::handle, None).await;
 }
 
-async fn serve_with<H, F>(listener: TcpListener, state: Arc<AppState>, handler: H)
-where
+async fn serve_with<H, F>(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    handler: H,
+    workers: Option<Arc<Workers>>,
+) where
     H: Fn(Arc<AppState>, Request<Incoming>) -> F + Copy + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
@@ -267,22 +276,25 @@ where
         };
         backoff.accepted();
         let _ = stream.set_nodelay(true);
-        let activity = connection::Activity::new();
-        let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
-        let service = {
-            let (state, activity) = (state.clone(), Arc::clone(&activity));
-            hyper::service::service_fn(move |mut req: Request<Incoming>| {
-                req.extensions_mut().insert(Peer(peer));
-                let in_request = activity.request_started();
-                let state = state.clone();
-                async move { Ok::<_, Infallible>(guarded::hold(handler(state, req).await, in_request)) }
-            })
-        };
-        let conn = builder.serve_connection_with_upgrades(io, service);
-        let conn = graceful.watch(conn.into_owned());
+        let (state, builder, watcher) = (state.clone(), builder.clone(), graceful.watcher());
         let (limits, metrics, cut) = (state.connections, metrics.clone(), cut.clone());
-        metrics.open.inc();
-        tokio::spawn(async move {
+        let serve = move |stream| async move {
+            metrics.open.inc();
+            let activity = connection::Activity::new();
+            let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
+            let service = {
+                let activity = Arc::clone(&activity);
+                hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                    req.extensions_mut().insert(Peer(peer));
+                    let in_request = activity.request_started();
+                    let state = state.clone();
+                    async move {
+                        Ok::<_, Infallible>(guarded::hold(handler(state, req).await, in_request))
+                    }
+                })
+            };
+            let conn = builder.serve_connection_with_upgrades(io, service);
+            let conn = watcher.watch(conn.into_owned());
             tokio::select! {
                 result = conn => if let Err(e) = result {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -295,7 +307,15 @@ where
             }
             metrics.open.dec();
             drop(place);
-        });
+        };
+        match &workers {
+            Some(workers) => {
+                if let Err(e) = workers.serve(stream, serve) {
+                    tracing::warn!(%peer, error = %e, "cannot hand a connection to a worker");
+                }
+            }
+            None => drop(tokio::spawn(serve(stream))),
+        }
     }
     drop(listener);
     tracing::info!("listener closed: waiting for open connections to finish");

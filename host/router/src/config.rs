@@ -31,6 +31,7 @@
 //! body_read_timeout = "30s"                   # whole header to whole body
 //! keep_alive_timeout = "75s"                  # a connection with no request on it
 //! max_connections = 4096                      # client connections per listener
+//! workers = 2                                 # threads serving connections (default: one per core)
 //! drain_delay = "5s"                          # SIGTERM: /health 503 this long, then stop accepting
 //! shutdown_grace = "30s"                      # then in-flight requests have this long
 //! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
@@ -73,6 +74,7 @@
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -283,6 +285,10 @@ pub struct RouterArgs {
     /// kernel's backlog until one closes [default: 4096].
     #[arg(long)]
     pub max_connections: Option<u32>,
+    /// Threads serving client connections; each connection, with the engine calls its
+    /// requests make, stays on one of them [default: one per core this process may use].
+    #[arg(long)]
+    pub workers: Option<NonZeroUsize>,
     /// On SIGTERM or SIGINT, how long /health answers 503 while the listeners still accept
     /// and serve, so a load balancer notices; then they stop accepting [default: 5s].
     #[arg(long, value_parser = humantime::parse_duration)]
@@ -331,6 +337,8 @@ pub struct Config {
     pub connections: ConnectionLimits,
     /// What SIGTERM does, step by step.
     pub drain: DrainConfig,
+    /// Threads serving client connections.
+    pub workers: NonZeroUsize,
 }
 
 /// How requests find their policy, and what happens when it faults.
@@ -533,6 +541,7 @@ struct FileConfig {
     max_connections: Option<u32>,
     drain_delay: Option<TextDuration>,
     shutdown_grace: Option<TextDuration>,
+    workers: Option<NonZeroUsize>,
     #[serde(default)]
     endpoints: Vec<EndpointSpec>,
     #[serde(default)]
@@ -801,6 +810,9 @@ impl Config {
             admission: edge.admission,
             connections: edge.connections,
             drain: edge.drain,
+            workers: r.workers.or(file.workers).unwrap_or_else(|| {
+                std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN)
+            }),
         })
     }
 }
@@ -1327,6 +1339,37 @@ mod tests {
             Config::from_args(&a),
             Err(ConfigError::ZeroTimeout("header-read-timeout"))
         ));
+    }
+
+    #[test]
+    fn workers_come_from_the_flag_over_the_file_over_the_cores() {
+        let dir = plugins_with("disagg");
+        let file = dir.path().join("router.toml");
+        let write = |workers: &str| {
+            std::fs::write(
+                &file,
+                format!(
+                    "plugins = {:?}\n{workers}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+                    dir.path()
+                ),
+            )
+            .expect("write")
+        };
+        let mut a = ServeArgs {
+            config: Some(file.clone()),
+            ..ServeArgs::default()
+        };
+        write("");
+        let cores = std::thread::available_parallelism().expect("a core count");
+        assert_eq!(Config::from_args(&a).expect("valid").workers, cores);
+        write("workers = 3");
+        assert_eq!(Config::from_args(&a).expect("valid").workers.get(), 3);
+        a.router.workers = NonZeroUsize::new(5);
+        assert_eq!(Config::from_args(&a).expect("valid").workers.get(), 5);
+        a.router.workers = None;
+        write("workers = 0");
+        let refused = Config::from_args(&a).expect_err("zero workers");
+        assert!(refused.to_string().contains("workers"), "{refused}");
     }
 
     #[test]

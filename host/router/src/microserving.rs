@@ -51,6 +51,7 @@ use switchyard_wire::microserving::{
 };
 use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
 use switchyard_wire::vllm::REQUEST_ID_HEADER;
+use thread_local::ThreadLocal;
 
 /// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
@@ -240,14 +241,18 @@ impl std::fmt::Debug for Upstream {
     }
 }
 
-/// One HTTP/1 client shared by every call to every engine (keep-alive connections pooled per
-/// host): hyper-util's pooled client, the one under reqwest, called directly. reqwest's layers
-/// above it (its redirect policy parses every request's URI into a URL again, its tower stack)
-/// cost a proxy hop about 15 µs of CPU per request here (`host/bench/examples/passthrough.rs`
-/// both ways), and the router follows no redirects from engines.
+/// The HTTP/1 client for every call to every engine (keep-alive connections pooled per host):
+/// hyper-util's pooled client, the one under reqwest, called directly. reqwest's layers above
+/// it (its redirect policy parses every request's URI into a URL again, its tower stack) cost
+/// a proxy hop about 15 µs of CPU per request here (`host/bench/examples/passthrough.rs` both
+/// ways), and the router follows no redirects from engines.
+///
+/// Each thread has a pool of its own: an engine connection is driven by a task on the thread
+/// that opened it, so a request on the connection workers (`api::Workers`) uses connections
+/// its own thread drives and wakes no other thread. Clones share the pools.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
-    http: Client<HttpConnector, CallBody>,
+    http: Arc<ThreadLocal<Client<HttpConnector, CallBody>>>,
     timeouts: Timeouts,
 }
 
@@ -256,16 +261,25 @@ type EngineResponse = http::Response<Incoming>;
 
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(timeouts.connect));
-        connector.set_nodelay(true);
-        let http = Client::builder(TokioExecutor::new())
-            // Below common engine keep-alive timeouts (uvicorn closes idle connections after
-            // 5 s), so a request is not sent on a connection the engine is closing.
-            .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-            .pool_timer(TokioTimer::new())
-            .build(connector);
-        EngineClient { http, timeouts }
+        EngineClient {
+            http: Arc::default(),
+            timeouts,
+        }
+    }
+
+    /// This thread's pooled client.
+    fn http(&self) -> &Client<HttpConnector, CallBody> {
+        self.http.get_or(|| {
+            let mut connector = HttpConnector::new();
+            connector.set_connect_timeout(Some(self.timeouts.connect));
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new())
+                // Below common engine keep-alive timeouts (uvicorn closes idle connections
+                // after 5 s), so a request is not sent on a connection the engine is closing.
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+                .pool_timer(TokioTimer::new())
+                .build(connector)
+        })
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -332,7 +346,7 @@ impl EngineClient {
             Err(e) => return Release::Later(e.to_string()),
         };
         let within = self.timeouts.call;
-        let Ok(sent) = tokio::time::timeout(within, self.http.request(request)).await else {
+        let Ok(sent) = tokio::time::timeout(within, self.http().request(request)).await else {
             // Sent, but no answer came (a frozen engine): see below.
             return Release::Gone(format!("sent, answer lost: no answer within {within:?}"));
         };
@@ -398,7 +412,7 @@ impl EngineClient {
             .ok()?
             .body(CallBody::empty())
             .ok()?;
-        let response = tokio::time::timeout_at(deadline, self.http.request(request))
+        let response = tokio::time::timeout_at(deadline, self.http().request(request))
             .await
             .ok()?
             .ok()?;
@@ -467,7 +481,7 @@ impl EngineClient {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
             let request = json_request(request, json.clone(), delivery.cloned())?;
-            let sent = self.http.request(request);
+            let sent = self.http().request(request);
             match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
                     CallError::Timeout {

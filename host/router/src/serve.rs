@@ -2,7 +2,8 @@
 //!
 //! Startup order: tokenizer → policies (every `*.wasm` of the plugins directory loaded,
 //! `init`ed and checked; the default must load) → plugins watcher → cluster + health probes →
-//! discovery (`--discovery k8s`, feature `k8s`) → bind (and the admin port, if any) → serve.
+//! discovery (`--discovery k8s`, feature `k8s`) → bind (and the admin port, if any) → start
+//! the connection workers (`--workers`) → serve.
 //! `/health` turns 200 once `--min-healthy-endpoints` endpoints answer `GET /v1/models` and
 //! discovery, if any, has reconciled its first full list.
 //!
@@ -51,6 +52,8 @@ pub enum ServeError {
     #[cfg(feature = "k8s")]
     #[error(transparent)]
     Discovery(#[from] crate::discovery::DiscoveryError),
+    #[error("cannot start the connection workers: {0}")]
+    Workers(std::io::Error),
     #[error("a listener stopped unexpectedly: {0}")]
     Listener(tokio::task::JoinError),
 }
@@ -237,8 +240,10 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         }
         None => None,
     };
-    listeners.push(tokio::spawn(api::serve(listener, state.clone())));
-    tracing::info!(%addr, endpoints = config.endpoints.len(), "router listening");
+    let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
+    let worker_count = workers.count();
+    listeners.push(tokio::spawn(api::serve(listener, state.clone(), workers)));
+    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = worker_count, "router listening");
     Ok(RunningRouter {
         addr,
         admin_addr,

@@ -93,10 +93,21 @@ fn serve(args: &switchyard_router::config::ServeArgs) -> anyhow::Result<()> {
         }
     };
     raise_open_files_limit();
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = control_runtime()?;
     let (shutdown, hurry) = shutdown_signals();
     runtime.block_on(switchyard_router::serve::run(config, shutdown, hurry))?;
     Ok(())
+}
+
+/// The router's control plane: accepting connections, health probes, discovery, the plugins
+/// watcher, the admin port, and (`up`) the engines' child processes. Requests are served on the
+/// connection workers (`--workers`), which the router starts itself, so one thread is enough.
+fn control_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("switchyard-control")
+        .enable_all()
+        .build()
 }
 
 fn engine(args: switchyard_engine::EngineArgs) -> anyhow::Result<()> {
@@ -127,7 +138,7 @@ fn set_model_threads(threads: u16) {
 
 fn up(args: up::UpArgs) -> anyhow::Result<()> {
     raise_open_files_limit();
-    let runtime = tokio::runtime::Runtime::new()?;
+    let runtime = control_runtime()?;
     let (shutdown, hurry) = shutdown_signals();
     match runtime.block_on(up::run(args, shutdown, hurry)) {
         Err(up::UpError::Config(e)) => {

@@ -1,0 +1,184 @@
+//! The threads that serve client connections: a Tokio runtime of one worker thread per core,
+//! each owning the connections handed to it, as Envoy's and nginx's workers do.
+//!
+//! Why not one runtime with a worker per core: its idle workers are woken to steal each newly
+//! ready task, so a request that hops between a client connection, its handler and an engine
+//! connection wakes a second thread (a futex and an inter-processor interrupt) again and again.
+//! On 2 vCPUs that cost about a third of the router's CPU per request (`make bench-peers`), and
+//! the wake-ups multiply with the cores. Here a connection, its requests, the engine
+//! connections they use (the engine client pools per thread) and their timers stay on one
+//! thread: nothing on the request path wakes another thread.
+//!
+//! Each worker is a multi-thread runtime with one worker thread rather than a current-thread
+//! runtime, so that a policy's blocking I/O can still move the worker's tasks aside
+//! (`block_in_place`, see the policy host's `blocking_io`) instead of stalling them.
+//!
+//! The price of pinning: a request's own CPU work (parsing, tokenizing, its policy call, which
+//! its deadline bounds) delays the other connections of its worker, not of the process. New
+//! connections go to the worker with the fewest open, so long-lived ones spread evenly.
+
+use std::future::Future;
+use std::io;
+use std::num::NonZeroUsize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use tokio::net::TcpStream;
+use tokio::runtime::{Builder, Runtime};
+
+/// The connection workers. Dropping them ends every connection still on them.
+pub struct Workers {
+    workers: Vec<Worker>,
+}
+
+struct Worker {
+    runtime: Option<Runtime>,
+    /// Connections on this worker now.
+    open: Arc<AtomicUsize>,
+}
+
+impl Workers {
+    /// Start `count` workers, each a thread named `switchyard-worker-N`.
+    pub fn start(count: NonZeroUsize) -> io::Result<Workers> {
+        let workers = (0..count.get())
+            .map(Worker::start)
+            .collect::<io::Result<_>>()?;
+        Ok(Workers { workers })
+    }
+
+    pub fn count(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// Serve `stream` with `serve` on the worker with the fewest open connections. The
+    /// stream moves to that worker's I/O driver, so its readiness wakes that thread only.
+    pub fn serve<S, F>(&self, stream: TcpStream, serve: S) -> io::Result<()>
+    where
+        S: FnOnce(TcpStream) -> F + Send + 'static,
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let worker = self
+            .workers
+            .iter()
+            .min_by_key(|w| w.open.load(Ordering::Relaxed))
+            .expect("Workers::start makes at least one");
+        let stream = stream.into_std()?;
+        let open = Open::count(&worker.open);
+        let runtime = worker.runtime.as_ref().expect("taken only on drop");
+        runtime.spawn(async move {
+            let _open = open;
+            match TcpStream::from_std(stream) {
+                Ok(stream) => serve(stream).await,
+                Err(e) => tracing::warn!(error = %e, "cannot serve an accepted connection"),
+            }
+        });
+        Ok(())
+    }
+}
+
+impl Worker {
+    fn start(index: usize) -> io::Result<Worker> {
+        let runtime = Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name(format!("switchyard-worker-{index}"))
+            .enable_all()
+            .build()?;
+        Ok(Worker {
+            runtime: Some(runtime),
+            open: Arc::default(),
+        })
+    }
+}
+
+impl Drop for Workers {
+    fn drop(&mut self) {
+        // In the background: the last owner may be a task on the control runtime, where
+        // waiting for threads to end is not allowed.
+        for worker in &mut self.workers {
+            if let Some(runtime) = worker.runtime.take() {
+                runtime.shutdown_background();
+            }
+        }
+    }
+}
+
+/// One open connection on a worker, counted until dropped.
+struct Open(Arc<AtomicUsize>);
+
+impl Open {
+    fn count(open: &Arc<AtomicUsize>) -> Open {
+        open.fetch_add(1, Ordering::Relaxed);
+        Open(Arc::clone(open))
+    }
+}
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpListener;
+    use tokio::sync::mpsc;
+
+    /// Connections accepted here are served on the workers, spread by how many each has open,
+    /// and each worker serves its connections on its own one thread.
+    #[tokio::test]
+    async fn connections_spread_over_the_workers_and_stay_on_one_thread_each() {
+        let workers = Workers::start(NonZeroUsize::new(2).unwrap()).unwrap();
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (threads, mut served) = mpsc::unbounded_channel();
+        let mut clients = Vec::new();
+        for _ in 0..4 {
+            let client = TcpStream::connect(addr).await.unwrap();
+            let (stream, _) = listener.accept().await.unwrap();
+            let threads = threads.clone();
+            workers
+                .serve(stream, move |mut stream| async move {
+                    let mut byte = [0u8; 1];
+                    stream.read_exact(&mut byte).await.unwrap();
+                    let before = std::thread::current().id();
+                    tokio::task::yield_now().await;
+                    stream.write_all(&byte).await.unwrap();
+                    let name = std::thread::current().name().map(str::to_owned);
+                    threads
+                        .send((name, before == std::thread::current().id()))
+                        .unwrap();
+                })
+                .unwrap();
+            clients.push(client);
+        }
+        // Four kept open while handed out: two on each worker.
+        let open: Vec<_> = workers
+            .workers
+            .iter()
+            .map(|w| w.open.load(Ordering::Relaxed))
+            .collect();
+        assert_eq!(open, [2, 2]);
+        let mut names = Vec::new();
+        for client in &mut clients {
+            client.write_all(b"x").await.unwrap();
+            let mut echo = [0u8; 1];
+            client.read_exact(&mut echo).await.unwrap();
+            assert_eq!(&echo, b"x");
+            let (name, same_thread) = served.recv().await.unwrap();
+            assert!(same_thread, "a worker's task moved threads");
+            names.push(name.unwrap());
+        }
+        names.sort();
+        assert_eq!(
+            names,
+            [
+                "switchyard-worker-0",
+                "switchyard-worker-0",
+                "switchyard-worker-1",
+                "switchyard-worker-1"
+            ]
+        );
+    }
+}
