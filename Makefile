@@ -9,7 +9,7 @@ VENV   := .venv
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: all run test setup model build release lint fmt clippy test-build test-rust test-starvation test-python venv kubectl bench clean
+.PHONY: all run test disk-space setup model build release lint fmt clippy test-build test-rust test-starvation test-python venv kubectl bench clean
 
 all: build plugins
 
@@ -50,7 +50,17 @@ build:
 # package and feature selection, so the dependencies are compiled once, and the one-shot build
 # keeps no incremental state (2.5 GB that a clean run never reads back).
 test: export CARGO_INCREMENTAL = 0
-test: setup plugins guests examples lint test-build test-rust test-starvation test-python
+test: disk-space setup plugins guests examples lint test-build test-rust test-starvation test-python
+
+# A full disk fails the build deep inside rustc ("No space left on device"): say it up front.
+# A clean `make test` writes about 5.5 GB (target/ 3.6 GB, the test venv, node_modules, the
+# cargo registry, the model).
+NEEDS_GB := 6
+disk-space:
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); \
+	if [ "$$free" -lt $(NEEDS_GB) ]; then \
+		echo "warning: $$free GB free here; a clean 'make test' writes about $(NEEDS_GB) GB" >&2; \
+	fi
 
 # The `k8s` feature is on, as in the binary `make build` gives: its unit tests and the discovery
 # tests against the fake Kubernetes API server (tests/e2e/k8s.rs) run with the rest. So is
