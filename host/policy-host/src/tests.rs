@@ -520,8 +520,10 @@ fn after_each_fault_the_next_call_on_the_same_policy_succeeds() {
 }
 
 /// A guest that prints on every call, called from a router worker thread (a multi-thread
-/// runtime, as in `serve`): its output goes to the log and its plans are served.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// runtime of one worker thread, as each of `serve`'s connection workers is; its blocking
+/// write moves the worker's tasks to another thread): its output goes to the log and its
+/// plans are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
 async fn a_guest_printing_on_a_runtime_worker_plans_normally() {
     let host = host();
     let policy = load_misbehave(&host, "print");
