@@ -4,10 +4,11 @@
 //! Why not one runtime with a worker per core: its idle workers are woken to steal each newly
 //! ready task, so a request that hops between a client connection, its handler and an engine
 //! connection wakes a second thread (a futex and an inter-processor interrupt) again and again.
-//! On 2 vCPUs that cost about a third of the router's CPU per request (`make bench-peers`), and
-//! the wake-ups multiply with the cores. Here a connection, its requests, the engine
-//! connections they use (the engine client pools per thread) and their timers stay on one
-//! thread: nothing on the request path wakes another thread.
+//! On 2 vCPUs that cost about a fifth of the router's CPU per request (57 against 44 µs at 32
+//! connections: the README's "What a request costs"), and the wake-ups multiply with the
+//! cores. Here a connection, its requests, the engine connections they use (the engine client
+//! pools per thread) and their timers stay on one thread: nothing on the request path wakes
+//! another thread.
 //!
 //! Each worker is a multi-thread runtime with one worker thread rather than a current-thread
 //! runtime, so that a policy's blocking I/O can still move the worker's tasks aside
