@@ -343,31 +343,40 @@ async fn a_failed_pair_is_retried_with_fresh_ids_and_rooms() {
         assert_eq!(status, 200, "{protocol}: {text}");
         assert!(text.contains("done"), "{protocol}: {text}");
         let legs = pair.take_legs();
+        // An attempt's legs carry its id: the attempts, in the order they began.
+        let mut ids: Vec<String> = Vec::new();
+        for leg in &legs {
+            let id = leg.request_id.clone().expect("an X-Request-Id");
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
         assert_eq!(
-            legs.len(),
-            4,
-            "{protocol}: two attempts of two legs: {legs:#?}"
+            ids.len(),
+            2,
+            "{protocol}: two attempts, a fresh id each: {legs:#?}"
         );
-        let (first, second) = legs.split_at(2);
-        let id = |legs: &[Leg]| {
-            let ids: Vec<_> = legs.iter().map(|l| l.request_id.clone()).collect();
-            assert_eq!(
-                ids[0], ids[1],
-                "{protocol}: one id on both legs of an attempt"
-            );
-            ids[0].clone().expect("an X-Request-Id")
+        let attempt = |id: &String| -> Vec<&Leg> {
+            legs.iter()
+                .filter(|l| l.request_id.as_ref() == Some(id))
+                .collect()
         };
-        assert_ne!(id(first), id(second), "{protocol}: a fresh id per attempt");
-        let to = |legs: &[Leg]| {
+        let (first, second) = (attempt(&ids[0]), attempt(&ids[1]));
+        let to = |legs: &[&Leg]| {
             let mut to: Vec<_> = legs.iter().map(|l| l.to).collect();
             to.sort_unstable();
             to
         };
-        assert_eq!(to(first), ["decode", "prefill"]);
-        assert_eq!(to(second), ["decode", "prefill"]);
-        if protocol == "sglang" {
-            let room = |legs: &[Leg]| legs[0].body["bootstrap_room"].clone();
-            assert_ne!(room(first), room(second), "a fresh room per attempt");
+        assert_eq!(to(&second), ["decode", "prefill"], "{protocol}: {legs:#?}");
+        if protocol == "vllm" {
+            // D is sent only once P has answered.
+            assert_eq!(to(&first), ["decode", "prefill"], "{legs:#?}");
+        } else {
+            // Both legs leave at once, and the failing D leg drops P's, which may not have been
+            // written yet (a connection still opening).
+            assert!(to(&first).contains(&"decode"), "{legs:#?}");
+            let room = |legs: &[&Leg]| legs[0].body["bootstrap_room"].clone();
+            assert_ne!(room(&first), room(&second), "a fresh room per attempt");
         }
     }
 }

@@ -7,6 +7,7 @@
 //!   deadline, while ordinary requests sent meanwhile all succeed; a body slower than its
 //!   deadline gets 408, and an idle connection is closed at the keep-alive timeout, not at the
 //!   header deadline;
+//! - `--workers N`: N connection-worker threads serve, and streams spread over them complete;
 //! - out of file descriptors, the listener pauses between failed accepts instead of spinning,
 //!   and serves again once descriptors are free;
 //! - SIGTERM with 200 streams open: `/health` turns 503 while `/livez` stays 200, every stream
@@ -270,6 +271,43 @@ async fn sample(
 const SLOW_CONNECTIONS: usize = 200;
 /// Bytes a slow connection sends at most (a byte a second) before the test gives up on it.
 const MAX_TRICKLE: usize = 60;
+
+/// `--workers 3`: the router serves on three connection-worker threads beside its control
+/// thread, and streams on connections of their own, spread over them, all complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_are_served_on_as_many_workers_as_the_flag_asks() {
+    let engines: Vec<_> = (0..2)
+        .map(|_| EngineProcess::spawn(&["--profile", "null"]))
+        .collect();
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let router = RouterProcess::serve(&urls, &["--policy", "round-robin", "--workers", "3"]);
+    // Thread names are cut to 15 bytes: switchyard-worker-N, switchyard-control. The control
+    // runtime's blocking threads (loading the policies) carry its name too.
+    let names = thread_names(router.pid());
+    let named = |prefix: &str| names.iter().filter(|n| n.starts_with(prefix)).count();
+    assert_eq!(named("switchyard-work"), 3, "{names:?}");
+    assert!(named("switchyard-cont") >= 1, "{names:?}");
+    let url = router.endpoint("/v1/completions");
+    let streams: Vec<_> = (0..12)
+        .map(|i| {
+            let url = url.clone();
+            // A client each: a connection each.
+            tokio::spawn(async move { stream(&client(), &url, &format!("stream {i}"), 8).await })
+        })
+        .collect();
+    for s in streams {
+        assert_eq!(s.await.expect("no client panicked"), Ended::Completed);
+    }
+}
+
+/// The names of `pid`'s threads.
+fn thread_names(pid: u32) -> Vec<String> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .expect("the router's threads")
+        .filter_map(|task| std::fs::read_to_string(task.ok()?.path().join("comm")).ok())
+        .map(|name| name.trim_end().to_owned())
+        .collect()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_connections_are_closed_at_the_header_deadline_while_requests_succeed() {
@@ -685,7 +723,8 @@ fn children(parent: u32) -> Vec<Process> {
 }
 
 /// The edge's flags and their defaults, as the issue fixes them.
-const EDGE_FLAGS: [(&str, &str); 10] = [
+const EDGE_FLAGS: [(&str, &str); 11] = [
+    ("workers", "one per core"),
     ("max-concurrent-requests", "1024"),
     ("max-queued-requests", "1024"),
     ("queue-timeout", "5s"),
