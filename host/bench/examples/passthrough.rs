@@ -22,10 +22,7 @@ use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 struct Upstreams {
-    client: hyper_util::client::legacy::Client<
-        hyper_util::client::legacy::connect::HttpConnector,
-        http_body_util::Full<bytes::Bytes>,
-    >,
+    client: Client<HttpConnector, Full<bytes::Bytes>>,
     urls: Vec<String>,
     next: AtomicUsize,
 }

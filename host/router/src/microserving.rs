@@ -697,7 +697,7 @@ fn json_request(
         })
 }
 
-/// A whole non-streamed answer, at most `cap` bytes, within `within`.
+/// A whole non-streamed answer, at most `cap` bytes, by `deadline`.
 async fn read_capped(
     response: EngineResponse,
     deadline: tokio::time::Instant,
