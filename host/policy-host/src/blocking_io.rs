@@ -1,14 +1,16 @@
-//! `wasi:io/streams` and `wasi:io/poll` for policies called from Tokio worker threads, with
-//! the time a guest spends blocked charged to its call.
+//! `wasi:io/streams` and `wasi:io/poll` for policies called from Tokio runtimes, with the time
+//! a guest spends blocked charged to its call.
 //!
 //! WASI's synchronous bindings run the blocking functions of these interfaces (a guest writing
 //! to stdout or stderr with `blocking-write-and-flush`, dropping a stream, polling) through
-//! `Handle::block_on`, which panics on a Tokio worker thread unless the worker first hands its
-//! other tasks to another thread (`block_in_place`). Doing that around every policy call costs
-//! a thread wake-up per request; doing it only around those functions costs nothing for the
-//! calls that never print. So the linker shadows wasmtime-wasi's versions of both interfaces
-//! with these, which delegate to wasmtime-wasi and wrap exactly its blocking functions in
-//! [`allow_blocking`].
+//! `Handle::block_on`, which panics on a thread that runs a Tokio runtime unless the runtime
+//! lets it: a multi-thread worker first hands its other tasks to another thread
+//! (`block_in_place`); a current-thread runtime (each of the router's connection workers) cannot,
+//! so the function runs on a thread of its own, outside any runtime, while the caller waits.
+//! Doing either around every policy call would cost a thread hand-off per request; doing it
+//! only around those functions costs nothing for the calls that never print. So the linker
+//! shadows wasmtime-wasi's versions of both interfaces with these, which delegate to
+//! wasmtime-wasi and wrap exactly its blocking functions in [`off_runtime`].
 //!
 //! Waiting in `poll` (a guest's sleep) uses no CPU, so the CPU-time deadline (see `deadline`)
 //! would never see it: the wait is charged to the call, and cut off where the call's budget
@@ -16,6 +18,7 @@
 
 use std::time::Instant;
 
+use tokio::runtime::{Handle, RuntimeFlavor};
 use wasmtime::Trap;
 use wasmtime::component::{HasData, Linker, Resource, ResourceTable};
 use wasmtime_wasi::p2::bindings::io::poll as async_poll;
@@ -39,16 +42,33 @@ pub(super) fn shadow_in<T: 'static>(
     linked
 }
 
-/// Run `f`, which may block, from wherever the caller is: on a multi-thread Tokio worker the
-/// worker's other tasks move to another thread first. A current-thread runtime cannot hand its
-/// tasks elsewhere, so there `f` runs as is.
+/// Run `f`, which may block the thread, from wherever the caller is: on a multi-thread Tokio
+/// worker the worker's other tasks move to another thread first. A current-thread runtime
+/// cannot hand its tasks elsewhere, so there `f` runs as is (and holds them up).
 pub(super) fn allow_blocking<R>(f: impl FnOnce() -> R) -> R {
-    use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current() {
         Ok(handle) if handle.runtime_flavor() == RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(f)
         }
         _ => f(),
+    }
+}
+
+/// Run `f`, which may call wasmtime-wasi's `in_tokio` (a `block_on`), where that may block: on
+/// a multi-thread worker as [`allow_blocking`] does; on a current-thread runtime on a thread of
+/// its own, which no runtime runs on (`in_tokio` then uses wasmtime-wasi's runtime), while the
+/// caller's thread waits for it.
+pub(super) fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    match Handle::try_current().map(|handle| handle.runtime_flavor()) {
+        Ok(RuntimeFlavor::CurrentThread) => std::thread::scope(|scope| {
+            std::thread::Builder::new()
+                .name("policy-wasi-io".to_owned())
+                .spawn_scoped(scope, f)
+                .map(|thread| thread.join())
+        })
+        .unwrap_or_else(|e| panic!("no thread for a policy's blocking I/O: {e}"))
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+        _ => allow_blocking(f),
     }
 }
 
@@ -72,9 +92,9 @@ impl<'a> BlockingIo<'a> {
 
     /// Wait for `wait` to finish, for no longer than what is left of the call's budget, and
     /// charge the wait to the call; past the budget the guest traps, as at its deadline.
-    fn wait<R>(
+    fn wait<R: Send>(
         &mut self,
-        wait: impl AsyncFnOnce(&mut ResourceTable) -> wasmtime::Result<R>,
+        wait: impl AsyncFnOnce(&mut ResourceTable) -> wasmtime::Result<R> + Send,
     ) -> wasmtime::Result<R> {
         // A poll that is ready at once returns even with no budget left: `timeout` polls the
         // wait before its timer.
@@ -82,7 +102,7 @@ impl<'a> BlockingIo<'a> {
         let started = Instant::now();
         let table = &mut *self.table;
         let waited =
-            allow_blocking(|| in_tokio(async { tokio::time::timeout(budget, wait(table)).await }));
+            off_runtime(|| in_tokio(async { tokio::time::timeout(budget, wait(table)).await }));
         self.clock.charge_wait(started.elapsed());
         match waited {
             Ok(result) => result,
@@ -102,7 +122,7 @@ impl poll::Host for BlockingIo<'_> {
 
 impl poll::HostPollable for BlockingIo<'_> {
     fn ready(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<bool> {
-        allow_blocking(|| poll::HostPollable::ready(self.table, pollable))
+        off_runtime(|| poll::HostPollable::ready(self.table, pollable))
     }
 
     fn block(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<()> {
@@ -122,7 +142,7 @@ impl streams::Host for BlockingIo<'_> {
 
 impl streams::HostOutputStream for BlockingIo<'_> {
     fn drop(&mut self, stream: Resource<OutputStream>) -> wasmtime::Result<()> {
-        allow_blocking(|| streams::HostOutputStream::drop(self.table, stream))
+        off_runtime(|| streams::HostOutputStream::drop(self.table, stream))
     }
 
     fn check_write(&mut self, stream: Resource<OutputStream>) -> StreamResult<u64> {
@@ -138,7 +158,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         stream: Resource<OutputStream>,
         bytes: Vec<u8>,
     ) -> StreamResult<()> {
-        allow_blocking(|| {
+        off_runtime(|| {
             streams::HostOutputStream::blocking_write_and_flush(self.table, stream, bytes)
         })
     }
@@ -148,7 +168,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         stream: Resource<OutputStream>,
         len: u64,
     ) -> StreamResult<()> {
-        allow_blocking(|| {
+        off_runtime(|| {
             streams::HostOutputStream::blocking_write_zeroes_and_flush(self.table, stream, len)
         })
     }
@@ -169,7 +189,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
     }
 
     fn blocking_flush(&mut self, stream: Resource<OutputStream>) -> StreamResult<()> {
-        allow_blocking(|| streams::HostOutputStream::blocking_flush(self.table, stream))
+        off_runtime(|| streams::HostOutputStream::blocking_flush(self.table, stream))
     }
 
     fn splice(
@@ -187,13 +207,13 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         src: Resource<InputStream>,
         len: u64,
     ) -> StreamResult<u64> {
-        allow_blocking(|| streams::HostOutputStream::blocking_splice(self.table, dst, src, len))
+        off_runtime(|| streams::HostOutputStream::blocking_splice(self.table, dst, src, len))
     }
 }
 
 impl streams::HostInputStream for BlockingIo<'_> {
     fn drop(&mut self, stream: Resource<InputStream>) -> wasmtime::Result<()> {
-        allow_blocking(|| streams::HostInputStream::drop(self.table, stream))
+        off_runtime(|| streams::HostInputStream::drop(self.table, stream))
     }
 
     fn read(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<Vec<u8>> {
@@ -201,7 +221,7 @@ impl streams::HostInputStream for BlockingIo<'_> {
     }
 
     fn blocking_read(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<Vec<u8>> {
-        allow_blocking(|| streams::HostInputStream::blocking_read(self.table, stream, len))
+        off_runtime(|| streams::HostInputStream::blocking_read(self.table, stream, len))
     }
 
     fn skip(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<u64> {
@@ -209,7 +229,7 @@ impl streams::HostInputStream for BlockingIo<'_> {
     }
 
     fn blocking_skip(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<u64> {
-        allow_blocking(|| streams::HostInputStream::blocking_skip(self.table, stream, len))
+        off_runtime(|| streams::HostInputStream::blocking_skip(self.table, stream, len))
     }
 
     fn subscribe(&mut self, stream: Resource<InputStream>) -> wasmtime::Result<Resource<Pollable>> {

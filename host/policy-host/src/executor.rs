@@ -2,8 +2,10 @@
 //!
 //! - A call runs on the caller's thread (a router worker), for the call itself only: the
 //!   instance is lent out under a short lock and the lock is not held during the call. A call
-//!   that must wait for an instance (all of them in calls) first hands the worker's other tasks
-//!   to another thread (`allow_blocking`), and waits in a FIFO queue.
+//!   that must wait for an instance (all of them in calls) waits in a FIFO queue; on a
+//!   multi-thread runtime's worker it first hands the worker's other tasks to another thread
+//!   (`allow_blocking`), while a current-thread runtime (a router connection worker) holds its
+//!   other tasks for the wait, at most the running call's deadline.
 //! - A stateful policy (every 0.1.0 component, and 0.2.0 ones that say `stateful`) has one
 //!   serving instance: its calls run one at a time, in arrival order, and see each other's
 //!   state. A stateless 0.2.0 policy has a pool: one instance to start with, and one more

@@ -487,10 +487,10 @@ fn the_disagg_plugin_splits_prefill_and_decode() {
     );
 }
 
-/// Guest stdout/stderr writes go through wasmtime-wasi's sync bindings, which block on a Tokio
-/// runtime; on a current-thread runtime that cannot be allowed and they panic. A trapping Rust
-/// guest writes its panic message to stderr: there this must still end as a `Trap` error, not a
-/// host panic. (On a multi-thread runtime, as the router runs, writes just work: see below.)
+/// A trapping Rust guest writes its panic message to stderr (through wasmtime-wasi's sync
+/// bindings, which block on a Tokio runtime) and then traps: on a current-thread runtime, as
+/// each of the router's connection workers is, the write runs off the runtime and the call
+/// ends as a `Trap` error, not a host panic; the next policy plans on the same runtime.
 #[tokio::test]
 async fn a_guest_writing_to_stderr_inside_a_tokio_runtime_is_a_trap_not_a_host_panic() {
     let host = host();
@@ -519,12 +519,22 @@ fn after_each_fault_the_next_call_on_the_same_policy_succeeds() {
     }
 }
 
-/// A guest that prints on every call, called from a router worker thread (a multi-thread
-/// runtime of one worker thread, as each of `serve`'s connection workers is; its blocking
-/// write moves the worker's tasks to another thread): its output goes to the log and its
-/// plans are served.
+/// A guest that prints on every call, called from a router connection worker (a
+/// current-thread runtime; its blocking writes run on a thread of their own): its output goes
+/// to the log and its plans are served.
+#[tokio::test]
+async fn a_guest_printing_on_a_current_thread_runtime_plans_normally() {
+    plans_while_printing();
+}
+
+/// The same on a multi-thread runtime's worker (the control runtime's kind): there the blocking
+/// writes move the worker's other tasks to another thread.
 #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-async fn a_guest_printing_on_a_runtime_worker_plans_normally() {
+async fn a_guest_printing_on_a_multi_thread_runtime_worker_plans_normally() {
+    plans_while_printing();
+}
+
+fn plans_while_printing() {
     let host = host();
     let policy = load_misbehave(&host, "print");
     for _ in 0..3 {
