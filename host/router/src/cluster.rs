@@ -133,13 +133,22 @@ impl<'de> serde::Deserialize<'de> for ApiKey {
 }
 
 impl EndpointSpec {
-    /// An `http(s)://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
+    /// An `http://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
     pub fn check(&self) -> Result<(), String> {
         let url: http::Uri = self
             .url
             .parse()
             .map_err(|e: http::uri::InvalidUri| e.to_string())?;
-        if !matches!(url.scheme_str(), Some("http" | "https")) || url.host().is_none() {
+        // Refused here rather than accepted and failing every call as a connect error, which
+        // would only make the endpoint look down.
+        if url.scheme_str() == Some("https") {
+            return Err(
+                "https endpoints are not supported: the engine client speaks plain \
+                 HTTP (terminate TLS in front of the engine, e.g. a sidecar proxy on the pod)"
+                    .into(),
+            );
+        }
+        if url.scheme_str() != Some("http") || url.host().is_none() {
             return Err("expected http://HOST:PORT".into());
         }
         if self.num_gpus == 0 {
@@ -1016,6 +1025,11 @@ mod tests {
             cluster.add(&spec("ftp://d", 1), Owner::Admin),
             Err(EndpointError::Invalid { .. })
         ));
+        let tls = cluster.add(&spec("https://e", 1), Owner::Admin);
+        assert!(
+            matches!(&tls, Err(EndpointError::Invalid { reason, .. }) if reason.contains("https")),
+            "{tls:?}"
+        );
         for id in 0..3 {
             cluster.set_health(id, true);
         }
