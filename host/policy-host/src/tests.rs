@@ -389,6 +389,71 @@ fn a_restarted_host_reads_the_disk_cache() {
     translate(&policy, 17, 4).expect("the cached component plans");
 }
 
+/// An artifact read from the cache counts as used (its time is renewed); one unused for over
+/// a week is removed when the next host starts, which then compiles the policy again.
+#[test]
+fn artifacts_in_use_stay_cached_and_those_unused_for_a_week_are_removed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let limits = PolicyLimits {
+        cache_dir: Some(dir.path().to_owned()),
+        ..PolicyLimits::default()
+    };
+    let bytes = misbehave();
+    let artifact = || {
+        let files: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("cache dir exists")
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|e| e == "cwasm"))
+            .collect();
+        assert!(files.len() <= 1, "{files:?}");
+        files.into_iter().next()
+    };
+    let age = |days: u64| {
+        let path = artifact().expect("an artifact");
+        let file = std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .expect("opens");
+        let then = std::time::SystemTime::now() - Duration::from_secs(days * 24 * 60 * 60);
+        file.set_modified(then).expect("sets its time");
+    };
+    let used_within = |limit: Duration| {
+        let path = artifact().expect("an artifact");
+        let used = std::fs::metadata(path)
+            .and_then(|m| m.modified())
+            .expect("a time");
+        used.elapsed().unwrap_or_default() < limit
+    };
+
+    let first = PolicyHost::new(limits.clone()).expect("engine");
+    first.load("m", &bytes, None).expect("loads");
+    assert_eq!(first.compiles(), 1);
+
+    age(3);
+    let second = PolicyHost::new(limits.clone()).expect("engine");
+    second.load("m", &bytes, None).expect("loads from cache");
+    assert_eq!(
+        second.compiles(),
+        0,
+        "a 3-day-old artifact is kept and read"
+    );
+    assert!(
+        used_within(Duration::from_secs(600)),
+        "reading it renewed its time"
+    );
+
+    age(8);
+    let third = PolicyHost::new(limits).expect("engine");
+    assert!(
+        artifact().is_none(),
+        "an 8-day-old artifact is removed at start"
+    );
+    third.load("m", &bytes, None).expect("compiles again");
+    assert_eq!(third.compiles(), 1);
+    assert!(artifact().is_some(), "and is cached again");
+}
+
 #[test]
 fn a_corrupt_cache_entry_is_recompiled() {
     let dir = tempfile::tempdir().expect("temp dir");

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use parking_lot::Mutex;
 use wasmtime::component::Component;
@@ -190,7 +190,9 @@ impl Drop for EpochTicker {
 
 /// Compiled components by sha256 of their bytes: in memory for reloads within the process, on
 /// disk (`<sha256>-<engine compat hash>.cwasm`) so a restart does not recompile. The compat hash
-/// changes with the wasmtime version and engine settings, so stale artifacts are never read.
+/// changes with the wasmtime version and engine settings, so stale artifacts are never read;
+/// they, and those of policies no longer deployed, are removed once unused for
+/// [`UNUSED_ARTIFACT_TTL`] (see [`evict_unused`]).
 struct CompileCache {
     memory: Mutex<HashMap<String, Component>>,
     dir: Option<PathBuf>,
@@ -202,6 +204,9 @@ impl CompileCache {
     fn new(engine: &Engine, dir: Option<PathBuf>) -> Self {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         engine.precompile_compatibility_hash().hash(&mut hasher);
+        if let Some(dir) = &dir {
+            evict_unused(dir, UNUSED_ARTIFACT_TTL, SystemTime::now());
+        }
         CompileCache {
             memory: Mutex::new(HashMap::new()),
             dir,
@@ -264,6 +269,7 @@ fn read_artifact(engine: &Engine, name: &str, path: &Path) -> Option<Component> 
     match deserialize(engine, path) {
         Ok(component) => {
             tracing::debug!(policy = name, path = %path.display(), "loaded compiled policy from cache");
+            mark_used(path);
             Some(component)
         }
         Err(e) => {
@@ -287,6 +293,52 @@ fn deserialize(engine: &Engine, path: &Path) -> wasmtime::Result<Component> {
     unsafe { Component::deserialize_file(engine, path) }
 }
 
+/// Artifacts not read or written for this long are removed when a host starts.
+const UNUSED_ARTIFACT_TTL: Duration = Duration::from_secs(7 * 24 * 60 * 60);
+
+/// Remove the artifacts in `dir` last used (read or written: their modification time) more
+/// than `ttl` before `now`: those of policies no longer deployed and those of other wasmtime
+/// versions or engine settings, which are never read again and would otherwise pile up
+/// forever. Only files named as this cache names them are looked at, since the directory
+/// also holds fetched models. Another process sharing the directory may still have one of them
+/// mapped: removing the name leaves its mapping intact. Best effort, as the cache is; returns
+/// how many were removed.
+fn evict_unused(dir: &Path, ttl: Duration, now: SystemTime) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let removed = entries
+        .flatten()
+        .filter(|entry| entry.file_name().to_str().is_some_and(is_artifact_name))
+        .filter(|entry| {
+            let used = entry.metadata().and_then(|m| m.modified());
+            used.is_ok_and(|used| now.duration_since(used).is_ok_and(|age| age > ttl))
+        })
+        .filter(|entry| std::fs::remove_file(entry.path()).is_ok())
+        .count();
+    if removed > 0 {
+        tracing::info!(dir = %dir.display(), removed, "removed compiled policies unused for a week");
+    }
+    removed
+}
+
+/// `<sha256: 64 hex digits>-<compat hash: 16 hex digits>.cwasm`.
+fn is_artifact_name(name: &str) -> bool {
+    let hex = |s: &str, len: usize| s.len() == len && s.bytes().all(|b| b.is_ascii_hexdigit());
+    name.strip_suffix(".cwasm")
+        .and_then(|stem| stem.split_once('-'))
+        .is_some_and(|(sha, compat)| hex(sha, 64) && hex(compat, 16))
+}
+
+/// Record that an artifact was read now, so that [`evict_unused`] keeps it. Best effort: a
+/// read-only cache keeps its write time.
+fn mark_used(path: &Path) {
+    let _ = std::fs::File::options()
+        .write(true)
+        .open(path)
+        .and_then(|file| file.set_modified(SystemTime::now()));
+}
+
 /// Best effort: a cache that cannot be written only costs a recompile on the next start.
 fn write_artifact(name: &str, component: &Component, path: &Path) {
     let result = (|| -> Result<(), String> {
@@ -301,5 +353,53 @@ fn write_artifact(name: &str, component: &Component, path: &Path) {
     })();
     if let Err(reason) = result {
         tracing::warn!(policy = name, path = %path.display(), %reason, "cannot write compile cache entry");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DAY: Duration = Duration::from_secs(24 * 60 * 60);
+
+    /// A file in `dir` last modified `age` ago.
+    fn file_aged(dir: &Path, name: &str, age: Duration) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, b"x").expect("writes");
+        let file = std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .expect("opens");
+        file.set_modified(SystemTime::now() - age)
+            .expect("sets its time");
+        path
+    }
+
+    /// Only files named as the cache names its artifacts are removed, and only once unused for
+    /// longer than the TTL, whatever their compat hash.
+    #[test]
+    fn only_artifacts_unused_for_longer_than_the_ttl_are_removed() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let artifact = |sha: char, compat: char| {
+            format!(
+                "{}-{}.cwasm",
+                sha.to_string().repeat(64),
+                compat.to_string().repeat(16)
+            )
+        };
+        let other_compat = file_aged(dir.path(), &artifact('a', '0'), 8 * DAY);
+        let unused = file_aged(dir.path(), &artifact('b', '1'), 30 * DAY);
+        let recent = file_aged(dir.path(), &artifact('c', '1'), 6 * DAY);
+        let model = file_aged(dir.path(), "SmolLM2-135M-Instruct.Q4_1.gguf", 30 * DAY);
+        let look_alike = file_aged(dir.path(), "notes-0123456789abcdef.cwasm", 30 * DAY);
+
+        assert_eq!(evict_unused(dir.path(), 7 * DAY, SystemTime::now()), 2);
+        assert!(!other_compat.exists() && !unused.exists());
+        assert!(recent.exists() && model.exists() && look_alike.exists());
+        assert_eq!(
+            evict_unused(&dir.path().join("missing"), 7 * DAY, SystemTime::now()),
+            0,
+            "a cache directory not made yet is no error"
+        );
     }
 }
