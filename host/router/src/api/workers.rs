@@ -99,8 +99,8 @@ impl Worker {
             .spawn(move || {
                 // Ready (with an error) once the worker, and with it the sender, is dropped.
                 let _ = runtime.block_on(stopped);
-                // Without waiting for blocking threads: the drop may come from a task on the
-                // control runtime, where waiting for threads to end is not allowed.
+                // Without waiting for its blocking threads (a large body's parse may be
+                // running): the connections are over, and the process may be exiting.
                 runtime.shutdown_background();
             })?;
         Ok(Worker {
