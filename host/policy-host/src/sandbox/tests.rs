@@ -203,6 +203,17 @@ fn the_byte_budget_binds_before_the_line_budget() {
 
 #[test]
 fn a_policy_that_sleeps_is_stopped_at_its_deadline() {
+    stopped_at_its_deadline_while_sleeping();
+}
+
+/// The same from a router connection worker (a current-thread runtime), where the guest's
+/// wait runs on a thread of its own, outside the runtime.
+#[tokio::test]
+async fn a_policy_sleeping_on_a_current_thread_runtime_is_stopped_at_its_deadline() {
+    stopped_at_its_deadline_while_sleeping();
+}
+
+fn stopped_at_its_deadline_while_sleeping() {
     let host = short_deadline_host();
     let policy = load_misbehave(&host, "ok");
     let started = Instant::now();
