@@ -369,15 +369,11 @@ fn a_restarted_host_reads_the_disk_cache() {
     let policy = first.load("m", &bytes, None).expect("loads");
     assert_eq!(first.compiles(), 1);
     let sha = policy.info().sha256.clone();
-    let files: Vec<_> = std::fs::read_dir(dir.path())
-        .expect("cache dir exists")
-        .filter_map(|e| e.ok())
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect();
+    let files = cached_artifacts(dir.path());
     assert!(
-        files
-            .iter()
-            .any(|f| f.starts_with(&sha) && f.ends_with(".cwasm")),
+        files.iter().any(|f| f
+            .file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with(&sha))),
         "{files:?}"
     );
     drop(policy);
@@ -400,23 +396,14 @@ fn artifacts_in_use_stay_cached_and_those_unused_for_a_week_are_removed() {
     };
     let bytes = misbehave();
     let artifact = || {
-        let files: Vec<_> = std::fs::read_dir(dir.path())
-            .expect("cache dir exists")
-            .filter_map(|e| e.ok())
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|e| e == "cwasm"))
-            .collect();
+        let files = cached_artifacts(dir.path());
         assert!(files.len() <= 1, "{files:?}");
         files.into_iter().next()
     };
     let age = |days: u64| {
         let path = artifact().expect("an artifact");
-        let file = std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .expect("opens");
         let then = std::time::SystemTime::now() - Duration::from_secs(days * 24 * 60 * 60);
-        file.set_modified(then).expect("sets its time");
+        super::wasm::set_last_used(&path, then).expect("sets its time");
     };
     let used_within = |limit: Duration| {
         let path = artifact().expect("an artifact");
@@ -452,6 +439,16 @@ fn artifacts_in_use_stay_cached_and_those_unused_for_a_week_are_removed() {
     third.load("m", &bytes, None).expect("compiles again");
     assert_eq!(third.compiles(), 1);
     assert!(artifact().is_some(), "and is cached again");
+}
+
+/// The compiled artifacts (`*.cwasm`) in a cache directory.
+fn cached_artifacts(dir: &Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .expect("cache dir exists")
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cwasm"))
+        .collect()
 }
 
 #[test]

@@ -269,7 +269,8 @@ fn read_artifact(engine: &Engine, name: &str, path: &Path) -> Option<Component> 
     match deserialize(engine, path) {
         Ok(component) => {
             tracing::debug!(policy = name, path = %path.display(), "loaded compiled policy from cache");
-            mark_used(path);
+            // Best effort: a read-only cache keeps its write time.
+            let _ = set_last_used(path, SystemTime::now());
             Some(component)
         }
         Err(e) => {
@@ -330,13 +331,13 @@ fn is_artifact_name(name: &str) -> bool {
         .is_some_and(|(sha, compat)| hex(sha, 64) && hex(compat, 16))
 }
 
-/// Record that an artifact was read now, so that [`evict_unused`] keeps it. Best effort: a
-/// read-only cache keeps its write time.
-fn mark_used(path: &Path) {
-    let _ = std::fs::File::options()
+/// Record that an artifact was used `at` (its modification time, which [`evict_unused`]
+/// reads).
+pub(super) fn set_last_used(path: &Path, at: SystemTime) -> std::io::Result<()> {
+    std::fs::File::options()
         .write(true)
-        .open(path)
-        .and_then(|file| file.set_modified(SystemTime::now()));
+        .open(path)?
+        .set_modified(at)
 }
 
 /// Best effort: a cache that cannot be written only costs a recompile on the next start.
@@ -366,12 +367,7 @@ mod tests {
     fn file_aged(dir: &Path, name: &str, age: Duration) -> PathBuf {
         let path = dir.join(name);
         std::fs::write(&path, b"x").expect("writes");
-        let file = std::fs::File::options()
-            .write(true)
-            .open(&path)
-            .expect("opens");
-        file.set_modified(SystemTime::now() - age)
-            .expect("sets its time");
+        set_last_used(&path, SystemTime::now() - age).expect("sets its time");
         path
     }
 
