@@ -241,9 +241,8 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         None => None,
     };
     let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
-    let worker_count = workers.count();
     listeners.push(tokio::spawn(api::serve(listener, state.clone(), workers)));
-    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = worker_count, "router listening");
+    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, "router listening");
     Ok(RunningRouter {
         addr,
         admin_addr,

@@ -55,10 +55,6 @@ impl Workers {
         Ok(Workers { workers })
     }
 
-    pub fn count(&self) -> usize {
-        self.workers.len()
-    }
-
     /// Serve `stream` with `serve` on the worker with the fewest open connections. The
     /// stream moves to that worker's I/O driver, so its readiness wakes that thread only.
     pub fn serve<S, F>(&self, stream: TcpStream, serve: S) -> io::Result<()>
