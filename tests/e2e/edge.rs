@@ -737,10 +737,15 @@ const EDGE_FLAGS: [(&str, &str); 11] = [
     ("shutdown-grace", "30s"),
 ];
 
+/// A page of the book (`docs/src/`), which documents the flags for users.
+fn book_page(page: &str) -> String {
+    let path = switchyard_tests::checkout().join("docs/src").join(page);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 #[test]
-fn help_and_readme_give_every_edge_flag_with_its_default() {
-    let readme =
-        std::fs::read_to_string(switchyard_tests::checkout().join("README.md")).expect("README.md");
+fn help_and_the_book_give_every_edge_flag_with_its_default() {
+    let page = book_page("operating/overload.md");
     for command in ["serve", "up"] {
         let help = std::process::Command::new(switchyard_tests::switchyard_bin())
             .args([command, "--help"])
@@ -761,16 +766,15 @@ fn help_and_readme_give_every_edge_flag_with_its_default() {
     }
     for (flag, default) in EDGE_FLAGS {
         assert!(
-            readme.contains(&format!("| `--{flag}` | {default}")),
-            "README.md has no row `--{flag}` | {default}"
+            page.contains(&format!("| `--{flag}` | {default}")),
+            "docs/src/operating/overload.md has no row `--{flag}` | {default}"
         );
     }
 }
 
 #[test]
-fn help_and_readme_give_the_kubernetes_discovery_flags() {
-    let readme =
-        std::fs::read_to_string(switchyard_tests::checkout().join("README.md")).expect("README.md");
+fn help_and_the_book_give_the_kubernetes_discovery_flags() {
+    let page = book_page("kubernetes.md");
     let help = std::process::Command::new(switchyard_tests::switchyard_bin())
         .args(["serve", "--help"])
         .output()
@@ -787,8 +791,8 @@ fn help_and_readme_give_the_kubernetes_discovery_flags() {
             "`switchyard serve --help` has no --{flag}"
         );
         assert!(
-            readme.contains(&format!("| `--{flag}` | {default}")),
-            "README.md has no row `--{flag}` | {default}"
+            page.contains(&format!("| `--{flag}` | {default}")),
+            "docs/src/kubernetes.md has no row `--{flag}` | {default}"
         );
     }
     let resync = help
@@ -809,7 +813,8 @@ const BENCH_CAPACITY: u32 = 16;
 /// capacity (4 clients) and at it (16 clients, the router's limit). Two `llama3-8b-h100` engines
 /// behind `--policy round-robin`, 128-token prompts, 32 output tokens, streamed;
 /// `switchyard bench` is the load generator (closed loop, then Poisson arrivals at ten times
-/// the throughput measured at capacity). Prints a markdown table (the README's):
+/// the throughput measured at capacity). Prints a markdown table (the book's, in
+/// `docs/src/performance.md`):
 ///
 /// ```sh
 /// cargo build --release -p switchyard && make plugins
