@@ -1,4 +1,4 @@
-//! The book (`docs/`) documents the binary users run.
+//! The book (`docs/`) documents the binary users run, and the README stays its front door.
 //!
 //! `make docs-check` proves every link of the built book resolves; these tests prove the book
 //! keeps up with the binary: a flag added to a command without a line in the command-line
@@ -20,6 +20,9 @@ const COMMANDS: [&[&str]; 8] = [
 
 /// The page that lists every flag of every command.
 const REFERENCE: &str = "docs/src/reference.md";
+
+/// The longest the README may grow: what a newcomer reads before the book takes over.
+const README_MAX_LINES: usize = 300;
 
 fn checkout_file(path: &str) -> String {
     let path: PathBuf = switchyard_tests::checkout().join(path);
@@ -96,4 +99,37 @@ fn the_flag_check_tells_a_documented_flag_from_a_longer_one() {
         "`--model-dir` is not `--model`"
     );
     assert!(!documents(page, "--work"));
+}
+
+#[test]
+fn the_readme_is_a_front_door_into_the_book() {
+    let readme = checkout_file("README.md");
+    let lines = readme.lines().count();
+    assert!(
+        lines <= README_MAX_LINES,
+        "README.md has {lines} lines (at most {README_MAX_LINES}): move the detail into docs/src"
+    );
+    for command in ["make run", "make test"] {
+        assert!(
+            readme.contains(command),
+            "README.md does not give `{command}`"
+        );
+    }
+    // Every chapter of the book is one link away from the README.
+    let summary = checkout_file("docs/src/SUMMARY.md");
+    let chapters: Vec<&str> = summary
+        .lines()
+        .filter_map(|line| line.split_once("](")?.1.split_once(')'))
+        .map(|(target, _)| target)
+        .filter(|target| *target != "introduction.md")
+        .collect();
+    assert!(!chapters.is_empty(), "docs/src/SUMMARY.md lists no chapter");
+    let unlinked: Vec<_> = chapters
+        .iter()
+        .filter(|chapter| !readme.contains(&format!("](docs/src/{chapter}")))
+        .collect();
+    assert!(
+        unlinked.is_empty(),
+        "README.md links to none of these chapters: {unlinked:?}"
+    );
 }
