@@ -24,7 +24,8 @@ const REFERENCE: &str = "docs/src/reference.md";
 /// The longest the README may grow: what a newcomer reads before the book takes over.
 const README_MAX_LINES: usize = 300;
 
-fn checkout_file(path: &str) -> String {
+/// A file of the checkout, such as a page of the book (`docs/src/…`).
+pub(crate) fn checkout_file(path: &str) -> String {
     let path: PathBuf = switchyard_tests::checkout().join(path);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }

@@ -23,6 +23,7 @@ use switchyard_tests::{EngineProcess, RouterProcess};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::time::Instant;
 
+use crate::book::checkout_file;
 use crate::http::{client, post, sse_payloads};
 use crate::router::{eventually, metric};
 
@@ -737,15 +738,9 @@ const EDGE_FLAGS: [(&str, &str); 11] = [
     ("shutdown-grace", "30s"),
 ];
 
-/// A page of the book (`docs/src/`), which documents the flags for users.
-fn book_page(page: &str) -> String {
-    let path = switchyard_tests::checkout().join("docs/src").join(page);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 #[test]
 fn help_and_the_book_give_every_edge_flag_with_its_default() {
-    let page = book_page("operating/overload.md");
+    let page = checkout_file("docs/src/operating/overload.md");
     for command in ["serve", "up"] {
         let help = std::process::Command::new(switchyard_tests::switchyard_bin())
             .args([command, "--help"])
@@ -774,7 +769,7 @@ fn help_and_the_book_give_every_edge_flag_with_its_default() {
 
 #[test]
 fn help_and_the_book_give_the_kubernetes_discovery_flags() {
-    let page = book_page("kubernetes.md");
+    let page = checkout_file("docs/src/kubernetes.md");
     let help = std::process::Command::new(switchyard_tests::switchyard_bin())
         .args(["serve", "--help"])
         .output()
