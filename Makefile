@@ -50,7 +50,7 @@ build:
 # package and feature selection, so the dependencies are compiled once, and the one-shot build
 # keeps no incremental state (2.5 GB that a clean run never reads back).
 test: export CARGO_INCREMENTAL = 0
-test: disk-space setup plugins guests examples lint test-build test-rust test-starvation test-python
+test: disk-space setup docs-check plugins guests examples lint test-build test-rust test-starvation test-python
 
 # A full disk fails the build deep inside rustc ("No space left on device"): say it up front.
 # A clean `make test` writes about 5.5 GB (target/ 3.6 GB, the test venv, node_modules, the

@@ -1,4 +1,5 @@
-# The benchmarks behind README's "Performance" section (not part of `make test`):
+# The benchmarks behind the book's Performance page, docs/src/performance.md (not part of
+# `make test`):
 #   make bench-overhead   release build + plugins + the pass-through proxy, then scripts/bench-overhead.sh
 #                         (RUNS=3 NUM_REQUESTS=2000 ... override its defaults; see the script)
 #   make bench-peers      the same builds, then scripts/bench-peers.sh: switchyard vs vllm-router and

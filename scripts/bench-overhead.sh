@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The router-overhead benchmark behind the README's "Performance" table.
+# The router-overhead benchmark behind the book's Performance page (docs/src/performance.md).
 #
 # Starts two reference engines and the router (`switchyard serve`) as separate processes on
 # loopback, so the router's CPU and RSS are its own, and runs `switchyard bench

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's real-model table: a single engine (--threads 1, then 2) against `switchyard up`
-# with 1 prefill + 1 decode engine (one thread each), on the same random prompts. Needs `make
-# model`, `make plugins` and a built binary (BIN, default target/release/switchyard).
+# The real-model table of the book's Performance page (docs/src/performance.md): a single
+# engine (--threads 1, then 2) against `switchyard up` with 1 prefill + 1 decode engine (one
+# thread each), on the same random prompts. Needs `make model`, `make plugins` and a built
+# binary (BIN, default target/release/switchyard).
 set -euo pipefail
 BIN=${BIN:-target/release/switchyard}
 LENS=${LENS:-32,256,1024}

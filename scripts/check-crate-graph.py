@@ -4,9 +4,10 @@
 Reads `cargo metadata` (the resolved graph) and checks, for each of our crates, its transitive
 normal and build dependencies (dev-dependencies are test scaffolding, not architecture):
 
-- which of our crates it may reach (DESIGN.md's table: wire and kv nothing of ours, engine only
-  wire and kv, the contract nothing, policy-host only the contract, router wire + contract +
-  policy-host, bench only wire, the SDK nothing of the host);
+- which of our crates it may reach (the crate table of docs/src/architecture.md: wire and kv
+  nothing of ours, engine only wire and kv, the contract nothing, policy-host only the
+  contract, router wire + contract + policy-host, bench only wire, the SDK nothing of the
+  host);
 - that the policy host and the contract reach no HTTP client or server, and the contract no
   wasmtime;
 - that the router and the wire types reach no ML framework (candle is the engine's alone: the

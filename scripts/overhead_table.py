@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The README's router-overhead table from scripts/bench-overhead.sh's JSON files.
+"""The router-overhead table of the book's Performance page (docs/src/performance.md), from
+scripts/bench-overhead.sh's JSON files.
 
 usage: overhead_table.py OUT_DIR RUNS CONCURRENCY
 

@@ -4,7 +4,8 @@
 //! token-id prompt on `/v1/completions`), so the client gets the uninterrupted single-engine
 //! text. SGLang refuses `return_token_ids` on streamed chat: there the router re-tokenizes the
 //! delivered text, exact with a tokenizer for which that is the identity (the reference
-//! engine's byte-level one) and bounded otherwise (see the README, "Continuation").
+//! engine's byte-level one) and bounded otherwise (see the book: docs/src/engines.md,
+//! "Continuation").
 
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess, free_port};

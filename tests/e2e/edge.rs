@@ -23,6 +23,7 @@ use switchyard_tests::{EngineProcess, RouterProcess};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::time::Instant;
 
+use crate::book::checkout_file;
 use crate::http::{client, post, sse_payloads};
 use crate::router::{eventually, metric};
 
@@ -738,9 +739,8 @@ const EDGE_FLAGS: [(&str, &str); 11] = [
 ];
 
 #[test]
-fn help_and_readme_give_every_edge_flag_with_its_default() {
-    let readme =
-        std::fs::read_to_string(switchyard_tests::checkout().join("README.md")).expect("README.md");
+fn help_and_the_book_give_every_edge_flag_with_its_default() {
+    let page = checkout_file("docs/src/operating/overload.md");
     for command in ["serve", "up"] {
         let help = std::process::Command::new(switchyard_tests::switchyard_bin())
             .args([command, "--help"])
@@ -761,16 +761,15 @@ fn help_and_readme_give_every_edge_flag_with_its_default() {
     }
     for (flag, default) in EDGE_FLAGS {
         assert!(
-            readme.contains(&format!("| `--{flag}` | {default}")),
-            "README.md has no row `--{flag}` | {default}"
+            page.contains(&format!("| `--{flag}` | {default}")),
+            "docs/src/operating/overload.md has no row `--{flag}` | {default}"
         );
     }
 }
 
 #[test]
-fn help_and_readme_give_the_kubernetes_discovery_flags() {
-    let readme =
-        std::fs::read_to_string(switchyard_tests::checkout().join("README.md")).expect("README.md");
+fn help_and_the_book_give_the_kubernetes_discovery_flags() {
+    let page = checkout_file("docs/src/kubernetes.md");
     let help = std::process::Command::new(switchyard_tests::switchyard_bin())
         .args(["serve", "--help"])
         .output()
@@ -787,8 +786,8 @@ fn help_and_readme_give_the_kubernetes_discovery_flags() {
             "`switchyard serve --help` has no --{flag}"
         );
         assert!(
-            readme.contains(&format!("| `--{flag}` | {default}")),
-            "README.md has no row `--{flag}` | {default}"
+            page.contains(&format!("| `--{flag}` | {default}")),
+            "docs/src/kubernetes.md has no row `--{flag}` | {default}"
         );
     }
     let resync = help
@@ -809,7 +808,8 @@ const BENCH_CAPACITY: u32 = 16;
 /// capacity (4 clients) and at it (16 clients, the router's limit). Two `llama3-8b-h100` engines
 /// behind `--policy round-robin`, 128-token prompts, 32 output tokens, streamed;
 /// `switchyard bench` is the load generator (closed loop, then Poisson arrivals at ten times
-/// the throughput measured at capacity). Prints a markdown table (the README's):
+/// the throughput measured at capacity). Prints a markdown table (the book's, in
+/// `docs/src/performance.md`):
 ///
 /// ```sh
 /// cargo build --release -p switchyard && make plugins

@@ -1,4 +1,5 @@
 mod backends;
+mod book;
 mod continuation;
 mod edge;
 mod engine;
