@@ -15,7 +15,8 @@
 //!
 //! `--trace FILE` replays a recorded trace instead ([`trace`]: Mooncake JSONL, expanded into
 //! the same token ids the policy lab simulates), open loop at the trace's timestamps, and writes
-//! the lab's per-policy fields ([`ReplayMetrics`]) at the top of its JSON.
+//! the lab's per-policy fields ([`ReplayMetrics`]) at the top of its JSON; `switchyard trace`
+//! ([`TraceCommand`]) summarises traces and writes seeded synthetic ones.
 //!
 //! Latency counts from each request's *scheduled* send time. With `--compare-direct` both arms
 //! run interleaved (each request's arm is drawn from the seed), so noise on the machine hits
@@ -59,6 +60,7 @@ mod schedule;
 mod server_metrics;
 mod stats;
 pub mod trace;
+mod trace_command;
 mod workload;
 
 #[cfg(test)]
@@ -76,6 +78,7 @@ pub use config::{
 pub use direct::DirectPlan;
 pub use schedule::Arrivals;
 pub use stats::{Distribution, ReplayMetrics, RequestOutcome, Summary, Timing, percentile};
+pub use trace_command::{TraceCommand, run_trace_command};
 pub use workload::Arm;
 
 use direct::{DirectArm, DirectOptions};

@@ -1089,3 +1089,71 @@ async fn trace_errors_are_clear() {
     assert!(err.to_string().contains("missing.jsonl"), "{err}");
     assert_eq!(server.calls.lock().count("/v1/completions"), 0);
 }
+
+#[derive(Parser)]
+struct TraceCli {
+    #[command(subcommand)]
+    command: super::TraceCommand,
+}
+
+#[test]
+fn trace_gen_writes_the_same_file_for_the_same_flags() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let generate = |name: &str, seed: &str| {
+        let out = dir.path().join(name);
+        let cli = TraceCli::try_parse_from([
+            "trace",
+            "gen",
+            "--out",
+            out.to_str().expect("utf-8"),
+            "--num-requests",
+            "60",
+            "--rate",
+            "5",
+            "--arrivals",
+            "gamma:0.5",
+            "--input-len-range",
+            "600:900",
+            "--shared-prefix-groups",
+            "2",
+            "--shared-prefix-len",
+            "512",
+            "--turns",
+            "2",
+            "--seed",
+            seed,
+        ])
+        .expect("valid flags");
+        super::run_trace_command(cli.command).expect("generates");
+        std::fs::read(&out).expect("written")
+    };
+    let (a, b, c) = (generate("a", "1"), generate("b", "1"), generate("c", "2"));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    let trace = super::trace::Trace::parse(a.as_slice(), "a").expect("a trace");
+    assert_eq!(trace.requests().len(), 60);
+    assert!(trace.requests().iter().all(|r| r.input_length >= 600));
+
+    let summary = TraceCli::try_parse_from([
+        "trace",
+        "summary",
+        dir.path().join("a").to_str().expect("utf-8"),
+        "--json",
+    ])
+    .expect("valid flags");
+    super::run_trace_command(summary.command).expect("summarises");
+    let bad = TraceCli::try_parse_from([
+        "trace",
+        "gen",
+        "--out",
+        dir.path().join("d").to_str().expect("utf-8"),
+        "--shared-prefix-groups",
+        "2",
+        "--shared-prefix-len",
+        "100",
+    ])
+    .expect("parses");
+    let err = super::run_trace_command(bad.command).expect_err("100 is not whole blocks");
+    assert!(matches!(err, BenchError::Synth(_)), "{err}");
+    assert!(!dir.path().join("d").exists(), "nothing written");
+}
