@@ -141,6 +141,22 @@ struct ChoiceView {
 struct UsageView {
     #[serde(default)]
     completion_tokens: Option<u32>,
+    /// vLLM (with `--enable-prompt-tokens-details`), SGLang and OpenAI report prefix-cache
+    /// hits here.
+    #[serde(default)]
+    prompt_tokens_details: Option<PromptTokensView>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct PromptTokensView {
+    #[serde(default)]
+    cached_tokens: Option<u32>,
+}
+
+impl UsageView {
+    fn cached_tokens(&self) -> Option<u32> {
+        self.prompt_tokens_details.as_ref()?.cached_tokens
+    }
 }
 
 /// Reads a completion response to its end and times it from `start`.
@@ -167,7 +183,7 @@ async fn time_stream(
     let mut timing = Timing::default();
     let mut last_chunk: Option<Instant> = None;
     let mut chunks = 0u32;
-    let mut usage_tokens = None;
+    let mut usage = None;
     while let Some(event) = events.next().await {
         let data = event.map_err(|e| RequestError::Protocol {
             call,
@@ -175,8 +191,8 @@ async fn time_stream(
         })?;
         let now = Instant::now();
         let chunk = parse_chunk(call, &data)?;
-        if let Some(tokens) = chunk.usage.and_then(|u| u.completion_tokens) {
-            usage_tokens = Some(tokens);
+        if chunk.usage.is_some() {
+            usage = chunk.usage;
         }
         if chunk.choices.is_empty() {
             continue;
@@ -194,7 +210,11 @@ async fn time_stream(
     if last_chunk.is_none() {
         return Err(RequestError::NoOutput);
     }
-    timing.output_tokens = usage_tokens.unwrap_or(chunks);
+    timing.output_tokens = usage
+        .as_ref()
+        .and_then(|u| u.completion_tokens)
+        .unwrap_or(chunks);
+    timing.cached_tokens = usage.as_ref().and_then(UsageView::cached_tokens);
     Ok(timing)
 }
 
@@ -222,9 +242,9 @@ async fn time_whole(
         .filter_map(|c| c.text.as_ref())
         .map(String::len)
         .sum();
-    let output_tokens = chunk
-        .usage
-        .and_then(|u| u.completion_tokens)
+    let usage = chunk.usage.unwrap_or_default();
+    let output_tokens = usage
+        .completion_tokens
         .unwrap_or(u32::try_from(text_len).unwrap_or(u32::MAX));
     if chunk.choices.is_empty() {
         return Err(RequestError::NoOutput);
@@ -234,6 +254,7 @@ async fn time_whole(
         e2e,
         itl: Vec::new(),
         output_tokens,
+        cached_tokens: usage.cached_tokens(),
     })
 }
 

@@ -6,6 +6,8 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 
 use super::BenchError;
+use super::schedule::{Arrivals, parse_arrivals};
+use super::trace::{ReplayOptions, Window, parse_window};
 
 /// Upper bounds that keep every run finite and its memory small.
 const MAX_REQUESTS: u64 = 1_000_000;
@@ -13,12 +15,17 @@ const MAX_DURATION_S: f64 = 7.0 * 24.0 * 3600.0;
 const MAX_CONCURRENCY: u32 = 100_000;
 const MAX_TOKENS_PER_PROMPT: u32 = 1 << 20;
 const MAX_IDLE_SAMPLE_S: f64 = 600.0;
+const MAX_SPEEDUP: f64 = 1e6;
 
 /// Load generator for an OpenAI-compatible `/v1/completions` server (the switchyard router,
 /// an engine, or anything else that speaks the API).
 ///
 /// A run ends after `--num-requests` requests or `--duration` seconds, whichever comes first;
 /// requests already sent then finish (each bounded by `--request-timeout`).
+///
+/// With `--trace FILE` the load is a recorded trace instead (Mooncake JSONL): each request is
+/// sent at its timestamp whatever the earlier ones do, its prompt made from its `hash_ids` (equal
+/// ids, equal prefixes), still within `--duration`.
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
     /// Base URL of the server under test, e.g. http://127.0.0.1:8000 (requests go to
@@ -49,10 +56,49 @@ pub struct BenchArgs {
     #[arg(long)]
     pub rate: Option<f64>,
 
-    /// Open loop only: cap on requests in flight; requests over the cap wait, and their wait
-    /// counts in their latency.
-    #[arg(long, requires = "rate")]
+    /// Open loop (--rate or --trace) only: cap on requests in flight; requests over the cap
+    /// wait, and their wait counts in their latency.
+    #[arg(long)]
     pub max_concurrency: Option<u32>,
+
+    /// Open loop only: how the gaps between arrivals are drawn: poisson, or gamma:CV for gaps
+    /// whose coefficient of variation is CV (above 1 burstier than Poisson, below 1 smoother).
+    #[arg(long, value_name = "poisson|gamma:CV", value_parser = parse_arrivals,
+          default_value = "poisson", requires = "rate")]
+    pub arrivals: Arrivals,
+
+    /// Replay this trace (Mooncake JSONL: `timestamp` ms, `input_length`, `output_length`,
+    /// `hash_ids` of 512-token blocks) instead of generated requests. Latencies count from each
+    /// request's due time. Prompts go as token ids unless --prompt-format says otherwise.
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "num_requests", "concurrency", "rate", "seed", "input_len", "input_len_range",
+        "output_len", "output_len_range", "shared_prefix_groups", "shared_prefix_len",
+        "compare_direct",
+    ])]
+    pub trace: Option<PathBuf>,
+
+    /// Trace replay: arrivals X times faster than recorded (2: twice the load).
+    #[arg(long, value_name = "X", default_value_t = 1.0, requires = "trace")]
+    pub speedup: f64,
+
+    /// Trace replay: only the requests whose timestamp is in START..END, in seconds of trace
+    /// time (either side may be left out: 600.. or ..900). The first one is sent at once.
+    #[arg(long, value_name = "START..END", value_parser = parse_window, requires = "trace")]
+    pub window: Option<Window>,
+
+    /// Trace replay: only the first N requests (after --window).
+    #[arg(long, value_name = "N", requires = "trace")]
+    pub limit: Option<u64>,
+
+    /// Trace replay: cut longer prompts to this many tokens, keeping their leading blocks (so
+    /// shared prefixes stay shared). The report counts the prompts cut.
+    #[arg(long, value_name = "TOKENS", requires = "trace")]
+    pub max_input_len: Option<u32>,
+
+    /// Trace replay: ask for at most this many tokens per request. The report counts the
+    /// requests lowered.
+    #[arg(long, value_name = "TOKENS", requires = "trace")]
+    pub max_output_len: Option<u32>,
 
     /// Seed for prompts, arrivals and the arm each request takes: equal seeds give equal runs.
     #[arg(long, default_value_t = 0)]
@@ -84,9 +130,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 0, requires = "shared_prefix_groups")]
     pub shared_prefix_len: u32,
 
-    /// Send prompts as text or as lists of token ids (byte values).
-    #[arg(long, value_enum, default_value_t = PromptFormat::Text)]
-    pub prompt_format: PromptFormat,
+    /// Send prompts as text or as lists of token ids (byte values) [default: text; tokens with
+    /// --trace, so a server with any tokenizer gets exactly the trace's lengths and prefixes].
+    #[arg(long, value_enum)]
+    pub prompt_format: Option<PromptFormat>,
 
     /// Stream responses (SSE); needed to measure TTFT and ITL. The default.
     #[arg(long, overrides_with = "no_stream")]
@@ -194,11 +241,21 @@ pub struct Slo {
 pub enum LoadShape {
     /// `concurrency` workers, each sending its next request when the last one finishes.
     Closed { concurrency: u32 },
-    /// Poisson arrivals at `rate` per second, optionally capped in flight.
+    /// Arrivals at `rate` per second on average, optionally capped in flight.
     Open {
         rate: f64,
+        arrivals: Arrivals,
         max_concurrency: Option<u32>,
     },
+}
+
+/// A trace replay, which replaces the generated load and workload.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceConfig {
+    pub path: PathBuf,
+    pub replay: ReplayOptions,
+    /// Cap on requests in flight, as `--max-concurrency` in an open loop.
+    pub max_concurrency: Option<u32>,
 }
 
 /// What prompts look like.
@@ -234,6 +291,8 @@ pub struct BenchConfig {
     pub pd_balance_factor: f64,
     pub router_pid: Option<u32>,
     pub router_idle_sample: Duration,
+    /// When set, the run replays this trace and `num_requests`, `load` and `workload` are unused.
+    pub trace: Option<TraceConfig>,
 }
 
 impl BenchArgs {
@@ -257,7 +316,20 @@ impl BenchArgs {
             self.request_timeout.is_finite() && self.request_timeout > 0.0,
             "--request-timeout must be a positive number of seconds".into(),
         )?;
-        let load = validate_load(self.concurrency, self.rate, self.max_concurrency)?;
+        let trace = match &self.trace {
+            Some(path) => Some(self.validate_trace(path.clone())?),
+            None => None,
+        };
+        let load = match trace {
+            // The trace's own load; the default shape stands in, unused.
+            Some(_) => LoadShape::Closed { concurrency: 1 },
+            None => validate_load(
+                self.concurrency,
+                self.rate,
+                self.arrivals,
+                self.max_concurrency,
+            )?,
+        };
         let input_len = self
             .input_len_range
             .unwrap_or(LenRange::fixed(self.input_len));
@@ -296,7 +368,10 @@ impl BenchArgs {
                 shared_prefix,
                 compare_direct: self.compare_direct,
             },
-            prompt_format: self.prompt_format,
+            prompt_format: self.prompt_format.unwrap_or(match trace {
+                Some(_) => PromptFormat::Tokens,
+                None => PromptFormat::Text,
+            }),
             stream: !self.no_stream,
             slo: self.slo,
             request_timeout: Duration::from_secs_f64(self.request_timeout),
@@ -307,6 +382,43 @@ impl BenchArgs {
             pd_balance_factor: self.pd_balance_factor,
             router_pid: self.router_pid,
             router_idle_sample: Duration::from_secs_f64(self.router_idle_sample),
+            trace,
+        })
+    }
+
+    fn validate_trace(&self, path: PathBuf) -> Result<TraceConfig, BenchError> {
+        check(
+            self.speedup.is_finite() && self.speedup > 0.0 && self.speedup <= MAX_SPEEDUP,
+            format!("--speedup must be a positive factor up to {MAX_SPEEDUP}"),
+        )?;
+        if let Some(limit) = self.limit {
+            check(
+                (1..=MAX_REQUESTS).contains(&limit),
+                format!("--limit must be in 1..={MAX_REQUESTS}"),
+            )?;
+        }
+        for (flag, cap) in [
+            ("--max-input-len", self.max_input_len),
+            ("--max-output-len", self.max_output_len),
+        ] {
+            if let Some(cap) = cap {
+                check(
+                    (1..=MAX_TOKENS_PER_PROMPT).contains(&cap),
+                    format!("{flag} must be in 1..={MAX_TOKENS_PER_PROMPT}"),
+                )?;
+            }
+        }
+        validate_max_concurrency(self.max_concurrency)?;
+        Ok(TraceConfig {
+            path,
+            replay: ReplayOptions {
+                window: self.window.unwrap_or_default(),
+                limit: self.limit.map(|n| n as usize),
+                speedup: self.speedup,
+                max_input_len: self.max_input_len,
+                max_output_len: self.max_output_len,
+            },
+            max_concurrency: self.max_concurrency,
         })
     }
 }
@@ -333,35 +445,42 @@ fn validate_url(raw: &str) -> Result<String, BenchError> {
 fn validate_load(
     concurrency: Option<u32>,
     rate: Option<f64>,
+    arrivals: Arrivals,
     max_concurrency: Option<u32>,
 ) -> Result<LoadShape, BenchError> {
-    let in_bounds = |n: u32| (1..=MAX_CONCURRENCY).contains(&n);
     match rate {
         Some(rate) => {
             check(
                 rate.is_finite() && rate > 0.0,
                 "--rate must be a positive number of requests per second".into(),
             )?;
-            if let Some(cap) = max_concurrency {
-                check(
-                    in_bounds(cap),
-                    format!("--max-concurrency must be in 1..={MAX_CONCURRENCY}"),
-                )?;
-            }
+            validate_max_concurrency(max_concurrency)?;
             Ok(LoadShape::Open {
                 rate,
+                arrivals,
                 max_concurrency,
             })
         }
         None => {
+            check(
+                max_concurrency.is_none(),
+                "--max-concurrency needs an open loop: --rate or --trace".into(),
+            )?;
             let concurrency = concurrency.unwrap_or(1);
             check(
-                in_bounds(concurrency),
+                (1..=MAX_CONCURRENCY).contains(&concurrency),
                 format!("--concurrency must be in 1..={MAX_CONCURRENCY}"),
             )?;
             Ok(LoadShape::Closed { concurrency })
         }
     }
+}
+
+fn validate_max_concurrency(cap: Option<u32>) -> Result<(), BenchError> {
+    check(
+        cap.is_none_or(|cap| (1..=MAX_CONCURRENCY).contains(&cap)),
+        format!("--max-concurrency must be in 1..={MAX_CONCURRENCY}"),
+    )
 }
 
 fn validate_len(what: &str, range: LenRange) -> Result<(), BenchError> {
@@ -395,7 +514,7 @@ fn validate_shared_prefix(
     Ok(Some((groups, len)))
 }
 
-fn parse_len_range(raw: &str) -> Result<LenRange, String> {
+pub(crate) fn parse_len_range(raw: &str) -> Result<LenRange, String> {
     let (a, b) = raw
         .split_once(':')
         .ok_or_else(|| format!("expected A:B, got {raw:?}"))?;

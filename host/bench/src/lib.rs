@@ -13,6 +13,11 @@
 //!                      or, with --compare-direct, the direct arm (the router's work done here)
 //! ```
 //!
+//! `--trace FILE` replays a recorded trace instead ([`trace`]: Mooncake JSONL, expanded into
+//! the same token ids the policy lab simulates), open loop at the trace's timestamps, and writes
+//! the lab's per-policy fields ([`ReplayMetrics`]) at the top of its JSON; `switchyard trace`
+//! ([`TraceCommand`]) summarises traces and writes seeded synthetic ones.
+//!
 //! Latency counts from each request's *scheduled* send time. With `--compare-direct` both arms
 //! run interleaved (each request's arm is drawn from the seed), so noise on the machine hits
 //! both alike, and the report gives the router's cost as the p50 difference and ratio.
@@ -52,7 +57,10 @@ mod procstat;
 mod report;
 mod runner;
 mod schedule;
+mod server_metrics;
 mod stats;
+pub mod trace;
+mod trace_command;
 mod workload;
 
 #[cfg(test)]
@@ -64,14 +72,19 @@ use std::time::Duration;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-pub use config::{BenchArgs, BenchConfig, LenRange, LoadShape, PlanKind, PromptFormat, Slo};
+pub use config::{
+    BenchArgs, BenchConfig, LenRange, LoadShape, PlanKind, PromptFormat, Slo, TraceConfig,
+};
 pub use direct::DirectPlan;
-pub use stats::{Distribution, RequestOutcome, Summary, Timing, percentile};
+pub use schedule::Arrivals;
+pub use stats::{Distribution, ReplayMetrics, RequestOutcome, Summary, Timing, percentile};
+pub use trace_command::{TraceCommand, run_trace_command};
 pub use workload::Arm;
 
 use direct::{DirectArm, DirectOptions};
 use runner::{Executor, Limits};
-use workload::Workload;
+use trace::{Replay, Trace, TraceError, TraceSummary};
+use workload::{RequestSpec, Workload};
 
 /// How long the reachability check waits before calling the server unreachable.
 const PREFLIGHT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -92,6 +105,10 @@ pub enum BenchError {
     Router(#[from] procstat::ProcError),
     #[error("writing {path}: {reason}")]
     Output { path: String, reason: String },
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error(transparent)]
+    Synth(#[from] trace::SynthError),
 }
 
 /// The router's resource use over the run.
@@ -124,6 +141,22 @@ pub struct BenchReport {
     /// The direct arm's plan, with `--compare-direct`.
     pub direct_plan: Option<DirectPlan>,
     pub router: Option<RouterUsage>,
+    /// What was replayed, with `--trace`.
+    pub trace: Option<TraceRun>,
+}
+
+/// A trace replay's inputs and the figures only a replay has.
+#[derive(Debug, Clone)]
+pub struct TraceRun {
+    /// The whole trace file.
+    pub file: TraceSummary,
+    /// The requests selected (window, limit) with their capped lengths.
+    pub replayed: TraceSummary,
+    /// Prompts cut by `--max-input-len`, and requests whose output `--max-output-len` lowered.
+    pub capped_inputs: usize,
+    pub capped_outputs: usize,
+    /// The lab's fields for this run.
+    pub metrics: ReplayMetrics,
 }
 
 impl BenchReport {
@@ -182,6 +215,9 @@ pub async fn execute(
         .build()
         .map_err(|e| BenchError::Client(e.to_string()))?;
     check_reachable(&client, &config.url).await?;
+    if let Some(trace) = &config.trace {
+        return execute_trace(config, trace, client, progress).await;
+    }
     let direct = if config.workload.compare_direct {
         Some(
             DirectArm::discover(
@@ -201,24 +237,13 @@ pub async fn execute(
         None
     };
     let direct_plan = direct.as_ref().map(DirectArm::plan);
-    let executor = Arc::new(Executor {
-        client,
-        completions_url: format!("{}/v1/completions", config.url),
-        model: config.model.clone(),
-        prompt_format: config.prompt_format,
-        stream: config.stream,
-        request_timeout: config.request_timeout,
-        direct,
-    });
+    let executor = executor(config, client, direct);
     let workload = Arc::new(Workload::new(config.workload.clone()));
     let limits = Limits {
         num_requests: config.num_requests,
         duration: config.duration,
     };
-    let router_before = match config.router_pid {
-        Some(pid) => Some(sample_idle_router(pid, config.router_idle_sample).await?),
-        None => None,
-    };
+    let router_before = router_baseline(config).await?;
     let (outcomes, duration) = runner::drive(
         executor,
         workload,
@@ -228,10 +253,7 @@ pub async fn execute(
         progress,
     )
     .await;
-    let router = match (config.router_pid, router_before) {
-        (Some(pid), Some(before)) => Some(router_usage(pid, before, duration, &outcomes)?),
-        _ => None,
-    };
+    let router = router_after(config, router_before, duration, &outcomes)?;
     let overall = Summary::of(&outcomes, duration, config.slo);
     let arms = if config.workload.compare_direct {
         [Arm::Routed, Arm::Direct]
@@ -251,6 +273,100 @@ pub async fn execute(
         arms,
         direct_plan,
         router,
+        trace: None,
+    })
+}
+
+fn executor(
+    config: &BenchConfig,
+    client: reqwest::Client,
+    direct: Option<DirectArm>,
+) -> Arc<Executor> {
+    Arc::new(Executor {
+        client,
+        completions_url: format!("{}/v1/completions", config.url),
+        model: config.model.clone(),
+        prompt_format: config.prompt_format,
+        stream: config.stream,
+        request_timeout: config.request_timeout,
+        direct,
+    })
+}
+
+/// Replays `trace` open loop against the server and summarises it as the lab would.
+async fn execute_trace(
+    config: &BenchConfig,
+    trace: &TraceConfig,
+    client: reqwest::Client,
+    progress: ProgressBar,
+) -> Result<BenchReport, BenchError> {
+    let file = Trace::read(&trace.path)?;
+    let replay = file.replay(&trace.replay);
+    if replay.is_empty() {
+        return Err(BenchError::Config(format!(
+            "--window and --limit select no request of {}",
+            trace.path.display()
+        )));
+    }
+    if let Some(last) = replay.requests().last()
+        && last.at >= config.duration
+    {
+        tracing::warn!(
+            "the replay spans {:.1} s but --duration is {:.1} s: requests due later are not sent",
+            last.at.as_secs_f64(),
+            config.duration.as_secs_f64()
+        );
+    }
+    progress.set_length(replay.len() as u64);
+    let preemptions_before =
+        server_metrics::fetch_counter(&client, &config.url, server_metrics::PREEMPTIONS).await;
+    let executor = executor(config, client.clone(), None);
+    let router_before = router_baseline(config).await?;
+    let (outcomes, duration) = runner::replay(
+        executor,
+        due_requests(&replay),
+        trace.max_concurrency,
+        config.duration,
+        progress,
+    )
+    .await;
+    let router = router_after(config, router_before, duration, &outcomes)?;
+    let preemptions_after =
+        server_metrics::fetch_counter(&client, &config.url, server_metrics::PREEMPTIONS).await;
+    let overall = Summary::of(&outcomes, duration, config.slo);
+    let metrics = ReplayMetrics::of(
+        &overall,
+        replay.len(),
+        server_metrics::growth(preemptions_before, preemptions_after),
+    );
+    Ok(BenchReport {
+        duration,
+        outcomes,
+        overall,
+        arms: Vec::new(),
+        direct_plan: None,
+        router,
+        trace: Some(TraceRun {
+            file: file.summary(),
+            replayed: replay.summary(),
+            capped_inputs: replay.capped_inputs(),
+            capped_outputs: replay.capped_outputs(),
+            metrics,
+        }),
+    })
+}
+
+/// The replay's requests as the runner sends them, each prompt built as its turn comes.
+fn due_requests(replay: &Replay) -> impl Iterator<Item = (Duration, RequestSpec)> + '_ {
+    replay.requests().iter().zip(0..).map(|(scheduled, index)| {
+        let request = &scheduled.request;
+        let spec = RequestSpec {
+            index,
+            prompt: request.prompt(),
+            max_tokens: request.output_length,
+            arm: Arm::Routed,
+        };
+        (scheduled.at, spec)
     })
 }
 
@@ -263,6 +379,29 @@ async fn check_reachable(client: &reqwest::Client, url: &str) -> Result<(), Benc
             url: url.to_owned(),
             reason: switchyard_wire::error_chain(&e),
         }),
+    }
+}
+
+/// With `--router-pid`, the router's CPU before the load starts.
+async fn router_baseline(config: &BenchConfig) -> Result<Option<RouterBaseline>, BenchError> {
+    match config.router_pid {
+        Some(pid) => Ok(Some(
+            sample_idle_router(pid, config.router_idle_sample).await?,
+        )),
+        None => Ok(None),
+    }
+}
+
+/// With `--router-pid`, what the router used over the run.
+fn router_after(
+    config: &BenchConfig,
+    before: Option<RouterBaseline>,
+    duration: Duration,
+    outcomes: &[RequestOutcome],
+) -> Result<Option<RouterUsage>, BenchError> {
+    match (config.router_pid, before) {
+        (Some(pid), Some(before)) => Ok(Some(router_usage(pid, before, duration, outcomes)?)),
+        _ => Ok(None),
     }
 }
 

@@ -2,16 +2,19 @@
 //!
 //! JSON names follow vLLM's `benchmark_serving.py` (`completed`, `request_throughput`,
 //! `mean_ttft_ms`, `median_ttft_ms`, `p99_ttft_ms`, …) so existing tooling reads our files;
-//! we add `p50_`/`p90_` percentiles, `failed`, the per-arm sections and the router's usage.
+//! we add `p50_`/`p90_` percentiles, `failed`, `prefix_hit_rate`, the per-arm sections and the
+//! router's usage. A trace replay also writes the policy lab's fields ([`ReplayMetrics`]) at
+//! the top level (its `request_goodput` is then every completed request's rate without an
+//! SLO) and a `trace` section: the options, what the caps changed, and both summaries.
 
 use std::io::{self, Write};
 
 use serde_json::{Map, Value, json};
 
-use super::config::{BenchConfig, LoadShape, PromptFormat};
-use super::stats::{Distribution, Summary};
+use super::config::{BenchConfig, LoadShape, PromptFormat, TraceConfig};
+use super::stats::{Distribution, ReplayMetrics, Summary};
 use super::workload::Arm;
-use super::{BenchReport, RouterUsage};
+use super::{BenchReport, RouterUsage, TraceRun};
 
 /// The metrics with a distribution, by their vLLM name and table title.
 const METRICS: [(&str, &str, &str); 4] = [
@@ -57,6 +60,7 @@ pub fn summary_json(summary: &Summary) -> Map<String, Value> {
         json!(summary.total_token_throughput),
     );
     out.insert("request_goodput".into(), json!(summary.request_goodput));
+    out.insert("prefix_hit_rate".into(), json!(summary.prefix_hit_rate));
     for (name, _, _) in METRICS {
         let d = distribution(summary, name);
         out.insert(format!("mean_{name}_ms"), json!(d.mean));
@@ -79,6 +83,10 @@ pub fn summary_json(summary: &Summary) -> Map<String, Value> {
 pub fn to_json(config: &BenchConfig, report: &BenchReport) -> Value {
     let mut out = run_settings(config);
     out.extend(summary_json(&report.overall));
+    if let (Some(options), Some(run)) = (&config.trace, &report.trace) {
+        out.extend(replay_metrics_json(&run.metrics));
+        out.insert("trace".into(), trace_json(options, run));
+    }
     out.extend(per_request_arrays(report));
     if !report.arms.is_empty() {
         let arms: Map<String, Value> = report
@@ -96,16 +104,34 @@ pub fn to_json(config: &BenchConfig, report: &BenchReport) -> Value {
     Value::Object(out)
 }
 
+/// The policy lab's per-policy fields, flat.
+pub fn replay_metrics_json(metrics: &ReplayMetrics) -> Map<String, Value> {
+    match serde_json::to_value(metrics) {
+        Ok(Value::Object(fields)) => fields,
+        // A struct of numbers always serialises to an object.
+        _ => Map::new(),
+    }
+}
+
+fn trace_json(options: &TraceConfig, run: &TraceRun) -> Value {
+    let replay = &options.replay;
+    let seconds = |ms: Option<u64>| ms.map(|ms| ms as f64 / 1e3);
+    json!({
+        "file": options.path.display().to_string(),
+        "speedup": replay.speedup,
+        "window_s": [seconds(replay.window.start_ms), seconds(replay.window.end_ms)],
+        "limit": replay.limit,
+        "max_input_len": replay.max_input_len,
+        "max_output_len": replay.max_output_len,
+        "max_concurrency": options.max_concurrency,
+        "capped_inputs": run.capped_inputs,
+        "capped_outputs": run.capped_outputs,
+        "summary": run.file,
+        "replayed": run.replayed,
+    })
+}
+
 fn run_settings(config: &BenchConfig) -> Map<String, Value> {
-    let (rate, concurrency, max_concurrency) = match config.load {
-        // vLLM writes "inf" for a run without a rate.
-        LoadShape::Closed { concurrency } => (json!("inf"), json!(concurrency), json!(concurrency)),
-        LoadShape::Open {
-            rate,
-            max_concurrency,
-        } => (json!(rate), Value::Null, json!(max_concurrency)),
-    };
-    let w = &config.workload;
     let unix_time = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -114,12 +140,52 @@ fn run_settings(config: &BenchConfig) -> Map<String, Value> {
     out.insert("url".into(), json!(config.url));
     out.insert("model_id".into(), json!(config.model));
     out.insert("unix_time".into(), json!(unix_time));
-    out.insert("num_prompts".into(), json!(config.num_requests));
     out.insert(
         "duration_limit".into(),
         json!(config.duration.as_secs_f64()),
     );
+    if config.trace.is_none() {
+        out.extend(load_settings(config));
+    }
+    out.insert(
+        "prompt_format".into(),
+        json!(match config.prompt_format {
+            PromptFormat::Text => "text",
+            PromptFormat::Tokens => "tokens",
+        }),
+    );
+    out.insert("stream".into(), json!(config.stream));
+    out.insert("slo_ttft_ms".into(), json!(config.slo.map(|s| s.ttft_ms)));
+    out.insert("slo_tpot_ms".into(), json!(config.slo.map(|s| s.tpot_ms)));
+    out
+}
+
+/// The generated load's settings (a trace replay has its own, under `trace`).
+fn load_settings(config: &BenchConfig) -> Map<String, Value> {
+    let (rate, arrivals, concurrency, max_concurrency) = match config.load {
+        // vLLM writes "inf" for a run without a rate.
+        LoadShape::Closed { concurrency } => (
+            json!("inf"),
+            Value::Null,
+            json!(concurrency),
+            json!(concurrency),
+        ),
+        LoadShape::Open {
+            rate,
+            arrivals,
+            max_concurrency,
+        } => (
+            json!(rate),
+            json!(arrivals.name()),
+            Value::Null,
+            json!(max_concurrency),
+        ),
+    };
+    let w = &config.workload;
+    let mut out = Map::new();
+    out.insert("num_prompts".into(), json!(config.num_requests));
     out.insert("request_rate".into(), rate);
+    out.insert("arrivals".into(), arrivals);
     out.insert("concurrency".into(), concurrency);
     out.insert("max_concurrency".into(), max_concurrency);
     out.insert("seed".into(), json!(w.seed));
@@ -139,16 +205,6 @@ fn run_settings(config: &BenchConfig) -> Map<String, Value> {
         "shared_prefix_len".into(),
         json!(w.shared_prefix.map_or(0, |p| p.1)),
     );
-    out.insert(
-        "prompt_format".into(),
-        json!(match config.prompt_format {
-            PromptFormat::Text => "text",
-            PromptFormat::Tokens => "tokens",
-        }),
-    );
-    out.insert("stream".into(), json!(config.stream));
-    out.insert("slo_ttft_ms".into(), json!(config.slo.map(|s| s.ttft_ms)));
-    out.insert("slo_tpot_ms".into(), json!(config.slo.map(|s| s.tpot_ms)));
     out
 }
 
@@ -294,6 +350,9 @@ pub fn write_table(
     if !report.arms.is_empty() {
         write_comparison(out, report)?;
     }
+    if let (Some(options), Some(run)) = (&config.trace, &report.trace) {
+        write_trace(out, options, run)?;
+    }
     if let Some(usage) = &report.router {
         writeln!(out, "{:-^50}", format!(" Router (pid {}) ", usage.pid))?;
         row(
@@ -366,6 +425,47 @@ fn write_comparison(out: &mut impl Write, report: &BenchReport) -> io::Result<()
         )?;
     }
     Ok(())
+}
+
+fn write_trace(out: &mut impl Write, options: &TraceConfig, run: &TraceRun) -> io::Result<()> {
+    writeln!(out, "{:-^50}", " Trace replay ")?;
+    row(out, "Trace:", options.path.display())?;
+    row(
+        out,
+        "Requests in trace / replayed:",
+        format!("{} / {}", run.file.requests, run.metrics.replayed_requests),
+    )?;
+    row(
+        out,
+        "Replayed trace time (s):",
+        format!("{:.1}", run.replayed.duration_s),
+    )?;
+    row(out, "Speed-up:", options.replay.speedup)?;
+    row(
+        out,
+        "Prompts cut / outputs lowered:",
+        format!("{} / {}", run.capped_inputs, run.capped_outputs),
+    )?;
+    row(
+        out,
+        "Prefix-sharing ceiling (replayed):",
+        format!("{:.1}%", run.replayed.prefix_sharing_ceiling * 100.0),
+    )?;
+    row(
+        out,
+        "Prefix hit rate:",
+        run.metrics.prefix_hit_rate.map_or_else(
+            || "not reported by the server".to_owned(),
+            |rate| format!("{:.1}%", rate * 100.0),
+        ),
+    )?;
+    row(
+        out,
+        "Preemptions:",
+        run.metrics
+            .preemptions
+            .map_or_else(|| "not counted by the server".to_owned(), |n| n.to_string()),
+    )
 }
 
 fn row(out: &mut impl Write, label: &str, value: impl std::fmt::Display) -> io::Result<()> {

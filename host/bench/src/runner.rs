@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use super::client::{self, RequestError};
 use super::config::{LoadShape, PromptFormat};
 use super::direct::DirectArm;
-use super::schedule::PoissonSchedule;
+use super::schedule::ArrivalSchedule;
 use super::stats::{RequestOutcome, Timing};
 use super::workload::{Arm, RequestSpec, Workload};
 
@@ -84,13 +84,37 @@ pub async fn drive(
         }
         LoadShape::Open {
             rate,
+            arrivals,
             max_concurrency,
         } => {
-            let schedule = PoissonSchedule::new(rate, seed);
-            let cap = max_concurrency.map(|c| Arc::new(Semaphore::new(c as usize)));
-            open_loop(executor, workload, schedule, cap, limits, started, progress).await
+            let due = (0..limits.num_requests)
+                .zip(ArrivalSchedule::new(rate, arrivals, seed))
+                .map(|(index, offset)| (offset, workload.request(index)));
+            open_loop(
+                executor,
+                due,
+                max_concurrency,
+                limits.duration,
+                started,
+                progress,
+            )
+            .await
         }
     };
+    (outcomes, started.elapsed())
+}
+
+/// Sends each request at its offset from the start (open loop), until the offsets pass
+/// `duration`; returns every outcome and the wall time until the last one finished.
+pub async fn replay(
+    executor: Arc<Executor>,
+    due: impl Iterator<Item = (Duration, RequestSpec)>,
+    max_concurrency: Option<u32>,
+    duration: Duration,
+    progress: ProgressBar,
+) -> (Vec<RequestOutcome>, Duration) {
+    let started = Instant::now();
+    let outcomes = open_loop(executor, due, max_concurrency, duration, started, progress).await;
     (outcomes, started.elapsed())
 }
 
@@ -139,24 +163,23 @@ async fn closed_loop(
     outcomes
 }
 
-/// Sends request `i` at its scheduled time whatever happened to the earlier ones.
+/// Sends each request at its offset whatever happened to the earlier ones. `due` yields each
+/// request before its time comes, so building it (a prompt) does not delay the send.
 async fn open_loop(
     executor: Arc<Executor>,
-    workload: Arc<Workload>,
-    schedule: PoissonSchedule,
-    cap: Option<Arc<Semaphore>>,
-    limits: Limits,
+    due: impl Iterator<Item = (Duration, RequestSpec)>,
+    max_concurrency: Option<u32>,
+    duration: Duration,
     started: Instant,
     progress: ProgressBar,
 ) -> Vec<RequestOutcome> {
+    let cap = max_concurrency.map(|c| Arc::new(Semaphore::new(c as usize)));
     let mut tasks = JoinSet::new();
     let mut outcomes = Vec::new();
-    for (index, offset) in (0..limits.num_requests).zip(schedule) {
-        if offset >= limits.duration {
+    for (offset, spec) in due {
+        if offset >= duration {
             break;
         }
-        // Built before waiting, so building it does not delay the send.
-        let spec = workload.request(index);
         let due = started + offset;
         tokio::time::sleep_until(due).await;
         let (executor, cap, progress) = (executor.clone(), cap.clone(), progress.clone());

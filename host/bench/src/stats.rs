@@ -27,6 +27,9 @@ pub struct Timing {
     /// Gaps between consecutive choice chunks.
     pub itl: Vec<Duration>,
     pub output_tokens: u32,
+    /// Prompt tokens served from the server's prefix cache, when it says
+    /// (`usage.prompt_tokens_details.cached_tokens`; a simulator knows).
+    pub cached_tokens: Option<u32>,
 }
 
 impl Timing {
@@ -108,6 +111,9 @@ pub struct Summary {
     pub total_token_throughput: f64,
     /// Good requests per second; `None` without an SLO.
     pub request_goodput: Option<f64>,
+    /// Cached prompt tokens over prompt tokens (0..1), over the completed requests whose
+    /// cached tokens are known; `None` when no request's are.
+    pub prefix_hit_rate: Option<f64>,
     pub ttft_ms: Distribution,
     pub tpot_ms: Distribution,
     pub itl_ms: Distribution,
@@ -130,6 +136,8 @@ impl Summary {
         let mut errors = std::collections::BTreeMap::<String, usize>::new();
         let mut s = Summary::default();
         let mut good = 0usize;
+        // (cached, prompt) tokens of the requests that report their cached tokens.
+        let mut cache: Option<(u64, u64)> = None;
         for outcome in outcomes {
             match &outcome.result {
                 Ok(t) => {
@@ -143,6 +151,11 @@ impl Summary {
                     tpot.extend(t_tpot);
                     if slo.is_some_and(|slo| meets(slo, ms(t.ttft), t_tpot)) {
                         good += 1;
+                    }
+                    if let Some(cached) = t.cached_tokens {
+                        let (hit, of) = cache.get_or_insert((0, 0));
+                        *hit += u64::from(cached);
+                        *of += u64::from(outcome.input_tokens);
                     }
                 }
                 Err(e) => {
@@ -158,6 +171,8 @@ impl Summary {
         s.output_throughput = per_sec(s.total_output_tokens as f64);
         s.total_token_throughput = per_sec((s.total_input_tokens + s.total_output_tokens) as f64);
         s.request_goodput = slo.map(|_| per_sec(good as f64));
+        s.prefix_hit_rate =
+            cache.map(|(hit, of)| if of > 0 { hit as f64 / of as f64 } else { 0.0 });
         s.ttft_ms = Distribution::of(ttft);
         s.tpot_ms = Distribution::of(tpot);
         s.itl_ms = Distribution::of(itl);
@@ -172,4 +187,52 @@ impl Summary {
 /// A single-token request has no TPOT and is judged on TTFT alone (vLLM does the same).
 fn meets(slo: Slo, ttft_ms: f64, tpot_ms: Option<f64>) -> bool {
     ttft_ms <= slo.ttft_ms && tpot_ms.is_none_or(|t| t <= slo.tpot_ms)
+}
+
+/// The figures the policy lab reports for each policy it replays a trace with, filled from a
+/// real run's [`Summary`] (`switchyard bench --trace`) or a simulated one alike, so the two can
+/// be compared field for field.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct ReplayMetrics {
+    pub completed: usize,
+    pub failed: usize,
+    /// Requests per second meeting the SLO; every completed one without an SLO.
+    pub request_goodput: f64,
+    pub mean_ttft_ms: f64,
+    pub p50_ttft_ms: f64,
+    pub p99_ttft_ms: f64,
+    pub p50_tpot_ms: f64,
+    pub p99_tpot_ms: f64,
+    pub mean_e2el_ms: f64,
+    pub p50_e2el_ms: f64,
+    pub p99_e2el_ms: f64,
+    /// Token-weighted prefix-cache hit rate (0..1); `None` when nothing reported cached tokens.
+    pub prefix_hit_rate: Option<f64>,
+    /// Generations preempted during the run; `None` when the server does not count them.
+    pub preemptions: Option<u64>,
+    /// Requests the replay selected (after its window and limit), sent or not.
+    pub replayed_requests: usize,
+}
+
+impl ReplayMetrics {
+    pub fn of(summary: &Summary, replayed_requests: usize, preemptions: Option<u64>) -> Self {
+        Self {
+            completed: summary.completed,
+            failed: summary.failed,
+            request_goodput: summary
+                .request_goodput
+                .unwrap_or(summary.request_throughput),
+            mean_ttft_ms: summary.ttft_ms.mean,
+            p50_ttft_ms: summary.ttft_ms.p50,
+            p99_ttft_ms: summary.ttft_ms.p99,
+            p50_tpot_ms: summary.tpot_ms.p50,
+            p99_tpot_ms: summary.tpot_ms.p99,
+            mean_e2el_ms: summary.e2el_ms.mean,
+            p50_e2el_ms: summary.e2el_ms.p50,
+            p99_e2el_ms: summary.e2el_ms.p99,
+            prefix_hit_rate: summary.prefix_hit_rate,
+            preemptions,
+            replayed_requests,
+        }
+    }
 }

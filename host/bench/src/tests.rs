@@ -4,11 +4,11 @@ use std::time::Duration;
 
 use clap::Parser;
 
-use super::config::{BenchArgs, BenchConfig, LenRange, WorkloadConfig};
-use super::schedule::PoissonSchedule;
-use super::stats::{Distribution, RequestOutcome, Summary, Timing, percentile};
+use super::config::{BenchArgs, BenchConfig, LenRange, PromptFormat, WorkloadConfig};
+use super::schedule::{ArrivalSchedule, Arrivals};
+use super::stats::{Distribution, ReplayMetrics, RequestOutcome, Summary, Timing, percentile};
 use super::workload::{Arm, Workload};
-use super::{BenchError, BenchReport, procstat, report};
+use super::{BenchError, BenchReport, procstat, report, server_metrics};
 
 mod mock;
 
@@ -41,7 +41,7 @@ fn workload(seed: u64) -> WorkloadConfig {
 fn poisson_mean_gap_is_one_over_rate() {
     let rate = 40.0;
     let draws = 50_000;
-    let times: Vec<f64> = PoissonSchedule::new(rate, 7)
+    let times: Vec<f64> = ArrivalSchedule::new(rate, Arrivals::Poisson, 7)
         .take(draws + 1)
         .map(|d| d.as_secs_f64())
         .collect();
@@ -66,9 +66,10 @@ fn poisson_mean_gap_is_one_over_rate() {
 
 #[test]
 fn poisson_schedule_is_deterministic_per_seed() {
-    let a: Vec<Duration> = PoissonSchedule::new(10.0, 42).take(100).collect();
-    let b: Vec<Duration> = PoissonSchedule::new(10.0, 42).take(100).collect();
-    let c: Vec<Duration> = PoissonSchedule::new(10.0, 43).take(100).collect();
+    let schedule = |seed| ArrivalSchedule::new(10.0, Arrivals::Poisson, seed).take(100);
+    let a: Vec<Duration> = schedule(42).collect();
+    let b: Vec<Duration> = schedule(42).collect();
+    let c: Vec<Duration> = schedule(43).collect();
     assert_eq!(a, b);
     assert_ne!(a, c);
 }
@@ -115,6 +116,7 @@ fn ok(index: u64, arm: Arm, ttft_ms: u64, e2e_ms: u64, tokens: u32) -> RequestOu
                 tokens as usize - 1
             ],
             output_tokens: tokens,
+            cached_tokens: None,
         }),
     }
 }
@@ -287,6 +289,7 @@ fn defaults_are_bounded_and_streaming() {
         config.load,
         super::LoadShape::Open {
             rate: 3.0,
+            arrivals: Arrivals::Poisson,
             max_concurrency: None
         }
     );
@@ -339,6 +342,7 @@ fn sample_report(with_arms: bool) -> BenchReport {
         arms,
         direct_plan: with_arms.then_some(super::DirectPlan::Disagg),
         router: None,
+        trace: None,
     }
 }
 
@@ -798,4 +802,358 @@ async fn pd_balance_factor_moves_the_window_end() {
             .iter()
             .all(|b| b["begin"] == 30)
     );
+}
+
+// ---- trace replay -----------------------------------------------------------------------
+
+#[test]
+fn summary_weighs_the_prefix_hit_rate_by_tokens() {
+    let with_cache = |index, input_tokens, cached| RequestOutcome {
+        input_tokens,
+        result: ok(index, Arm::Routed, 10, 50, 5).result.map(|t| Timing {
+            cached_tokens: cached,
+            ..t
+        }),
+        ..ok(index, Arm::Routed, 10, 50, 5)
+    };
+    let outcomes = vec![
+        with_cache(0, 1000, Some(900)),
+        with_cache(1, 3000, Some(100)),
+        // Unreported: left out of the rate rather than counted as a miss.
+        with_cache(2, 5000, None),
+        failed(3, Arm::Routed),
+    ];
+    let s = Summary::of(&outcomes, Duration::from_secs(2), None);
+    assert_eq!(s.prefix_hit_rate, Some(1000.0 / 4000.0));
+    let none = Summary::of(&outcomes[2..], Duration::from_secs(2), None);
+    assert_eq!(none.prefix_hit_rate, None, "nothing reported");
+
+    let metrics = ReplayMetrics::of(&s, 7, Some(2));
+    assert_eq!((metrics.completed, metrics.failed), (3, 1));
+    assert_eq!(
+        metrics.request_goodput, 1.5,
+        "without an SLO every completed request counts"
+    );
+    assert_eq!(metrics.p50_ttft_ms, 10.0);
+    assert_eq!(
+        (metrics.replayed_requests, metrics.preemptions),
+        (7, Some(2))
+    );
+    let slo = Some(super::Slo {
+        ttft_ms: 5.0,
+        tpot_ms: 100.0,
+    });
+    let strict = Summary::of(&outcomes, Duration::from_secs(2), slo);
+    assert_eq!(ReplayMetrics::of(&strict, 7, None).request_goodput, 0.0);
+}
+
+#[test]
+fn preemptions_come_from_the_routers_counter() {
+    let text = "# HELP switchyard_preemptions Generations preempted\n\
+                # TYPE switchyard_preemptions counter\n\
+                switchyard_preemptions_total{} 0\n\
+                switchyard_preemptions_total 12\n\
+                switchyard_retries_total 3\n";
+    assert_eq!(
+        server_metrics::counter(text, server_metrics::PREEMPTIONS),
+        Some(12)
+    );
+    assert_eq!(
+        server_metrics::counter("up 1\n", server_metrics::PREEMPTIONS),
+        None
+    );
+    assert_eq!(server_metrics::growth(Some(3), Some(10)), Some(7));
+    assert_eq!(server_metrics::growth(Some(10), Some(3)), None, "a restart");
+    assert_eq!(server_metrics::growth(None, Some(3)), None);
+}
+
+#[test]
+fn trace_options_are_checked() {
+    let url = ["--url", "http://127.0.0.1:9"];
+    let bad: &[&[&str]] = &[
+        &["--trace", "t.jsonl", "--rate", "2"],
+        &["--trace", "t.jsonl", "--num-requests", "5"],
+        &["--trace", "t.jsonl", "--compare-direct"],
+        &["--trace", "t.jsonl", "--input-len", "5"],
+        &["--speedup", "2"],
+        &["--limit", "2"],
+        &["--trace", "t.jsonl", "--speedup", "0"],
+        &["--trace", "t.jsonl", "--speedup", "nan"],
+        &["--trace", "t.jsonl", "--limit", "0"],
+        &["--trace", "t.jsonl", "--window", "5..2"],
+        &["--trace", "t.jsonl", "--max-input-len", "0"],
+        &["--trace", "t.jsonl", "--max-concurrency", "0"],
+        &["--arrivals", "gamma:2"],
+        &["--rate", "2", "--arrivals", "gamma:0"],
+        &["--rate", "2", "--arrivals", "uniform"],
+    ];
+    for args in bad {
+        let mut all = url.to_vec();
+        all.extend_from_slice(args);
+        assert!(parse(&all).is_err(), "{args:?} should be rejected");
+    }
+    let config = parse(&[
+        "--url",
+        "http://127.0.0.1:9",
+        "--trace",
+        "t.jsonl",
+        "--speedup",
+        "4",
+        "--window",
+        "10..",
+        "--limit",
+        "3",
+        "--max-concurrency",
+        "2",
+    ])
+    .expect("valid");
+    assert_eq!(config.prompt_format, PromptFormat::Tokens, "ids by default");
+    let trace = config.trace.expect("a trace run");
+    assert_eq!(trace.replay.speedup, 4.0);
+    assert_eq!(trace.replay.window.start_ms, Some(10_000));
+    assert_eq!(
+        (trace.replay.limit, trace.max_concurrency),
+        (Some(3), Some(2))
+    );
+    let text = parse(&[
+        "--url",
+        "http://127.0.0.1:9",
+        "--trace",
+        "t.jsonl",
+        "--prompt-format",
+        "text",
+    ])
+    .expect("valid");
+    assert_eq!(text.prompt_format, PromptFormat::Text);
+    let generated = parse(&["--url", "http://127.0.0.1:9"]).expect("valid");
+    assert_eq!(generated.prompt_format, PromptFormat::Text);
+    let gamma = parse(&[
+        "--url",
+        "http://h:1",
+        "--rate",
+        "2",
+        "--arrivals",
+        "gamma:1.5",
+    ])
+    .expect("valid");
+    assert!(matches!(
+        gamma.load,
+        super::LoadShape::Open {
+            arrivals: Arrivals::Gamma { cv, .. },
+            ..
+        } if cv == 1.5
+    ));
+}
+
+/// Three requests of one prompt (two whole blocks), one short one, one outside `..1`.
+const TINY_TRACE: &str = r#"{"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [7, 8]}
+{"timestamp": 100, "input_length": 1024, "output_length": 40, "hash_ids": [7, 8]}
+{"timestamp": 200, "input_length": 300, "output_length": 3, "hash_ids": [9]}
+{"timestamp": 300, "input_length": 1024, "output_length": 2, "hash_ids": [7, 8]}
+{"timestamp": 5000, "input_length": 1024, "output_length": 2, "hash_ids": [7, 8]}
+"#;
+
+#[tokio::test]
+async fn replays_a_trace_and_reports_the_lab_fields() {
+    let server = mock::MockServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("tiny.jsonl");
+    std::fs::write(&path, TINY_TRACE).expect("written");
+    let path = path.to_str().expect("utf-8 path");
+    let args = [
+        "--trace",
+        path,
+        "--window",
+        "..1",
+        "--speedup",
+        "10",
+        "--max-output-len",
+        "4",
+    ];
+    let config = parse(&[&["--url", server.url.as_str()][..], &args[..]].concat()).expect("valid");
+    let report = super::execute(&config, indicatif::ProgressBar::hidden())
+        .await
+        .expect("runs");
+    let json = report::to_json(&config, &report);
+    assert_eq!(json["completed"], 4, "{}", json["error_counts"]);
+    assert_eq!(json["failed"], 0);
+    assert_eq!(json["replayed_requests"], 4, "the window leaves 4 of 5");
+    let goodput = json["request_goodput"]
+        .as_f64()
+        .expect("a number without --slo");
+    assert!((goodput - 4.0 / report.duration.as_secs_f64()).abs() < 1e-9);
+    for key in [
+        "mean_ttft_ms",
+        "p50_ttft_ms",
+        "p99_ttft_ms",
+        "p50_tpot_ms",
+        "p99_tpot_ms",
+        "mean_e2el_ms",
+        "p50_e2el_ms",
+        "p99_e2el_ms",
+    ] {
+        assert!(
+            json[key].as_f64().is_some_and(|v| v > 0.0),
+            "{key}: {}",
+            json[key]
+        );
+    }
+    // Whatever order they arrived in, one of the three equal prompts missed and two hit both
+    // blocks; the 300-token prompt has no whole block.
+    let hit_rate = json["prefix_hit_rate"]
+        .as_f64()
+        .expect("the mock reports it");
+    assert!((hit_rate - 2048.0 / 3372.0).abs() < 1e-12, "{hit_rate}");
+    assert_eq!(json["preemptions"], 4, "the mock counts each completion");
+    assert_eq!(
+        json["total_output_tokens"],
+        4 + 4 + 3 + 2,
+        "5 and 40 capped to 4"
+    );
+    let trace = &json["trace"];
+    assert_eq!(trace["capped_outputs"], 2);
+    assert_eq!(trace["capped_inputs"], 0);
+    assert_eq!(trace["summary"]["requests"], 5);
+    assert_eq!(trace["replayed"]["requests"], 4);
+    assert_eq!(trace["replayed"]["prefix_sharing_ceiling"], 2048.0 / 3372.0);
+    assert!(
+        json.get("num_prompts").is_none(),
+        "no generated-load settings"
+    );
+
+    {
+        let calls = server.calls.lock();
+        let bodies = &calls.bodies["/v1/completions"];
+        assert_eq!(bodies.len(), 4);
+        let ids = bodies
+            .iter()
+            .find(|b| b["prompt"].as_array().is_some_and(|p| p.len() == 300))
+            .expect("the short prompt went as token ids");
+        assert_eq!(ids["max_tokens"], 3);
+        let sent: Vec<u8> = ids["prompt"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .filter_map(|id| id.as_u64().map(|id| id as u8))
+            .collect();
+        assert_eq!(sent, super::trace::tokens::block(9)[..300], "block 9, cut");
+        assert!(bodies.iter().all(|b| b["max_tokens"].as_u64() <= Some(4)));
+    }
+
+    let mut table = Vec::new();
+    report::write_table(&mut table, &config, &report).expect("writes");
+    let table = String::from_utf8(table).expect("utf-8");
+    for needle in [
+        "Trace replay",
+        "Requests in trace / replayed:",
+        "Prefix hit rate:",
+    ] {
+        assert!(table.contains(needle), "missing {needle:?} in\n{table}");
+    }
+
+    // A second run on the same server counts its own preemptions, not the server's total.
+    let again = super::execute(&config, indicatif::ProgressBar::hidden())
+        .await
+        .expect("runs");
+    let again = again.trace.expect("a trace run");
+    assert_eq!(again.metrics.preemptions, Some(4));
+    let rate = again.metrics.prefix_hit_rate.expect("reported");
+    assert!(
+        (rate - 3072.0 / 3372.0).abs() < 1e-12,
+        "now all cached: {rate}"
+    );
+}
+
+#[tokio::test]
+async fn trace_errors_are_clear() {
+    let server = mock::MockServer::start().await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("t.jsonl");
+    std::fs::write(&path, TINY_TRACE).expect("written");
+    let path = path.to_str().expect("utf-8 path");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["--url", server.url.as_str(), "--trace"];
+        args.extend_from_slice(extra);
+        let config = parse(&args).expect("valid options");
+        async move { super::execute(&config, indicatif::ProgressBar::hidden()).await }
+    };
+    let err = run(&[path, "--window", "6.."])
+        .await
+        .expect_err("nothing selected");
+    assert!(matches!(err, BenchError::Config(_)), "{err}");
+    let missing = dir.path().join("missing.jsonl");
+    let err = run(&[missing.to_str().expect("utf-8")])
+        .await
+        .expect_err("no file");
+    assert!(matches!(err, BenchError::Trace(_)), "{err}");
+    assert!(err.to_string().contains("missing.jsonl"), "{err}");
+    assert_eq!(server.calls.lock().count("/v1/completions"), 0);
+}
+
+#[derive(Parser)]
+struct TraceCli {
+    #[command(subcommand)]
+    command: super::TraceCommand,
+}
+
+#[test]
+fn trace_gen_writes_the_same_file_for_the_same_flags() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let generate = |name: &str, seed: &str| {
+        let out = dir.path().join(name);
+        let cli = TraceCli::try_parse_from([
+            "trace",
+            "gen",
+            "--out",
+            out.to_str().expect("utf-8"),
+            "--num-requests",
+            "60",
+            "--rate",
+            "5",
+            "--arrivals",
+            "gamma:0.5",
+            "--input-len-range",
+            "600:900",
+            "--shared-prefix-groups",
+            "2",
+            "--shared-prefix-len",
+            "512",
+            "--turns",
+            "2",
+            "--seed",
+            seed,
+        ])
+        .expect("valid flags");
+        super::run_trace_command(cli.command).expect("generates");
+        std::fs::read(&out).expect("written")
+    };
+    let (a, b, c) = (generate("a", "1"), generate("b", "1"), generate("c", "2"));
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    let trace = super::trace::Trace::parse(a.as_slice(), "a").expect("a trace");
+    assert_eq!(trace.requests().len(), 60);
+    assert!(trace.requests().iter().all(|r| r.input_length >= 600));
+
+    let summary = TraceCli::try_parse_from([
+        "trace",
+        "summary",
+        dir.path().join("a").to_str().expect("utf-8"),
+        "--json",
+    ])
+    .expect("valid flags");
+    super::run_trace_command(summary.command).expect("summarises");
+    let bad = TraceCli::try_parse_from([
+        "trace",
+        "gen",
+        "--out",
+        dir.path().join("d").to_str().expect("utf-8"),
+        "--shared-prefix-groups",
+        "2",
+        "--shared-prefix-len",
+        "100",
+    ])
+    .expect("parses");
+    let err = super::run_trace_command(bad.command).expect_err("100 is not whole blocks");
+    assert!(matches!(err, BenchError::Synth(_)), "{err}");
+    assert!(!dir.path().join("d").exists(), "nothing written");
 }

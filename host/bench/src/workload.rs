@@ -125,24 +125,39 @@ fn group_prefix(seed: u64, group: u32, len: u32) -> String {
     prefix
 }
 
-fn stream_rng(seed: u64, stream: u64, index: u64) -> StdRng {
+/// A generator for item `index` of one purpose (`stream`) under `seed`, independent of the others.
+pub(crate) fn stream_rng(seed: u64, stream: u64, index: u64) -> StdRng {
     StdRng::seed_from_u64(mix(mix(seed ^ stream).wrapping_add(index)))
 }
 
-/// splitmix64's finaliser: nearby inputs give unrelated seeds.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+/// One splitmix64 output for `z`: nearby inputs give unrelated seeds.
+fn mix(z: u64) -> u64 {
+    let mut state = z;
+    splitmix64(&mut state)
+}
+
+/// splitmix64 (Steele, Lea and Flood; Vigna's reference code): advances `state` by the golden
+/// gamma and returns the next output.
+pub(crate) fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
 }
 
-fn draw_len(rng: &mut StdRng, range: LenRange) -> u32 {
+/// A length drawn uniformly from `range`.
+pub(crate) fn draw_len(rng: &mut StdRng, range: LenRange) -> u32 {
     rng.random_range(range.min..=range.max)
 }
 
 fn printable(n: u64) -> char {
-    char::from(PRINTABLE.start() + (n % PRINTABLE_COUNT) as u8)
+    char::from(printable_byte(n))
+}
+
+/// The printable ASCII byte `n` selects (0x20 + n mod 95).
+pub(crate) fn printable_byte(n: u64) -> u8 {
+    PRINTABLE.start() + (n % PRINTABLE_COUNT) as u8
 }
 
 fn random_text(rng: &mut StdRng, len: usize) -> String {

@@ -44,7 +44,11 @@ enum Command {
     /// A run ends after --num-requests requests or --duration seconds, whichever comes first;
     /// requests already sent then finish, each bounded by --request-timeout. Results: a table
     /// on stdout, optionally --json (vLLM benchmark_serving names) and --plot (SVG CDFs).
+    /// With --trace FILE it replays a recorded trace instead (see `switchyard trace`).
     Bench(switchyard_bench::BenchArgs),
+    /// Summarise a request trace, or write a seeded synthetic one (Mooncake JSONL).
+    #[command(subcommand)]
+    Trace(switchyard_bench::TraceCommand),
     /// Run the router in front of running engines.
     Serve(switchyard_router::config::ServeArgs),
     /// Start reference engines and the router in front of them (the embedded default).
@@ -60,6 +64,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Engine(args) => engine(args),
         Command::Bench(args) => switchyard_bench::run_blocking(args).map_err(Into::into),
+        Command::Trace(command) => switchyard_bench::run_trace_command(command).map_err(Into::into),
         Command::Serve(args) => serve(&args),
         Command::Up(mut args) => {
             // The engines log to the same stderr: in the same format.

@@ -2,8 +2,13 @@
 //! and `/microserving/start_generate` stream `max_tokens` one-byte chunks (1 ms apart, like
 //! decode steps), `/admin/endpoints` lists two engines at its own address, and every call is
 //! counted and its JSON body kept for inspection.
+//!
+//! Like a server with a prefix cache, it reports `usage.prompt_tokens_details.cached_tokens`:
+//! the prompt's leading whole 512-token blocks that an earlier prompt had (each prompt is
+//! cached as it arrives). Its `/metrics` counts every completion as a preemption in
+//! `switchyard_preemptions_total`, so a run's share of the counter is its completions.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashSet};
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -21,6 +26,9 @@ use tokio::net::TcpListener;
 /// Gap between two streamed chunks.
 pub const CHUNK_GAP: Duration = Duration::from_millis(1);
 
+/// Tokens per cached block, as trace blocks.
+const CACHE_BLOCK: usize = 512;
+
 type Body = BoxBody<Bytes, Infallible>;
 
 #[derive(Debug, Default)]
@@ -30,6 +38,8 @@ pub struct Calls {
     /// Generations being streamed now, and the most there ever were at once.
     pub generating: usize,
     pub max_generating: usize,
+    /// Every whole-block prefix of every prompt so far.
+    cached_prefixes: HashSet<Vec<u8>>,
 }
 
 /// Counts a generation from its request until its body is dropped (sent or abandoned).
@@ -54,6 +64,20 @@ impl Drop for Generating {
 impl Calls {
     pub fn count(&self, path: &str) -> usize {
         self.bodies.get(path).map_or(0, Vec::len)
+    }
+
+    /// Tokens of `prompt`'s leading whole blocks seen in an earlier prompt; then caches it.
+    fn cache(&mut self, prompt: &[u8]) -> usize {
+        let prefixes: Vec<&[u8]> = (1..=prompt.len() / CACHE_BLOCK)
+            .map(|blocks| &prompt[..blocks * CACHE_BLOCK])
+            .collect();
+        let hits = prefixes
+            .iter()
+            .take_while(|p| self.cached_prefixes.contains(**p))
+            .count();
+        self.cached_prefixes
+            .extend(prefixes.into_iter().map(<[u8]>::to_vec));
+        hits * CACHE_BLOCK
     }
 }
 
@@ -120,6 +144,15 @@ async fn handle(
         .push(body.clone());
     Ok(match path.as_str() {
         "/v1/models" => json_response(json!({"object": "list", "data": []})),
+        "/metrics" => {
+            let completions = calls.lock().count("/v1/completions");
+            Response::builder()
+                .header("content-type", "text/plain; version=0.0.4")
+                .body(Full::new(Bytes::from(format!(
+                    "# TYPE switchyard_preemptions counter\nswitchyard_preemptions_total {completions}\n"
+                ))).boxed())
+                .unwrap_or_default()
+        }
         "/admin/endpoints" => json_response(json!([
             {"id": 1, "url": base, "role": "any", "device_rank": 4, "healthy": true, "in_flight": 0},
             {"id": 0, "url": format!("{base}/"), "role": "any", "device_rank": 0, "healthy": true, "in_flight": 0},
@@ -130,7 +163,8 @@ async fn handle(
         })),
         "/microserving/remote_send" => json_response(json!({})),
         "/v1/completions" | "/microserving/start_generate" => {
-            completion(&body, Generating::start(calls))
+            let cached = calls.lock().cache(&prompt_bytes(&body["prompt"]));
+            completion(&body, cached, Generating::start(calls))
         }
         _ => Response::builder()
             .status(StatusCode::NOT_FOUND)
@@ -146,13 +180,21 @@ fn json_response(value: Value) -> Response<Body> {
         .unwrap_or_default()
 }
 
-fn completion(body: &Value, generating: Generating) -> Response<Body> {
+/// A prompt's tokens as bytes: a text's bytes, or its ids (byte values in these tests).
+fn prompt_bytes(prompt: &Value) -> Vec<u8> {
+    match prompt {
+        Value::String(s) => s.as_bytes().to_vec(),
+        Value::Array(ids) => ids
+            .iter()
+            .map(|id| id.as_u64().map_or(0, |id| id as u8))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn completion(body: &Value, cached_tokens: usize, generating: Generating) -> Response<Body> {
     let tokens = body["max_tokens"].as_u64().unwrap_or(1);
-    let prompt_tokens = match &body["prompt"] {
-        Value::String(s) => s.len(),
-        Value::Array(a) => a.len(),
-        _ => 0,
-    };
+    let prompt_tokens = prompt_bytes(&body["prompt"]).len();
     if body["stream"] != Value::Bool(true) {
         return json_response(json!({
             "id": "cmpl-mock", "object": "text_completion", "created": 0, "model": "mock",
@@ -179,7 +221,8 @@ fn completion(body: &Value, generating: Generating) -> Response<Body> {
             "id": "cmpl-mock", "object": "text_completion", "created": 0, "model": "mock",
             "choices": [],
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
-                      "total_tokens": prompt_tokens as u64 + tokens},
+                      "total_tokens": prompt_tokens as u64 + tokens,
+                      "prompt_tokens_details": {"cached_tokens": cached_tokens}},
         })));
     }
     events.push(Bytes::from_static(b"data: [DONE]\n\n"));
