@@ -6,18 +6,6 @@
 
 use std::path::PathBuf;
 
-/// Every command whose flags the reference documents, as its arguments before `--help`.
-const COMMANDS: [&[&str]; 8] = [
-    &[],
-    &["serve"],
-    &["up"],
-    &["engine"],
-    &["bench"],
-    &["policy", "check"],
-    &["policy", "plan"],
-    &["policy", "new"],
-];
-
 /// The page that lists every flag of every command.
 const REFERENCE: &str = "docs/src/reference.md";
 
@@ -30,17 +18,47 @@ pub(crate) fn checkout_file(path: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
-/// The long flags `switchyard <command> --help` lists (`--port <PORT>`, `-h, --help`), less
-/// the two every command has.
-fn flags_of(command: &[&str]) -> Vec<String> {
+/// `switchyard <command> --help`.
+fn help(command: &[String]) -> String {
     let out = std::process::Command::new(switchyard_tests::switchyard_bin())
         .args(command)
         .arg("--help")
         .output()
         .expect("switchyard runs");
     assert!(out.status.success(), "switchyard {command:?} --help failed");
-    let help = String::from_utf8_lossy(&out.stdout);
-    help.lines()
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Every command of the binary, as its arguments before `--help`: the binary itself and each
+/// subcommand its help lists under `Commands:`, recursively, so a command added to the binary is
+/// checked without being named here.
+fn commands() -> Vec<Vec<String>> {
+    let mut found = vec![Vec::new()];
+    let mut next = 0;
+    while let Some(command) = found.get(next).cloned() {
+        next += 1;
+        let help = help(&command);
+        let listed = help
+            .lines()
+            .skip_while(|line| !line.starts_with("Commands:"))
+            .skip(1)
+            .take_while(|line| line.starts_with(' '))
+            .filter_map(|line| line.split_whitespace().next())
+            .filter(|name| *name != "help");
+        for name in listed {
+            let mut sub = command.clone();
+            sub.push(name.to_owned());
+            found.push(sub);
+        }
+    }
+    found
+}
+
+/// The long flags `switchyard <command> --help` lists (`--port <PORT>`, `-h, --help`), less
+/// the two every command has.
+fn flags_of(command: &[String]) -> Vec<String> {
+    help(command)
+        .lines()
         .map(str::trim_start)
         .filter(|line| line.starts_with('-'))
         .filter_map(|line| {
@@ -70,12 +88,14 @@ fn documents(page: &str, flag: &str) -> bool {
 fn every_flag_of_every_command_is_in_the_command_line_reference() {
     let reference = checkout_file(REFERENCE);
     let mut missing = Vec::new();
-    for command in COMMANDS {
+    let commands = commands();
+    // The binary, serve, up, engine, bench, trace, policy and its three subcommands at least.
+    assert!(
+        commands.len() >= 10,
+        "found only {commands:?}: the help parser above no longer reads `Commands:`"
+    );
+    for command in &commands {
         let flags = flags_of(command);
-        assert!(
-            !flags.is_empty(),
-            "switchyard {command:?} --help lists no flag: the parser above no longer reads it"
-        );
         missing.extend(
             flags
                 .into_iter()

@@ -22,7 +22,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[command(name = "switchyard", version, about, long_about = None)]
 struct Cli {
     /// How logs (on stderr) are written: `text` for people, `json` (one object a line) for log
-    /// shippers. `RUST_LOG` sets what is logged [default: text].
+    /// shippers. `RUST_LOG` sets what is logged.
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
     #[command(subcommand)]
