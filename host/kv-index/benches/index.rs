@@ -172,16 +172,46 @@ fn percentiles(mut samples: Vec<Duration>) -> (Duration, Duration) {
     (at(0.50), at(0.99))
 }
 
-fn time_lookups(index: &RwLock<KvIndex>, prompts: &[Vec<u32>], rounds: usize) -> Vec<Duration> {
-    let mut samples = Vec::with_capacity(rounds * prompts.len());
+/// Per lookup: wall time, and the thread's CPU time (what the lookup costs when it is not
+/// preempted: this machine's other tenants lengthen the wall-clock tail, not the work).
+struct Samples {
+    wall: Vec<Duration>,
+    cpu: Vec<Duration>,
+}
+
+fn thread_cpu_time() -> Duration {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        u64::try_from(now.tv_sec).unwrap_or(0),
+        u32::try_from(now.tv_nsec).unwrap_or(0),
+    )
+}
+
+fn time_lookups(index: &RwLock<KvIndex>, prompts: &[Vec<u32>], rounds: usize) -> Samples {
+    let mut samples = Samples {
+        wall: Vec::with_capacity(rounds * prompts.len()),
+        cpu: Vec::with_capacity(rounds * prompts.len()),
+    };
     for _ in 0..rounds {
         for prompt in prompts {
-            let start = Instant::now();
+            let (start, cpu_start) = (Instant::now(), thread_cpu_time());
             black_box(index.read().lookup(prompt, Adapter::Base, MediumSet::GPU));
-            samples.push(start.elapsed());
+            samples.cpu.push(thread_cpu_time() - cpu_start);
+            samples.wall.push(start.elapsed());
         }
     }
     samples
+}
+
+impl Samples {
+    fn report(self, what: &str, blocks: usize) {
+        let (p50, p99) = percentiles(self.wall);
+        let (cpu50, cpu99) = percentiles(self.cpu);
+        println!(
+            "{what} ({blocks} blocks walked): wall p50 {p50:?} p99 {p99:?}; thread CPU p50 {cpu50:?} p99 {cpu99:?} ({:.1} ns/block at CPU p50)",
+            cpu50.as_nanos() as f64 / blocks as f64
+        );
+    }
 }
 
 /// Resident set size in bytes, from /proc (Linux).
@@ -229,16 +259,9 @@ fn summary(fleet: Fleet) -> Fleet {
         "others hold the system prompt"
     );
 
-    let (p50, p99) = percentiles(time_lookups(&index, &hits, 30));
     let walked = PROMPT_TOKENS / BLOCK - 128;
-    println!(
-        "lookup, 32k-token next turn ({walked} blocks walked): p50 {p50:?} p99 {p99:?} ({:.1} ns/block at p50)",
-        p50.as_nanos() as f64 / walked as f64
-    );
-    let (p50, p99) = percentiles(time_lookups(&index, &misses, 30));
-    println!(
-        "lookup, 32k-token first turn ({SYSTEM_BLOCKS} blocks walked): p50 {p50:?} p99 {p99:?}"
-    );
+    time_lookups(&index, &hits, 30).report("lookup, 32k-token next turn", walked);
+    time_lookups(&index, &misses, 30).report("lookup, 32k-token first turn", SYSTEM_BLOCKS + 1);
 
     // The runtime layout: subscriber tasks take the write lock per batch while requests look up.
     let index = Arc::new(index);
@@ -287,13 +310,16 @@ fn summary(fleet: Fleet) -> Fleet {
         })
     };
     let started = Instant::now();
-    let (p50, p99) = percentiles(time_lookups(&index, &hits, 30));
+    let samples = time_lookups(&index, &hits, 30);
     let elapsed = started.elapsed();
     stop.store(true, Ordering::Relaxed);
     let batches = writer.join().expect("writer");
-    println!(
-        "lookup beside a writer ({:.0} write-locked batches of 16 events/s): p50 {p50:?} p99 {p99:?}",
-        batches as f64 / elapsed.as_secs_f64()
+    samples.report(
+        &format!(
+            "lookup beside a writer ({:.0} write-locked batches of 16 events/s), next turn",
+            batches as f64 / elapsed.as_secs_f64()
+        ),
+        walked,
     );
     let index = Arc::into_inner(index).expect("writer joined").into_inner();
     Fleet { index, ..fleet }

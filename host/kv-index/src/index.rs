@@ -22,6 +22,9 @@ use holders::Holders;
 /// more than the KV pool of any one engine we front.
 pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 100_000;
 
+/// Blocks whose keys a lookup computes before probing them.
+const KEYS_AHEAD: usize = 32;
+
 /// Which prompt prefixes each endpoint's KV cache holds.
 pub struct KvIndex {
     holders: Holders,
@@ -180,20 +183,32 @@ impl KvIndex {
     ) {
         let mut chain = KeyChain::from(BlockKey::root(adapter));
         let blocks = tokens.len() / block_size;
-        for (depth, block) in tokens.chunks_exact(block_size).enumerate() {
-            let key = chain.next(block);
-            let mut any = false;
-            for (word, slots) in walking.iter_mut().enumerate() {
-                if *slots == 0 {
-                    continue;
+        // Keys a stretch ahead, then their probes: the probes do not depend on each other, so
+        // their cache misses (the map is far larger than any cache) overlap instead of each
+        // waiting behind the next key's hashing.
+        let mut keys = Vec::with_capacity(KEYS_AHEAD);
+        for (stretch, stretch_tokens) in tokens.chunks(KEYS_AHEAD * block_size).enumerate() {
+            keys.clear();
+            keys.extend(
+                stretch_tokens
+                    .chunks_exact(block_size)
+                    .map(|b| chain.next(b)),
+            );
+            for (i, &key) in keys.iter().enumerate() {
+                let depth = stretch * KEYS_AHEAD + i;
+                let mut any = false;
+                for (word, slots) in walking.iter_mut().enumerate() {
+                    if *slots == 0 {
+                        continue;
+                    }
+                    let held = self.holders.mask(key, word, media);
+                    for_each_slot(*slots & !held, word, |slot| matched_blocks[slot] = depth);
+                    *slots &= held;
+                    any |= *slots != 0;
                 }
-                let held = self.holders.mask(key, word, media);
-                for_each_slot(*slots & !held, word, |slot| matched_blocks[slot] = depth);
-                *slots &= held;
-                any |= *slots != 0;
-            }
-            if !any {
-                return;
+                if !any {
+                    return;
+                }
             }
         }
         for (word, slots) in walking.iter().enumerate() {

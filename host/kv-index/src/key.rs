@@ -70,10 +70,13 @@ impl KeyChain {
 
     /// The key of the block of `tokens` after the last one, which it becomes.
     pub(crate) fn next(&mut self, tokens: &[u32]) -> BlockKey {
-        self.bytes.clear();
-        self.bytes.extend_from_slice(&self.parent.0.to_le_bytes());
-        for token in tokens {
-            self.bytes.extend_from_slice(&token.to_le_bytes());
+        // Same length block after block: `resize` only sets the length, and the copy below
+        // compiles to a plain copy on little-endian machines.
+        self.bytes.resize(8 + 4 * tokens.len(), 0);
+        let (parent, rest) = self.bytes.split_at_mut(8);
+        parent.copy_from_slice(&self.parent.0.to_le_bytes());
+        for (bytes, token) in rest.chunks_exact_mut(4).zip(tokens) {
+            bytes.copy_from_slice(&token.to_le_bytes());
         }
         self.parent = BlockKey(xxh3_64(&self.bytes));
         self.parent
@@ -91,4 +94,30 @@ pub fn prompt_keys(tokens: &[u32], block_size: usize, adapter: Adapter<'_>) -> V
         .chunks_exact(block_size)
         .map(|block| chain.next(block))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The definition in the module doc, spelled out: router replicas and other tools may
+    /// compute keys themselves, so it must not drift.
+    #[test]
+    fn keys_are_xxh3_of_the_parent_and_the_tokens_little_endian() {
+        let root = xxh3_64(b"switchyard-kv-index/root\0\0");
+        assert_eq!(BlockKey::root(Adapter::Base).bits(), root);
+        let mut bytes = root.to_le_bytes().to_vec();
+        for token in [1u32, 70_000, 3, 4] {
+            bytes.extend_from_slice(&token.to_le_bytes());
+        }
+        let first = xxh3_64(&bytes);
+        let keys = prompt_keys(&[1, 70_000, 3, 4, 5, 6, 7, 8, 9], 4, Adapter::Base);
+        assert_eq!(keys.len(), 2, "the partial tail has no key");
+        assert_eq!(keys[0].bits(), first);
+        assert_ne!(
+            prompt_keys(&[1, 70_000, 3, 4], 4, Adapter::Lora("a"))[0],
+            keys[0]
+        );
+        assert_eq!(prompt_keys(&[1, 2], 0, Adapter::Base), []);
+    }
 }

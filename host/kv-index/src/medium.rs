@@ -14,7 +14,6 @@ pub enum Medium {
 
 impl Medium {
     pub(crate) const EVERY: [Self; 3] = [Self::Gpu, Self::Cpu, Self::Storage];
-    pub(crate) const COUNT: usize = Self::EVERY.len();
 
     /// The tier of an event's `medium` field.
     pub fn of(medium: Option<&str>) -> Self {
@@ -23,10 +22,6 @@ impl Medium {
             Some(name) if name.starts_with("CPU") => Self::Cpu,
             Some(_) => Self::Storage,
         }
-    }
-
-    pub(crate) fn index(self) -> usize {
-        self as usize
     }
 }
 

@@ -1,5 +1,5 @@
-//! Which endpoints hold each key, per medium: the one map a lookup probes, so a prompt's walk
-//! is one probe per block for up to 64 endpoints whatever their number.
+//! Which endpoints hold each key, per medium: the map a lookup probes, so a prompt's walk is
+//! one probe per block for up to 64 endpoints whatever their number.
 //!
 //! Endpoints have slots; slot `s` is bit `s % 64` of word `s / 64`. Word 0 of a key is stored
 //! under the key's bits, word `w > 0` under the bits mixed with `w`, so routers of ≤ 64
@@ -11,46 +11,83 @@ use std::hash::{BuildHasherDefault, Hasher};
 use crate::key::BlockKey;
 use crate::medium::{Medium, MediumSet};
 
-/// Per medium, the slots of one word holding the key.
-type Masks = [u64; Medium::COUNT];
+type Map<V> = HashMap<u64, V, BuildHasherDefault<KeyBits>>;
 
 #[derive(Default)]
 pub(super) struct Holders {
-    map: HashMap<u64, Masks, BuildHasherDefault<KeyBits>>,
+    /// The slots of one word holding the key in their GPU cache: all a default lookup probes,
+    /// 16 bytes an entry so that as many entries as can share each cache line.
+    gpu: Map<u64>,
+    /// The same for the offloaded tiers ([`Medium::Cpu`], [`Medium::Storage`]), which only
+    /// offloading connectors fill.
+    offloaded: Map<[u64; 2]>,
 }
 
 impl Holders {
     pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) {
-        let masks = self.map.entry(entry_key(key, slot / 64)).or_default();
-        masks[medium.index()] |= 1 << (slot % 64);
+        let (entry, bit) = (entry_key(key, slot / 64), 1 << (slot % 64));
+        match offloaded_index(medium) {
+            None => *self.gpu.entry(entry).or_default() |= bit,
+            Some(tier) => self.offloaded.entry(entry).or_default()[tier] |= bit,
+        }
     }
 
     pub(super) fn clear(&mut self, key: BlockKey, slot: usize, medium: Medium) {
-        let entry = entry_key(key, slot / 64);
-        if let Some(masks) = self.map.get_mut(&entry) {
-            masks[medium.index()] &= !(1 << (slot % 64));
-            if masks.iter().all(|&mask| mask == 0) {
-                self.map.remove(&entry);
+        let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
+        match offloaded_index(medium) {
+            None => {
+                if let Some(mask) = self.gpu.get_mut(&entry) {
+                    *mask &= !bit;
+                    if *mask == 0 {
+                        self.gpu.remove(&entry);
+                    }
+                }
+            }
+            Some(tier) => {
+                if let Some(masks) = self.offloaded.get_mut(&entry) {
+                    masks[tier] &= !bit;
+                    if masks.iter().all(|&mask| mask == 0) {
+                        self.offloaded.remove(&entry);
+                    }
+                }
             }
         }
     }
 
     /// The slots of `word` holding `key` on any of `media`.
     pub(super) fn mask(&self, key: BlockKey, word: usize, media: MediumSet) -> u64 {
-        self.map.get(&entry_key(key, word)).map_or(0, |masks| {
-            Medium::EVERY
-                .into_iter()
-                .filter(|&medium| media.contains(medium))
-                .fold(0, |held, medium| held | masks[medium.index()])
-        })
+        let entry = entry_key(key, word);
+        let mut held = 0;
+        if media.contains(Medium::Gpu) {
+            held |= self.gpu.get(&entry).copied().unwrap_or(0);
+        }
+        if !self.offloaded.is_empty()
+            && let Some(masks) = self.offloaded.get(&entry)
+        {
+            for medium in [Medium::Cpu, Medium::Storage] {
+                if media.contains(medium) {
+                    held |= masks[offloaded_index(medium).expect("offloaded")];
+                }
+            }
+        }
+        held
     }
 
+    /// Entries: (key, word) pairs held on the GPU, plus those held offloaded.
     pub(super) fn len(&self) -> usize {
-        self.map.len()
+        self.gpu.len() + self.offloaded.len()
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        super::map_heap_bytes(&self.map)
+        super::map_heap_bytes(&self.gpu) + super::map_heap_bytes(&self.offloaded)
+    }
+}
+
+fn offloaded_index(medium: Medium) -> Option<usize> {
+    match medium {
+        Medium::Gpu => None,
+        Medium::Cpu => Some(0),
+        Medium::Storage => Some(1),
     }
 }
 
