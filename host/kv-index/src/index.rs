@@ -183,10 +183,10 @@ impl KvIndex {
     ) {
         let mut chain = KeyChain::from(BlockKey::root(adapter));
         let blocks = tokens.len() / block_size;
-        // Keys a stretch ahead, then their probes: the probes do not depend on each other, so
-        // their cache misses (the map is far larger than any cache) overlap instead of each
-        // waiting behind the next key's hashing.
+        // A stretch of keys, then their probes, then the narrowing: the probes do not depend
+        // on each other, so their cache misses (the map is far larger than any cache) overlap.
         let mut keys = Vec::with_capacity(KEYS_AHEAD);
+        let mut held = Vec::with_capacity(KEYS_AHEAD * walking.len());
         for (stretch, stretch_tokens) in tokens.chunks(KEYS_AHEAD * block_size).enumerate() {
             keys.clear();
             keys.extend(
@@ -194,14 +194,20 @@ impl KvIndex {
                     .chunks_exact(block_size)
                     .map(|b| chain.next(b)),
             );
-            for (i, &key) in keys.iter().enumerate() {
+            // All the stretch's probes first, for the words still walking: independent
+            // loads the CPU overlaps, where probing between narrowings would wait on each.
+            held.clear();
+            for (word, &slots) in walking.iter().enumerate() {
+                held.extend(keys.iter().map(|&key| match slots {
+                    0 => 0,
+                    _ => self.holders.mask(key, word, media),
+                }));
+            }
+            for i in 0..keys.len() {
                 let depth = stretch * KEYS_AHEAD + i;
                 let mut any = false;
                 for (word, slots) in walking.iter_mut().enumerate() {
-                    if *slots == 0 {
-                        continue;
-                    }
-                    let held = self.holders.mask(key, word, media);
+                    let held = held[word * keys.len() + i];
                     for_each_slot(*slots & !held, word, |slot| matched_blocks[slot] = depth);
                     *slots &= held;
                     any |= *slots != 0;
