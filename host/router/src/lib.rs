@@ -25,6 +25,7 @@ pub mod cluster;
 pub mod config;
 #[cfg(feature = "k8s")]
 pub mod discovery;
+pub mod kv_events;
 pub mod microserving;
 pub mod plan;
 mod router;

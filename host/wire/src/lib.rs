@@ -13,6 +13,7 @@
 //!   (tokenizer plus chat template), which router and engine share so a chat prompt is rendered
 //!   and tokenized the same on both.
 //! - [`gguf`]: a GGUF model's metadata and the tokenizer built from it (router and engine share it).
+//! - [`kv_events`]: the KV-cache events vLLM and SGLang publish (msgpack over ZeroMQ frames).
 //! - [`ReadyLine`]: the line an engine prints once it serves, which its launcher reads.
 //!
 //! This crate must never depend on another switchyard crate, nor on an HTTP stack.
@@ -35,6 +36,7 @@ pub mod client;
 pub mod completion;
 pub mod error;
 pub mod gguf;
+pub mod kv_events;
 pub mod metrics;
 pub mod microserving;
 mod ready;

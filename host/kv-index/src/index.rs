@@ -1,0 +1,345 @@
+//! [`KvIndex`]: every endpoint's cached blocks, written from their events, read per request.
+
+mod endpoint;
+mod holders;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use switchyard_contract::EndpointId;
+use switchyard_wire::kv_events::{BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Value};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::key::{Adapter, BlockKey, KeyChain};
+use crate::medium::{Medium, MediumSet};
+use crate::stats::EndpointStats;
+use endpoint::EndpointBlocks;
+use holders::Holders;
+
+/// The default cap on one endpoint's indexed blocks: 100k blocks of 16 tokens is 1.6M tokens,
+/// more than the KV pool of any one engine we front.
+pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 100_000;
+
+/// Blocks whose keys a lookup computes before probing them.
+const KEYS_AHEAD: usize = 32;
+
+/// Which prompt prefixes each endpoint's KV cache holds.
+pub struct KvIndex {
+    holders: Holders,
+    endpoints: HashMap<EndpointId, EndpointBlocks>,
+    /// Slot → endpoint; a removed endpoint's slot is reused.
+    slots: Vec<Option<EndpointId>>,
+    blocks_per_endpoint: usize,
+}
+
+/// How much of a prompt one endpoint holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefixMatch {
+    pub endpoint: EndpointId,
+    /// Leading tokens cached, a multiple of the endpoint's block size.
+    pub tokens: usize,
+}
+
+impl Default for KvIndex {
+    fn default() -> Self {
+        Self::new(DEFAULT_BLOCKS_PER_ENDPOINT)
+    }
+}
+
+impl KvIndex {
+    /// An empty index keeping at most `blocks_per_endpoint` blocks for each endpoint.
+    pub fn new(blocks_per_endpoint: usize) -> Self {
+        Self {
+            holders: Holders::default(),
+            endpoints: HashMap::new(),
+            slots: Vec::new(),
+            blocks_per_endpoint,
+        }
+    }
+
+    /// Applies one batch of `endpoint`'s events, in order.
+    pub fn apply_batch(&mut self, endpoint: EndpointId, batch: &EventBatch) {
+        for event in &batch.events {
+            self.apply(endpoint, event);
+        }
+    }
+
+    /// Applies one of `endpoint`'s events.
+    pub fn apply(&mut self, endpoint: EndpointId, event: &Event) {
+        let cap = self.blocks_per_endpoint;
+        let blocks = match self.endpoints.entry(endpoint) {
+            Entry::Occupied(known) => known.into_mut(),
+            Entry::Vacant(new) => {
+                new.insert(EndpointBlocks::new(take_slot(&mut self.slots, endpoint)))
+            }
+        };
+        let holders = &mut self.holders;
+        match event {
+            Event::BlockStored(stored) => store(blocks, holders, stored, cap),
+            Event::BlockRemoved(removed) => remove(blocks, holders, removed),
+            Event::AllBlocksCleared => blocks.clear(holders),
+        }
+    }
+
+    /// Drops `endpoint`'s blocks: its engine may have restarted, or events were lost.
+    pub fn clear_endpoint(&mut self, endpoint: EndpointId) {
+        if let Some(blocks) = self.endpoints.get_mut(&endpoint) {
+            blocks.clear(&mut self.holders);
+        }
+    }
+
+    /// Forgets `endpoint` (it left the cluster); its slot goes to the next newcomer.
+    pub fn remove_endpoint(&mut self, endpoint: EndpointId) {
+        if let Some(mut blocks) = self.endpoints.remove(&endpoint) {
+            blocks.clear(&mut self.holders);
+            self.slots[blocks.slot] = None;
+        }
+    }
+
+    /// For every endpoint with events, how many leading tokens of `tokens` it holds for
+    /// `adapter` on `media` (ordered by endpoint id). One walk over the prompt's blocks per
+    /// block size in use (one, in a uniform fleet), narrowing the endpoints still matching,
+    /// and stopping when none is.
+    pub fn lookup(
+        &self,
+        tokens: &[u32],
+        adapter: Adapter<'_>,
+        media: MediumSet,
+    ) -> Vec<PrefixMatch> {
+        let mut matched_blocks = vec![0usize; self.slots.len()];
+        let mut block_sizes: Vec<u32> = self
+            .endpoints
+            .values()
+            .filter_map(|blocks| blocks.block_size)
+            .collect();
+        block_sizes.sort_unstable();
+        block_sizes.dedup();
+        for block_size in block_sizes {
+            let mut walking = vec![0u64; self.slots.len().div_ceil(64)];
+            for blocks in self.endpoints.values() {
+                if blocks.block_size == Some(block_size) && blocks.len() > 0 {
+                    walking[blocks.slot / 64] |= 1 << (blocks.slot % 64);
+                }
+            }
+            self.walk(
+                tokens,
+                block_size as usize,
+                adapter,
+                media,
+                walking,
+                &mut matched_blocks,
+            );
+        }
+        let mut matches: Vec<PrefixMatch> = self
+            .endpoints
+            .iter()
+            .map(|(&endpoint, blocks)| PrefixMatch {
+                endpoint,
+                tokens: matched_blocks[blocks.slot]
+                    * blocks.block_size.map_or(0, |size| size as usize),
+            })
+            .collect();
+        matches.sort_unstable_by_key(|m| m.endpoint);
+        matches
+    }
+
+    /// What the index knows about `endpoint`'s blocks and did with its events.
+    pub fn stats(&self, endpoint: EndpointId) -> Option<EndpointStats> {
+        self.endpoints.get(&endpoint).map(|blocks| EndpointStats {
+            blocks: blocks.len(),
+            block_size: blocks.block_size,
+            ..blocks.stats
+        })
+    }
+
+    /// Distinct (key, slot word) entries a lookup can probe.
+    pub fn distinct_keys(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// The heap the index holds, from its tables' capacities (not counting allocator
+    /// overhead).
+    pub fn heap_bytes(&self) -> usize {
+        self.holders.heap_bytes()
+            + self
+                .endpoints
+                .values()
+                .map(EndpointBlocks::heap_bytes)
+                .sum::<usize>()
+    }
+
+    /// Walks the prompt's `block_size` blocks for the slots set in `walking`, writing each
+    /// slot's matched block count into `matched_blocks`.
+    fn walk(
+        &self,
+        tokens: &[u32],
+        block_size: usize,
+        adapter: Adapter<'_>,
+        media: MediumSet,
+        mut walking: Vec<u64>,
+        matched_blocks: &mut [usize],
+    ) {
+        let mut chain = KeyChain::from(BlockKey::root(adapter));
+        let blocks = tokens.len() / block_size;
+        // A stretch of keys, then their probes, then the narrowing: the probes do not depend
+        // on each other, so their cache misses (the map is far larger than any cache) overlap.
+        let mut keys = Vec::with_capacity(KEYS_AHEAD);
+        let mut held = Vec::with_capacity(KEYS_AHEAD * walking.len());
+        for (stretch, stretch_tokens) in tokens.chunks(KEYS_AHEAD * block_size).enumerate() {
+            keys.clear();
+            keys.extend(
+                stretch_tokens
+                    .chunks_exact(block_size)
+                    .map(|b| chain.next(b)),
+            );
+            // All the stretch's probes first, for the words still walking: independent
+            // loads the CPU overlaps, where probing between narrowings would wait on each.
+            held.clear();
+            for (word, &slots) in walking.iter().enumerate() {
+                held.extend(keys.iter().map(|&key| match slots {
+                    0 => 0,
+                    _ => self.holders.mask(key, word, media),
+                }));
+            }
+            for i in 0..keys.len() {
+                let depth = stretch * KEYS_AHEAD + i;
+                let mut any = false;
+                for (word, slots) in walking.iter_mut().enumerate() {
+                    let held = held[word * keys.len() + i];
+                    for_each_slot(*slots & !held, word, |slot| matched_blocks[slot] = depth);
+                    *slots &= held;
+                    any |= *slots != 0;
+                }
+                if !any {
+                    return;
+                }
+            }
+        }
+        for (word, slots) in walking.iter().enumerate() {
+            for_each_slot(*slots, word, |slot| matched_blocks[slot] = blocks);
+        }
+    }
+}
+
+/// The first free slot, now `endpoint`'s.
+fn take_slot(slots: &mut Vec<Option<EndpointId>>, endpoint: EndpointId) -> usize {
+    let slot = slots.iter().position(Option::is_none).unwrap_or_else(|| {
+        slots.push(None);
+        slots.len() - 1
+    });
+    slots[slot] = Some(endpoint);
+    slot
+}
+
+fn for_each_slot(mut bits: u64, word: usize, mut f: impl FnMut(usize)) {
+    while bits != 0 {
+        f(word * 64 + bits.trailing_zeros() as usize);
+        bits &= bits - 1;
+    }
+}
+
+fn store(blocks: &mut EndpointBlocks, holders: &mut Holders, event: &BlockStored, cap: usize) {
+    let count = event.block_hashes.len() as u64;
+    // Hybrid models publish each KV group; prefix matching is about full attention, group 0.
+    if event.group_idx.unwrap_or(0) != 0 {
+        blocks.stats.skipped += count;
+        return;
+    }
+    match blocks.block_size {
+        None => blocks.block_size = Some(event.block_size),
+        Some(size) if size == event.block_size => {}
+        // SGLang publishes a page that is not full with its short length: it never matches.
+        Some(size) if event.block_size < size => {
+            blocks.stats.skipped += count;
+            return;
+        }
+        // The first events were such short pages: the engine's blocks are these. What was
+        // indexed under the shorter size can never match a lookup chunked by this one.
+        Some(_) => {
+            blocks.clear(holders);
+            blocks.block_size = Some(event.block_size);
+        }
+    }
+    let adapter = adapter_of(event);
+    let parent = match &event.parent_block_hash {
+        None => BlockKey::root(adapter),
+        Some(hash) => match blocks.key_of(hash_bits(hash)) {
+            Some(key) => key,
+            None => {
+                blocks.stats.unplaced += count;
+                return;
+            }
+        },
+    };
+    let medium = Medium::of(event.medium.as_deref());
+    let mut chain = KeyChain::from(parent);
+    let tokens = event.token_ids.chunks_exact(event.block_size as usize);
+    for (i, (hash, tokens)) in event.block_hashes.iter().zip(tokens).enumerate() {
+        // This block and every later one in the event chain from keys a prompt cannot
+        // reproduce; later events naming them as parents find them unplaced.
+        if has_foreign_extra_keys(event, i, adapter) {
+            blocks.stats.skipped += count - i as u64;
+            return;
+        }
+        let key = chain.next(tokens);
+        blocks.store(holders, hash_bits(hash), key, medium, cap);
+    }
+}
+
+fn remove(blocks: &mut EndpointBlocks, holders: &mut Holders, event: &BlockRemoved) {
+    if event.group_idx.unwrap_or(0) != 0 {
+        return;
+    }
+    let medium = Medium::of(event.medium.as_deref());
+    for hash in &event.block_hashes {
+        blocks.remove(holders, hash_bits(hash), medium);
+    }
+}
+
+/// `lora_name` when the engine publishes it, else the deprecated `lora_id`.
+fn adapter_of(event: &BlockStored) -> Adapter<'_> {
+    match (&event.lora_name, event.lora_id) {
+        (Some(name), _) => Adapter::Lora(name),
+        (None, Some(id)) => Adapter::LoraId(id),
+        (None, None) => Adapter::Base,
+    }
+}
+
+/// Whether block `i`'s cache identity depends on more than its tokens and adapter. vLLM's
+/// extra keys start with the adapter (its name, or its id in older versions), which the key's
+/// root already holds; anything after it (multimodal hashes, `cache_salt`, prompt-embedding
+/// digests) a request's tokens cannot reproduce, so such a block must match no request.
+fn has_foreign_extra_keys(event: &BlockStored, i: usize, adapter: Adapter<'_>) -> bool {
+    let Some(Some(keys)) = event.extra_keys.as_ref().and_then(|entries| entries.get(i)) else {
+        return false;
+    };
+    let names_adapter = |value: &Value| match (adapter, value) {
+        (Adapter::Lora(name), Value::String(s)) => s.as_str() == Some(name),
+        (Adapter::LoraId(id), Value::Integer(n)) => n.as_i64() == Some(id),
+        _ => false,
+    };
+    match keys.split_first() {
+        None => false,
+        Some((first, rest)) => !(names_adapter(first) && rest.is_empty()),
+    }
+}
+
+/// An engine hash as the index stores it: the integer's bits, or a digest folded to 64 bits.
+fn hash_bits(hash: &BlockHash) -> u64 {
+    match hash {
+        BlockHash::Int(bits) => *bits,
+        BlockHash::Bytes(bytes) => xxh3_64(bytes),
+    }
+}
+
+/// The bytes of a hashbrown table with `map`'s capacity: buckets (a power of two, at most
+/// 7/8 full) of one entry and one control byte each, and a group of trailing control bytes.
+fn map_heap_bytes<K, V, S>(map: &HashMap<K, V, S>) -> usize {
+    if map.capacity() == 0 {
+        return 0;
+    }
+    let buckets = (map.capacity() * 8 / 7).next_power_of_two();
+    buckets * (std::mem::size_of::<(K, V)>() + 1) + 16
+}

@@ -1,0 +1,118 @@
+//! Which endpoints hold each key, per medium: the map a lookup probes, so a prompt's walk is
+//! one probe per block for up to 64 endpoints whatever their number.
+//!
+//! Endpoints have slots; slot `s` is bit `s % 64` of word `s / 64`. Word 0 of a key is stored
+//! under the key's bits, word `w > 0` under the bits mixed with `w`, so routers of ≤ 64
+//! endpoints (the usual case) pay for exactly one entry per key.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::key::BlockKey;
+use crate::medium::{Medium, MediumSet};
+
+type Map<V> = HashMap<u64, V, BuildHasherDefault<KeyBits>>;
+
+#[derive(Default)]
+pub(super) struct Holders {
+    /// The slots of one word holding the key in their GPU cache: all a default lookup probes,
+    /// 16 bytes an entry so that as many entries as can share each cache line.
+    gpu: Map<u64>,
+    /// The same for the offloaded tiers ([`Medium::Cpu`], [`Medium::Storage`]), which only
+    /// offloading connectors fill.
+    offloaded: Map<[u64; 2]>,
+}
+
+impl Holders {
+    pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) {
+        let (entry, bit) = (entry_key(key, slot / 64), 1 << (slot % 64));
+        match offloaded_index(medium) {
+            None => *self.gpu.entry(entry).or_default() |= bit,
+            Some(tier) => self.offloaded.entry(entry).or_default()[tier] |= bit,
+        }
+    }
+
+    pub(super) fn clear(&mut self, key: BlockKey, slot: usize, medium: Medium) {
+        let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
+        match offloaded_index(medium) {
+            None => {
+                if let Some(mask) = self.gpu.get_mut(&entry) {
+                    *mask &= !bit;
+                    if *mask == 0 {
+                        self.gpu.remove(&entry);
+                    }
+                }
+            }
+            Some(tier) => {
+                if let Some(masks) = self.offloaded.get_mut(&entry) {
+                    masks[tier] &= !bit;
+                    if masks.iter().all(|&mask| mask == 0) {
+                        self.offloaded.remove(&entry);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The slots of `word` holding `key` on any of `media`.
+    pub(super) fn mask(&self, key: BlockKey, word: usize, media: MediumSet) -> u64 {
+        let entry = entry_key(key, word);
+        let mut held = 0;
+        if media.contains(Medium::Gpu) {
+            held |= self.gpu.get(&entry).copied().unwrap_or(0);
+        }
+        if !self.offloaded.is_empty()
+            && let Some(masks) = self.offloaded.get(&entry)
+        {
+            for medium in [Medium::Cpu, Medium::Storage] {
+                if media.contains(medium) {
+                    held |= masks[offloaded_index(medium).expect("offloaded")];
+                }
+            }
+        }
+        held
+    }
+
+    /// Entries: (key, word) pairs held on the GPU, plus those held offloaded.
+    pub(super) fn len(&self) -> usize {
+        self.gpu.len() + self.offloaded.len()
+    }
+
+    pub(super) fn heap_bytes(&self) -> usize {
+        super::map_heap_bytes(&self.gpu) + super::map_heap_bytes(&self.offloaded)
+    }
+}
+
+fn offloaded_index(medium: Medium) -> Option<usize> {
+    match medium {
+        Medium::Gpu => None,
+        Medium::Cpu => Some(0),
+        Medium::Storage => Some(1),
+    }
+}
+
+fn entry_key(key: BlockKey, word: usize) -> u64 {
+    const GOLDEN: u64 = 0x9e37_79b9_7f4a_7c15;
+    key.bits() ^ (word as u64).wrapping_mul(GOLDEN)
+}
+
+/// Keys are XXH3 outputs already: hashing them again would only cost time.
+#[derive(Default)]
+struct KeyBits(u64);
+
+impl Hasher for KeyBits {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write_u64(&mut self, bits: u64) {
+        self.0 = bits;
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // Only `u64` keys are hashed; fold anything else rather than lose it.
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+}

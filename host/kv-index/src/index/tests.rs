@@ -1,0 +1,387 @@
+use switchyard_wire::kv_events::{BlockHash, BlockRemoved, BlockStored, Event, decode_batch};
+
+use super::*;
+use crate::key::prompt_keys;
+
+/// Payloads msgspec wrote from the engines' declarations (host/wire/fixtures/kv_events).
+macro_rules! fixture {
+    ($name:literal) => {
+        include_bytes!(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../wire/fixtures/kv_events/",
+            $name
+        ))
+        .as_slice()
+    };
+}
+
+fn events_of(payload: &[u8]) -> Vec<Event> {
+    decode_batch(payload).expect("decodes").batch.events
+}
+
+fn held(index: &KvIndex, endpoint: EndpointId, prompt: &[u32], adapter: Adapter<'_>) -> usize {
+    held_on(index, endpoint, prompt, adapter, MediumSet::GPU)
+}
+
+fn held_on(
+    index: &KvIndex,
+    endpoint: EndpointId,
+    prompt: &[u32],
+    adapter: Adapter<'_>,
+    media: MediumSet,
+) -> usize {
+    index
+        .lookup(prompt, adapter, media)
+        .into_iter()
+        .find(|m| m.endpoint == endpoint)
+        .map_or(0, |m| m.tokens)
+}
+
+fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u32) -> BlockStored {
+    BlockStored::new(
+        hashes.iter().copied().map(BlockHash::Int).collect(),
+        parent.map(BlockHash::Int),
+        tokens.to_vec(),
+        block_size,
+    )
+}
+
+fn store(index: &mut KvIndex, endpoint: EndpointId, event: BlockStored) {
+    index.apply(endpoint, &Event::BlockStored(event));
+}
+
+fn removed(hashes: &[u64], medium: Option<&str>) -> Event {
+    Event::BlockRemoved(BlockRemoved {
+        block_hashes: hashes.iter().copied().map(BlockHash::Int).collect(),
+        medium: medium.map(str::to_owned),
+        group_idx: None,
+    })
+}
+
+fn range(from: u32, to: u32) -> Vec<u32> {
+    (from..to).collect()
+}
+
+#[test]
+fn the_first_vllm_layout_stores_chains_and_a_removal_cuts_the_prefix() {
+    let mut index = KvIndex::default();
+    let events = events_of(fixture!("vllm-v0-array.msgpack"));
+    let prompt = range(1, 13);
+    for event in &events[..2] {
+        index.apply(0, event);
+    }
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 12);
+    // The middle block evicted: the third is still cached but no prompt reaches it.
+    index.apply(0, &events[2]);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 4);
+    let stats = index.stats(0).expect("known");
+    assert_eq!((stats.blocks, stats.stored, stats.removed), (2, 3, 1));
+    assert_eq!(stats.block_size, Some(4));
+}
+
+#[test]
+fn the_v0_26_capture_matches_its_own_tokens_and_nothing_shorter() {
+    let mut index = KvIndex::default();
+    for event in events_of(fixture!("vllm-v0.26-map.msgpack")) {
+        index.apply(5, &event);
+    }
+    let Event::BlockStored(capture) = &events_of(fixture!("vllm-v0.26-map.msgpack"))[0] else {
+        unreachable!("the capture is one BlockStored");
+    };
+    let mut prompt = capture.token_ids.clone();
+    prompt.extend([1, 2, 3]);
+    assert_eq!(held(&index, 5, &prompt, Adapter::Base), 16);
+    assert_eq!(held(&index, 5, &prompt[..15], Adapter::Base), 0);
+    prompt[3] += 1;
+    assert_eq!(held(&index, 5, &prompt, Adapter::Base), 0);
+}
+
+#[test]
+fn a_mixed_batch_keeps_media_groups_and_adapters_apart() {
+    let mut index = KvIndex::default();
+    let events = events_of(fixture!("vllm-mixed.msgpack"));
+    let prompt = range(1, 9);
+    // A on GPU, B after it on GPU, A's CPU copy, a sliding-window group's block, a LoRA block.
+    for event in &events[..5] {
+        index.apply(1, event);
+    }
+    assert_eq!(held(&index, 1, &prompt, Adapter::Base), 8);
+    assert_eq!(held(&index, 1, &prompt, Adapter::Lora("adapter-a")), 4);
+    assert_eq!(held(&index, 1, &prompt, Adapter::Lora("adapter-b")), 0);
+    assert_eq!(index.stats(1).expect("known").skipped, 1, "group 1");
+    // B evicted from the GPU; A's CPU copy dropped, its GPU copy kept.
+    index.apply(1, &events[5]);
+    index.apply(1, &events[6]);
+    assert_eq!(held(&index, 1, &prompt, Adapter::Base), 4);
+    assert_eq!(
+        held_on(&index, 1, &prompt, Adapter::Base, MediumSet::ALL),
+        4
+    );
+}
+
+#[test]
+fn only_gpu_blocks_count_unless_the_caller_asks_for_offloaded_tiers() {
+    let mut index = KvIndex::default();
+    let mut offloaded = stored(&[1], None, &range(0, 4), 4);
+    offloaded.medium = Some("CPU_TIER1".into());
+    store(&mut index, 0, offloaded);
+    let prompt = range(0, 4);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 0);
+    let cpu = MediumSet::GPU.with(Medium::Cpu);
+    assert_eq!(held_on(&index, 0, &prompt, Adapter::Base, cpu), 4);
+    // A copy on the GPU too; losing the CPU copy keeps the block cached.
+    store(&mut index, 0, stored(&[1], None, &range(0, 4), 4));
+    index.apply(0, &removed(&[1], Some("CPU_TIER1")));
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 4);
+    assert_eq!(
+        held_on(
+            &index,
+            0,
+            &prompt,
+            Adapter::Base,
+            MediumSet::of(Medium::Cpu)
+        ),
+        0
+    );
+    // A medium absent from the event (versions before the field) is the GPU.
+    index.apply(0, &removed(&[1], None));
+    assert_eq!(
+        held_on(&index, 0, &prompt, Adapter::Base, MediumSet::ALL),
+        0
+    );
+    assert_eq!(index.stats(0).expect("known").blocks, 0);
+}
+
+#[test]
+fn byte_hashes_place_children_and_apply_removals() {
+    let mut index = KvIndex::default();
+    let events = events_of(fixture!("vllm-bin-hashes.msgpack"));
+    let prompt = range(1, 13);
+    for event in &events[..2] {
+        index.apply(2, event);
+    }
+    assert_eq!(held(&index, 2, &prompt, Adapter::Base), 12);
+    index.apply(2, &events[2]);
+    assert_eq!(held(&index, 2, &prompt, Adapter::Base), 4);
+}
+
+#[test]
+fn a_salted_block_and_its_descendants_match_nothing_and_a_clear_drops_everything() {
+    let mut index = KvIndex::default();
+    let events = events_of(fixture!("vllm-map-batch.msgpack"));
+    let prompt = range(1, 9);
+    // Blocks [1..4] (salted) and [5..8] after it.
+    index.apply(0, &events[0]);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 0);
+    assert_eq!(index.stats(0).expect("known").skipped, 2);
+    // The same tokens without a salt: the prompt's first block.
+    index.apply(0, &events[1]);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 4);
+    // A child of the salted block cannot be placed.
+    store(
+        &mut index,
+        0,
+        stored(&[99], Some(15760518052499183552), &range(5, 9), 4),
+    );
+    assert_eq!(index.stats(0).expect("known").unplaced, 1);
+    index.apply(0, &events[2]);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 0);
+    let stats = index.stats(0).expect("known");
+    assert_eq!((stats.blocks, stats.clears), (0, 1));
+}
+
+#[test]
+fn sglang_pages_chain_through_signed_hashes_and_a_short_page_never_matches() {
+    let mut index = KvIndex::default();
+    let events = events_of(fixture!("sglang-pages.msgpack"));
+    for event in &events[..3] {
+        index.apply(4, event);
+    }
+    let prompt = range(1, 11);
+    assert_eq!(held(&index, 4, &prompt, Adapter::Base), 8);
+    let stats = index.stats(4).expect("known");
+    assert_eq!((stats.blocks, stats.skipped), (2, 1));
+    index.apply(4, &events[3]);
+    assert_eq!(held(&index, 4, &prompt, Adapter::Base), 0);
+}
+
+#[test]
+fn engines_with_different_hashes_for_the_same_tokens_match_the_same_prompt() {
+    let mut index = KvIndex::default();
+    store(&mut index, 0, stored(&[10, 11, 12], None, &range(0, 12), 4));
+    store(&mut index, 1, stored(&[77, 78], None, &range(0, 8), 4));
+    let mut other = range(0, 12);
+    other[5] = 1000;
+    store(&mut index, 2, stored(&[5, 6, 7], None, &other, 4));
+    let mut prompt = range(0, 16);
+    prompt.push(3);
+    assert_eq!(
+        index.lookup(&prompt, Adapter::Base, MediumSet::GPU),
+        [
+            PrefixMatch {
+                endpoint: 0,
+                tokens: 12
+            },
+            PrefixMatch {
+                endpoint: 1,
+                tokens: 8
+            },
+            PrefixMatch {
+                endpoint: 2,
+                tokens: 4
+            },
+        ]
+    );
+    // The keys a prompt chains are the keys the events chained.
+    assert_eq!(
+        prompt_keys(&range(0, 12), 4, Adapter::Base),
+        prompt_keys(&prompt, 4, Adapter::Base)[..3]
+    );
+}
+
+#[test]
+fn a_block_whose_parent_is_unknown_is_not_placed() {
+    let mut index = KvIndex::default();
+    store(&mut index, 0, stored(&[2, 3], Some(1), &range(4, 12), 4));
+    let stats = index.stats(0).expect("known");
+    assert_eq!((stats.blocks, stats.unplaced), (0, 2));
+    assert_eq!(held(&index, 0, &range(4, 12), Adapter::Base), 0);
+}
+
+#[test]
+fn the_cap_drops_the_oldest_blocks_first() {
+    let mut index = KvIndex::new(3);
+    for i in 0..5u32 {
+        store(
+            &mut index,
+            0,
+            stored(&[u64::from(i)], None, &range(i * 10, i * 10 + 4), 4),
+        );
+    }
+    let holds = |index: &KvIndex, i: u32| held(index, 0, &range(i * 10, i * 10 + 4), Adapter::Base);
+    assert_eq!(
+        (0..5).map(|i| holds(&index, i)).collect::<Vec<_>>(),
+        [0, 0, 4, 4, 4]
+    );
+    let stats = index.stats(0).expect("known");
+    assert_eq!((stats.blocks, stats.evicted), (3, 2));
+    // A removal then a store: the stale order entry is skipped, the next oldest goes.
+    index.apply(0, &removed(&[3], None));
+    store(&mut index, 0, stored(&[5], None, &range(50, 54), 4));
+    store(&mut index, 0, stored(&[6], None, &range(60, 64), 4));
+    assert_eq!(
+        (2..7).map(|i| holds(&index, i)).collect::<Vec<_>>(),
+        [0, 0, 4, 4, 4]
+    );
+    assert_eq!(index.stats(0).expect("known").evicted, 3);
+}
+
+#[test]
+fn endpoints_of_different_block_sizes_are_walked_each_by_their_own() {
+    let mut index = KvIndex::default();
+    store(&mut index, 0, stored(&[1, 2, 3], None, &range(0, 12), 4));
+    store(&mut index, 1, stored(&[1], None, &range(0, 8), 8));
+    let prompt = range(0, 14);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 12);
+    assert_eq!(held(&index, 1, &prompt, Adapter::Base), 8);
+}
+
+#[test]
+fn a_first_short_page_gives_way_to_the_engines_block_size() {
+    let mut index = KvIndex::default();
+    store(&mut index, 0, stored(&[1], None, &range(0, 2), 2));
+    store(&mut index, 0, stored(&[2], None, &range(0, 4), 4));
+    store(&mut index, 0, stored(&[3], Some(2), &range(4, 8), 4));
+    let stats = index.stats(0).expect("known");
+    assert_eq!(
+        (stats.block_size, stats.blocks, stats.clears),
+        (Some(4), 2, 1)
+    );
+    assert_eq!(held(&index, 0, &range(0, 9), Adapter::Base), 8);
+}
+
+#[test]
+fn adapters_are_kept_apart() {
+    let mut index = KvIndex::default();
+    let mut lora = stored(&[1], None, &range(0, 4), 4);
+    lora.lora_name = Some("sql".into());
+    lora.extra_keys = Some(vec![Some(vec![Value::from("sql")])]);
+    store(&mut index, 0, lora);
+    let mut by_id = stored(&[2], None, &range(0, 4), 4);
+    by_id.lora_id = Some(3);
+    store(&mut index, 1, by_id);
+    let prompt = range(0, 4);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Lora("sql")), 4);
+    assert_eq!(held(&index, 0, &prompt, Adapter::Base), 0);
+    assert_eq!(held(&index, 1, &prompt, Adapter::Base), 0);
+    assert_eq!(held(&index, 1, &prompt, Adapter::LoraId(3)), 4);
+}
+
+#[test]
+fn a_hash_stored_again_elsewhere_moves_there() {
+    let mut index = KvIndex::default();
+    // Old SGLang hashes a page's tokens alone: the same page after another is the same hash.
+    store(&mut index, 0, stored(&[9], None, &range(0, 4), 4));
+    store(&mut index, 0, stored(&[8], None, &range(10, 14), 4));
+    store(&mut index, 0, stored(&[9], Some(8), &range(0, 4), 4));
+    assert_eq!(held(&index, 0, &range(0, 4), Adapter::Base), 0);
+    let mut moved = range(10, 14);
+    moved.extend(range(0, 4));
+    assert_eq!(held(&index, 0, &moved, Adapter::Base), 8);
+}
+
+#[test]
+fn a_removed_endpoints_slot_is_reused_without_its_blocks() {
+    let mut index = KvIndex::default();
+    store(&mut index, 0, stored(&[1], None, &range(0, 4), 4));
+    store(&mut index, 1, stored(&[1], None, &range(0, 4), 4));
+    index.remove_endpoint(0);
+    assert_eq!(index.stats(0), None);
+    store(&mut index, 2, stored(&[5], None, &range(100, 104), 4));
+    let prompt = range(0, 4);
+    assert_eq!(
+        index.lookup(&prompt, Adapter::Base, MediumSet::GPU),
+        [
+            PrefixMatch {
+                endpoint: 1,
+                tokens: 4
+            },
+            PrefixMatch {
+                endpoint: 2,
+                tokens: 0
+            },
+        ]
+    );
+    index.clear_endpoint(1);
+    assert_eq!(held(&index, 1, &prompt, Adapter::Base), 0);
+    assert_eq!(index.distinct_keys(), 1, "only endpoint 2's block");
+}
+
+#[test]
+fn more_than_64_endpoints_each_drop_out_at_their_own_depth() {
+    let mut index = KvIndex::default();
+    let prompt = range(0, 4 * 10);
+    for endpoint in 0..150u32 {
+        let depth = endpoint % 11;
+        let hashes: Vec<u64> = (0..u64::from(depth)).collect();
+        if depth > 0 {
+            store(
+                &mut index,
+                endpoint,
+                stored(&hashes, None, &prompt[..4 * depth as usize], 4),
+            );
+        } else {
+            // Known, with a block elsewhere.
+            store(
+                &mut index,
+                endpoint,
+                stored(&[0], None, &range(900, 904), 4),
+            );
+        }
+    }
+    let matches = index.lookup(&prompt, Adapter::Base, MediumSet::GPU);
+    assert_eq!(matches.len(), 150);
+    for m in matches {
+        assert_eq!(m.tokens, 4 * (m.endpoint % 11) as usize, "{m:?}");
+    }
+}
