@@ -5,11 +5,11 @@ Reads `cargo metadata` (the resolved graph) and checks, for each of our crates, 
 normal and build dependencies (dev-dependencies are test scaffolding, not architecture):
 
 - which of our crates it may reach (the crate table of docs/src/architecture.md: wire and kv
-  nothing of ours, engine only wire and kv, the contract nothing, policy-host only the
-  contract, router wire + contract + policy-host, bench only wire, the SDK nothing of the
-  host);
-- that the policy host and the contract reach no HTTP client or server, and the contract no
-  wasmtime;
+  nothing of ours, engine only wire and kv, the contract nothing, the KV index wire and the
+  contract, policy-host only the contract, router wire + contract + policy-host + KV index,
+  bench only wire, the SDK nothing of the host);
+- that the policy host and the contract reach no HTTP client or server, the contract no
+  wasmtime, and the KV index none of HTTP, wasmtime, Tokio or ZeroMQ;
 - that the router and the wire types reach no ML framework (candle is the engine's alone: the
   router builds its tokenizer from GGUF metadata through switchyard-wire).
 
@@ -26,8 +26,10 @@ OURS_ALLOWED = {
     "switchyard-kv": set(),
     "switchyard-engine": {"switchyard-wire", "switchyard-kv"},
     "switchyard-contract": set(),
+    "switchyard-kv-index": {"switchyard-wire", "switchyard-contract"},
     "switchyard-policy-host": {"switchyard-contract"},
-    "switchyard-router": {"switchyard-wire", "switchyard-contract", "switchyard-policy-host"},
+    "switchyard-router": {"switchyard-wire", "switchyard-contract", "switchyard-policy-host",
+                          "switchyard-kv-index"},
     "switchyard-bench": {"switchyard-wire"},
     "switchyard-policy": set(),  # the guest SDK
 }
@@ -37,6 +39,7 @@ ML = {"candle-core", "candle-nn", "candle-transformers"}
 FORBIDDEN_EXTERNAL = {
     "switchyard-policy-host": HTTP,
     "switchyard-contract": HTTP | {"wasmtime", "wasmtime-wasi"},
+    "switchyard-kv-index": HTTP | {"wasmtime", "wasmtime-wasi", "tokio", "zeromq"},
     "switchyard-router": ML,
     "switchyard-wire": ML,
 }
@@ -100,7 +103,8 @@ def self_test(metadata):
              ("switchyard-engine", "switchyard-policy-host"), ("switchyard-kv", "switchyard-wire"),
              ("switchyard-wire", "switchyard-router"), ("switchyard-policy", "switchyard-contract"),
              ("switchyard-contract", "wasmtime"), ("switchyard-router", "candle-core"),
-             ("switchyard-wire", "candle-core")]
+             ("switchyard-wire", "candle-core"),
+             ("switchyard-kv-index", "switchyard-router"), ("switchyard-kv-index", "tokio")]
     for src, dst in cases:
         if not any(f"{src} -> {dst}" in v for v in violations(with_edge(metadata, src, dst))):
             sys.exit(f"self-test: an edge {src} -> {dst} went unnoticed")
@@ -116,7 +120,7 @@ def main():
             print(f"{crate}: {', '.join(sorted(d for d in deps if d.startswith('switchyard'))) or '-'}")
     found = violations(metadata)
     if found:
-        sys.exit("the crate graph breaks the design (DESIGN.md, host/ crates):\n  " + "\n  ".join(found))
+        sys.exit("the crate graph breaks the design (docs/src/architecture.md):\n  " + "\n  ".join(found))
     print(f"crate graph check: {len(OURS_ALLOWED)} crates, no forbidden edge")
 
 
