@@ -8,6 +8,8 @@ use switchyard_policy_host::QuarantineRule;
 use super::*;
 use crate::RetryPolicyError;
 
+mod golden;
+
 fn plugins_with(name: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("tempdir");
     std::fs::write(dir.path().join(format!("{name}.wasm")), b"\0asm").expect("write");
