@@ -43,7 +43,10 @@ pub enum ConfigError {
     K8sWithoutDiscovery(Source),
     #[error("{0} (k8s): this switchyard was built without the `k8s` feature")]
     DiscoveryNotBuilt(Source),
-    #[error("{at}: endpoint {index}{}: {reason}", url.as_ref().map(|url| format!(" ({url:?})")).unwrap_or_default())]
+    #[error(
+        "{at}: endpoint {index}{}: {reason}",
+        url.as_ref().map(|url| format!(" ({url:?})")).unwrap_or_default()
+    )]
     BadEndpoint {
         at: Source,
         index: usize,
@@ -57,7 +60,10 @@ pub enum ConfigError {
     NumGpusCount { given: usize, endpoints: usize },
     #[error(
         "{} ({}) must be below the context length, {} ({})",
-        max_prompt_tokens.source, max_prompt_tokens.value, context_length.value, context_length.source
+        max_prompt_tokens.source,
+        max_prompt_tokens.value,
+        context_length.value,
+        context_length.source
     )]
     PromptNotBelowContext {
         max_prompt_tokens: Sourced<u32>,
@@ -112,7 +118,10 @@ pub enum Problem {
     Retry(#[from] RetryPolicyError),
     #[error("{0:?} is not a policy name: a policy name is a file stem in the plugins directory")]
     PolicyName(String),
-    #[error("policy {name:?}: {} does not exist (build the built-in policies with `make plugins`)", path.display())]
+    #[error(
+        "policy {name:?}: {} does not exist (build the built-in policies with `make plugins`)",
+        path.display()
+    )]
     NoPolicy { name: String, path: PathBuf },
     #[error("{}: not a usable GGUF: {reason}", path.display())]
     NotAGguf { path: PathBuf, reason: String },

@@ -177,7 +177,7 @@ macro_rules! as_serde_reads_them {
     ($($ty:ty),*) => {
         $(impl FileValue for $ty {
             fn from_toml(value: ValueDeserializer<'_>) -> Result<Self, String> {
-                serde::Deserialize::deserialize(value).map_err(|e: toml::de::Error| e.message().to_owned())
+                deserialize(value)
             }
         })*
     };
@@ -198,6 +198,13 @@ as_serde_reads_them!(
     DiscoveryKind
 );
 
+/// `value` as serde reads a `T`, or the parser's words.
+fn deserialize<'de, T: serde::Deserialize<'de>>(
+    value: ValueDeserializer<'de>,
+) -> Result<T, String> {
+    T::deserialize(value).map_err(|e| e.message().to_owned())
+}
+
 /// A duration is written as the flags take it: `"500ms"`, `"30s"`, `"10m"`.
 impl FileValue for Duration {
     fn from_toml(value: ValueDeserializer<'_>) -> Result<Self, String> {
@@ -208,9 +215,7 @@ impl FileValue for Duration {
 
 /// `policy_config`: a table, or JSON text, as JSON text.
 pub(super) fn json_text(value: ValueDeserializer<'_>) -> Result<String, String> {
-    match serde::Deserialize::deserialize(value)
-        .map_err(|e: toml::de::Error| e.message().to_owned())?
-    {
+    match deserialize(value)? {
         toml::Value::String(json) => Ok(json),
         table => serde_json::to_string(&table).map_err(|e| e.to_string()),
     }
