@@ -137,11 +137,12 @@ impl RetryPolicy {
 }
 
 impl Default for RetryPolicy {
+    /// The defaults the router's configuration declares, `--max-attempts`'s among them.
     fn default() -> Self {
         RetryPolicy {
-            max_attempts: 3,
-            min_delay: Duration::from_millis(10),
-            max_delay: Duration::from_secs(1),
+            max_attempts: crate::config::DEFAULT_MAX_ATTEMPTS,
+            min_delay: crate::config::RETRY_MIN_DELAY,
+            max_delay: crate::config::RETRY_MAX_DELAY,
         }
     }
 }
