@@ -40,11 +40,12 @@ use switchyard_wire::microserving::{
 };
 use switchyard_wire::sse;
 
-use super::latency::Latency;
+use super::latency::{Latency, TimingModel as _};
 use super::metrics::Metrics;
 use super::model::Sampling;
 use super::response::{ResponseMeta, Tokens};
-use super::scheduler::{Command, CoreError, Event, FinishReason, GenRequest, SendLease};
+use super::scheduler::{CoreError, Event, FinishReason, GenRequest};
+use super::step_loop::{Command, SendLease};
 
 /// Bodies above this are refused: a 2000-token prompt with every field is a few KiB, and a
 /// 128k-token one as JSON ids well under 2 MiB.

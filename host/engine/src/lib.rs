@@ -3,14 +3,16 @@
 //! real KV moving between engine processes in every case.
 //!
 //! Real MLC engines need GPUs and NVSHMEM; this one needs neither but behaves like an engine: a
-//! paged KV pool with finite pages ([`kv_pool`]), a continuous-batching step loop with prefix
-//! cache, prep_recv reservations that expire, and MLC's preemption under KV pressure
-//! ([`scheduler`]), a latency model ([`latency`]) and a deterministic model that writes real KV
-//! bytes and reads them back to choose each token ([`model`]), or, with `--model`, a real LLM
-//! (a llama-family GGUF such as SmolLM2-135M) on CPU whose batch-invariant forward pass reads
-//! and writes its K/V in the same pool ([`llama`]). KV moves between engines through
-//! [`switchyard_kv`], so a disaggregated run yields exactly the tokens of a single-engine run
-//! only if every transferred slot is right.
+//! paged KV pool with finite pages ([`kv_pool`]), continuous batching with a prefix cache,
+//! prep_recv reservations that expire, and MLC's preemption under KV pressure, in a scheduler
+//! core that is a pure state machine ([`scheduler`]: the engine's step loop drives it in real
+//! time, a simulator can drive it in virtual time), a latency model that says when each step's
+//! tokens come out ([`latency`]), and a deterministic model that writes real KV bytes and reads
+//! them back to choose each token ([`model`]), or, with `--model`, a real LLM (a llama-family
+//! GGUF such as SmolLM2-135M) on CPU whose batch-invariant forward pass reads and writes its K/V
+//! in the same pool ([`llama`]). KV moves between engines through [`switchyard_kv`], so a
+//! disaggregated run yields exactly the tokens of a single-engine run only if every transferred
+//! slot is right.
 //!
 //! `--protocol vllm|sglang` swaps the microserving calls (404 then) for the OpenAI routes
 //! (`/v1/completions`, `/v1/chat/completions`, chat rendered with the model's template as the
@@ -48,6 +50,7 @@ pub mod metrics;
 pub mod model;
 mod response;
 pub mod scheduler;
+mod step_loop;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -59,7 +62,8 @@ use std::time::Duration;
 use latency::{Latency, Profile};
 use llama::Llama;
 use metrics::Metrics;
-use scheduler::{Core, CoreConfig, LlamaModel, ModelSpec};
+use scheduler::{Backend, Core, CoreConfig, LlamaModel, ModelSpec};
+use step_loop::StepLoop;
 use switchyard_kv::{
     KvDevice, KvError, KvShape, KvStore, KvTransport, PeerAddr, TransportConfig, TransportKind,
     parse_rank_addr,
@@ -370,18 +374,18 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
         reservation_ttl: Duration::from_millis(args.reservation_ttl_ms),
         expiry_quarantine: expiry_quarantine(args.kv_transport),
         preempt_every: args.preempt_every.filter(|&k| k > 0),
-        latency,
-        model: model.spec.clone(),
+        timing: Arc::new(latency),
     };
-    let core = Core::new(config, store, metrics.clone());
+    let core = Core::new(config, Backend::new(&model.spec, store));
+    let step_loop = StepLoop::new(core, metrics.clone());
     let (commands, queue) = std::sync::mpsc::channel();
     let alive = Arc::new(AtomicBool::new(true));
-    let step_loop = StepLoopAlive(alive.clone());
+    let alive_while = StepLoopAlive(alive.clone());
     std::thread::Builder::new()
         .name(format!("engine-step-{}", args.device_rank))
         .spawn(move || {
-            let _alive = step_loop;
-            core.run(queue);
+            let _alive = alive_while;
+            step_loop.run(queue);
         })
         .map_err(|source| EngineError::Start {
             what: "step loop thread",

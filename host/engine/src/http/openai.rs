@@ -35,7 +35,8 @@ use super::{
 };
 use crate::metrics::Exported;
 use crate::model::Sampling;
-use crate::scheduler::{Command, Event, FinishReason, GenRequest, PrepRecvReply, SendLease, Usage};
+use crate::scheduler::{Event, FinishReason, GenRequest, PrepRecvReply, Usage};
+use crate::step_loop::{Command, SendLease};
 use crate::{EngineArgs, Metrics, Protocol};
 
 /// The handoff state of the engine's protocol.

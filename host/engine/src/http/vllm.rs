@@ -40,7 +40,8 @@ use super::openai::{
 use super::{Body, EngineState, HttpError, json, push_kv, read_request};
 use crate::EngineArgs;
 use crate::metrics::PdMetrics;
-use crate::scheduler::{Event, FinishReason, SendLease};
+use crate::scheduler::{Event, FinishReason};
+use crate::step_loop::SendLease;
 
 /// Top-level fields the P and D legs may differ in (spec §3 and §4): the rest of D's body must
 /// be P's (checked at the pull, §11.6).
