@@ -665,11 +665,11 @@ fn a_gone_client_frees_its_pages() {
 
 /// A core running SmolLM2 (`make model`).
 fn start_smollm2(cfg: CoreConfig) -> Harness {
-    start_with(cfg, ModelSpec::Llama(crate::test_smollm2().0.clone()))
+    start_with(cfg, ModelSpec::Llama(crate::load::test_smollm2().0.clone()))
 }
 
 fn smollm2_request(text: &str, max_tokens: usize, sampling: Sampling) -> GenRequest {
-    let ids = crate::test_smollm2().1.encode(text, false).unwrap();
+    let ids = crate::load::test_smollm2().1.encode(text, false).unwrap();
     GenRequest {
         tokens: ids.get_ids().to_vec(),
         sampling,
