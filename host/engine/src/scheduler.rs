@@ -35,14 +35,22 @@
 //!
 //! ```
 //! use std::sync::Arc;
+//! use std::time::Duration;
 //! use switchyard_engine::latency::{Latency, Profile, TimingModel};
 //! use switchyard_engine::model::Sampling;
 //! use switchyard_engine::scheduler::{Backend, Core, CoreConfig, GenRequest, Output, Time};
 //!
-//! let timing: Arc<dyn TimingModel> = Arc::new(Latency { profile: Profile::LLAMA3_8B_H100, time_scale: 1.0 });
-//! let mut core = Core::new(CoreConfig::new(64, 16, timing), Backend::costless());
+//! let timing: Arc<dyn TimingModel> =
+//!     Arc::new(Latency { profile: Profile::LLAMA3_8B_H100, time_scale: 1.0 });
+//! let config = CoreConfig {
+//!     page_size: 16, num_pages: 64, prefix_cache: true, prefill_chunk: 2048, max_batch: 256,
+//!     reservation_ttl: Duration::from_secs(150), expiry_quarantine: Duration::ZERO,
+//!     preempt_every: None, timing,
+//! };
+//! let mut core = Core::new(config, Backend::costless());
 //! let request = GenRequest {
-//!     tokens: vec![7; 100], sampling: Sampling::GREEDY, max_tokens: 4, stop: Vec::new(), logprobs: false,
+//!     tokens: vec![7; 100], sampling: Sampling::GREEDY, max_tokens: 4, stop: Vec::new(),
+//!     logprobs: false,
 //! };
 //! let id = core.generate(request);
 //! let step = core.step(Time::ZERO);
@@ -96,24 +104,6 @@ pub struct CoreConfig {
     pub preempt_every: Option<u64>,
     /// What a step costs.
     pub timing: Arc<dyn TimingModel>,
-}
-
-impl CoreConfig {
-    /// `num_pages` pages of `page_size` positions, steps costed by `timing`, and the engine's
-    /// defaults for the rest (no prefix cache).
-    pub fn new(num_pages: u32, page_size: usize, timing: Arc<dyn TimingModel>) -> Self {
-        CoreConfig {
-            page_size,
-            num_pages,
-            prefix_cache: false,
-            prefill_chunk: 2048,
-            max_batch: 256,
-            reservation_ttl: Duration::from_secs(150),
-            expiry_quarantine: Duration::ZERO,
-            preempt_every: None,
-            timing,
-        }
-    }
 }
 
 /// What one step did: its work, what that cost, and when its outputs are due.
@@ -301,7 +291,8 @@ impl Core {
     fn preempt(&mut self, seq: Seq) {
         // Routine under KV pressure (the preemptions metric counts them): not worth a log line
         // per request at info.
-        tracing::debug!(id = ?seq.id, user = ?seq.user, pages = seq.pages.len(), "request preempted");
+        let pages = seq.pages.len();
+        tracing::debug!(id = ?seq.id, user = ?seq.user, pages, "request preempted");
         self.counters.preemptions += 1;
         if seq.generates() {
             self.produced.push(Output::Event {

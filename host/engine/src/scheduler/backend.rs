@@ -93,7 +93,7 @@ impl Backend {
     }
 
     /// Where receivers may write: the pool's gate, which a costless model has none of.
-    pub fn gate(&self) -> Option<&SlotGate> {
+    pub(super) fn gate(&self) -> Option<&SlotGate> {
         match &self.0 {
             Kind::Synthetic { store, .. } | Kind::Llama { store, .. } => Some(store.gate()),
             Kind::Costless => None,

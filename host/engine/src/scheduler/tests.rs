@@ -794,21 +794,33 @@ fn a_steps_outputs_are_due_only_once_its_cost_has_elapsed() {
     assert!(core.take_due(t0).is_empty(), "the step has only begun");
     let just_before = Time::from_micros(prefill.end.as_micros() - 1);
     assert!(core.take_due(just_before).is_empty(), "a microsecond early");
-    let first = core.take_due(prefill.end);
-    assert!(
-        matches!(&first[..], [Output::Event { id: got, event }] if *got == id && event.token_ids.len() == 1),
-        "{first:?}"
+    let first = events(core.take_due(prefill.end));
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].0, id);
+    assert_eq!(
+        first[0].1.token_ids.len(),
+        1,
+        "the prompt's pass samples one token"
     );
     // The decode step starts when the prefill ended; its token is due a decode's cost later.
     let decode = core.step(prefill.end);
     assert_eq!(decode.work.decode_seqs, 1);
     assert_eq!(decode.end, prefill.end + timing.step(&decode.work));
     assert!(core.take_due(prefill.end).is_empty());
-    let last = core.take_due(decode.end);
-    assert!(
-        matches!(&last[..], [Output::Event { event, .. }] if event.finish.is_some_and(|f| f.0 == FinishReason::Length)),
-        "{last:?}"
-    );
+    let last = events(core.take_due(decode.end));
+    assert_eq!(last.len(), 1, "{last:?}");
+    assert_eq!(last[0].1.finish.map(|f| f.0), Some(FinishReason::Length));
+}
+
+/// The generation events among `outputs`.
+fn events(outputs: Vec<Output>) -> Vec<(RequestId, Event)> {
+    outputs
+        .into_iter()
+        .filter_map(|output| match output {
+            Output::Event { id, event } => Some((id, event)),
+            _ => None,
+        })
+        .collect()
 }
 
 #[test]
