@@ -3,10 +3,12 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use switchyard_wire::completion::{
     Choice, CompletionResponse, EngineUsage, Logprobs, TokenLogprob, Usage,
 };
 
+use crate::http::common::{Chunks, Tokens};
 use crate::scheduler::{self, FinishReason};
 
 /// Identity of one response: every chunk of a stream repeats it.
@@ -63,20 +65,6 @@ impl ResponseMeta {
     }
 }
 
-/// Generated tokens a choice completes: ids and their log-probabilities, in order.
-#[derive(Debug, Default)]
-pub struct Tokens {
-    pub ids: Vec<u32>,
-    pub logprobs: Vec<f32>,
-}
-
-impl Tokens {
-    pub fn extend(&mut self, event: &scheduler::Event) {
-        self.ids.extend(&event.token_ids);
-        self.logprobs.extend(&event.logprobs);
-    }
-}
-
 /// MLC's `logprobs` of a choice: one entry per generated token, in order, with the token's
 /// text and UTF-8 bytes (a token that is part of a character decodes lossily) and no
 /// alternatives (`top_logprobs` is not served).
@@ -96,6 +84,16 @@ fn logprobs(tokenizer: &tokenizers::Tokenizer, tokens: &Tokens) -> Logprobs {
         })
         .collect();
     Logprobs::Entries(content)
+}
+
+impl Chunks for ResponseMeta {
+    fn event(&self, event: scheduler::Event, _first: bool) -> Bytes {
+        switchyard_wire::sse::event(&self.chunk(event))
+    }
+
+    fn usage(&self, usage: scheduler::Usage) -> Bytes {
+        switchyard_wire::sse::event(&self.body(Vec::new(), Some(usage)))
+    }
 }
 
 fn engine_usage(u: scheduler::Usage) -> EngineUsage {
