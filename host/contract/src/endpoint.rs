@@ -111,6 +111,19 @@ pub struct EndpointSnapshot {
 }
 
 impl EndpointSnapshot {
+    /// Endpoint `id` of the synthetic cluster that `switchyard policy check`, tests and
+    /// benchmarks plan against: an idle, healthy, role-less MLC engine on device rank `id`, at
+    /// `http://127.0.0.1:{8000 + id}`, reporting no load. Set what a case is about on the result
+    /// (`EndpointSnapshot { role, ..EndpointSnapshot::synthetic(id) }`).
+    pub fn synthetic(id: EndpointId) -> Self {
+        EndpointSnapshot {
+            id,
+            device_rank: id,
+            address_hash: address_hash(&format!("http://127.0.0.1:{}", 8000 + u64::from(id))),
+            ..EndpointSnapshot::default()
+        }
+    }
+
     /// Whether a handoff may prefill on this endpoint. Roles bind on vLLM (a `decode` engine is
     /// not sent prefill legs) and SGLang (an engine's disaggregation mode is fixed at start);
     /// MLC engines are role-less.
