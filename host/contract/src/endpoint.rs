@@ -108,6 +108,10 @@ pub struct EndpointSnapshot {
     pub waiting: Option<u32>,
     /// [`address_hash`] of the endpoint's base URL.
     pub address_hash: u64,
+    /// Leading tokens of this request's prompt the endpoint's KV cache holds, by the engine's
+    /// KV events; `None` without events or while its index is not trusted. Per request: the
+    /// cluster's snapshot leaves it `None`, the router fills it for each attempt's prompt.
+    pub cached_prefix: Option<u32>,
 }
 
 impl EndpointSnapshot {
