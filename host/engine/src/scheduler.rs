@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
 use std::time::{Duration, Instant};
 
-use switchyard_wire::completion::{FINISH_LENGTH, FINISH_PREEMPT, FINISH_STOP};
 use tokio::sync::{mpsc, oneshot};
 
 use super::kv_pool::{PagePool, extend_page_keys};
@@ -81,12 +80,12 @@ pub enum FinishReason {
     Preempt,
 }
 
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => FINISH_STOP,
-            FinishReason::Length => FINISH_LENGTH,
-            FinishReason::Preempt => FINISH_PREEMPT,
+impl From<FinishReason> for switchyard_wire::completion::FinishReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Length => Self::Length,
+            FinishReason::Preempt => Self::Preempt,
         }
     }
 }

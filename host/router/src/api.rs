@@ -653,7 +653,7 @@ async fn collect_events(
             }) => {
                 state.metrics.finished(&summary, arrived.elapsed());
                 state.metrics.request(responder.shape.route(), 200);
-                let body = responder.full_response(text, &finish_reason, &usage);
+                let body = responder.full_response(text, finish_reason.as_str(), &usage);
                 return respond::json_response(StatusCode::OK, &body);
             }
             Some(Event::Failed { error, summary }) => {

@@ -43,7 +43,7 @@ use switchyard_contract::{
     PolicyRequest, TranslateError, ValidPlan, validate,
 };
 use switchyard_wire::client::ClientBody;
-use switchyard_wire::completion::{CompletionRequest, Prompt, Usage};
+use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
 use switchyard_wire::sse::SseError;
 
 use crate::microserving::CallError;
@@ -502,7 +502,7 @@ impl<E: Execute> Router<E> {
         if remaining == 0 {
             // Preempted right after the last token: the response is complete.
             let usage = final_usage(req, already, None);
-            self.finish(req, tx, st, "length".into(), usage).await;
+            self.finish(req, tx, st, FinishReason::Length, usage).await;
             return Ok(AttemptEnd::Over);
         }
         let mut prompt = req.prompt.clone();
@@ -650,7 +650,7 @@ impl<E: Execute> Router<E> {
         req: &RouteRequest,
         tx: &mpsc::Sender<Event>,
         st: &mut State,
-        finish_reason: String,
+        finish_reason: FinishReason,
         usage: Usage,
     ) {
         st.summary.completion_tokens = usage.completion_tokens;

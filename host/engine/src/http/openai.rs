@@ -24,7 +24,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::{mpsc, oneshot};
 
-use switchyard_wire::completion::{Prompt, Stop, StreamOptions};
+use switchyard_wire::completion::{FinishReason as WireFinish, Prompt, Stop, StreamOptions};
 use switchyard_wire::error::ErrorBody;
 use switchyard_wire::sse;
 use switchyard_wire::tokenizer::ChatMessage;
@@ -618,7 +618,7 @@ impl Meta {
 
     /// The one JSON answer; `extra` adds a top-level field (vLLM's `kv_transfer_params`).
     pub(super) fn full(&self, done: &Collected, extra: Option<(&str, Value)>) -> Value {
-        let finish = done.finish.as_str();
+        let finish = WireFinish::from(done.finish);
         let choice = match self.shape {
             Shape::Completion => json!({"index": 0, "text": done.text, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null}),
@@ -636,7 +636,7 @@ impl Meta {
 
     /// One streamed chunk; the first chat chunk also says the role.
     fn chunk(&self, event: &Event, first: bool) -> Value {
-        let finish = event.finish.map(|(f, _)| f.as_str());
+        let finish = event.finish.map(|(f, _)| WireFinish::from(f));
         let choice = match self.shape {
             Shape::Completion => json!({"index": 0, "text": event.text, "logprobs": null,
                 "finish_reason": finish}),

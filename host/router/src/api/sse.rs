@@ -196,7 +196,7 @@ impl StreamRelay {
                 self.state
                     .metrics
                     .finished(&summary, self.arrived.elapsed());
-                self.responder.finish_frame(out, &finish_reason);
+                self.responder.finish_frame(out, finish_reason.as_str());
                 self.responder.usage_frame(out, &usage);
                 out.extend_from_slice(switchyard_wire::sse::DONE_EVENT);
             }

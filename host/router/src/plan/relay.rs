@@ -5,7 +5,7 @@ use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use switchyard_wire::completion::{FINISH_PREEMPT, Usage};
+use switchyard_wire::completion::{FinishReason, Usage};
 use switchyard_wire::sse::SseError;
 
 use super::execute::{ExecError, Generation, StepKind};
@@ -21,7 +21,7 @@ pub enum Event {
     Text(String),
     /// The response is complete.
     Done {
-        finish_reason: String,
+        finish_reason: FinishReason,
         usage: Usage,
         summary: Summary,
     },
@@ -65,10 +65,10 @@ impl Default for Delivered {
 pub enum RelayEnd {
     /// The engine finished; `usage` is the engine's own count for this attempt, if it sent one.
     Finished {
-        finish_reason: String,
+        finish_reason: FinishReason,
         usage: Option<Usage>,
     },
-    /// The engine aborted the request to free KV (`finish_reason: "preempt"`).
+    /// The engine aborted the request to free KV ([`FinishReason::Preempt`]).
     Preempted,
     /// The stream broke or went quiet.
     Failed(ExecError),
@@ -83,7 +83,7 @@ pub async fn relay(
     attempt: u32,
     delivered: &mut Delivered,
 ) -> RelayEnd {
-    let mut finish_reason: Option<String> = None;
+    let mut finish_reason: Option<FinishReason> = None;
     let mut usage = None;
     while let Some(item) = generation.chunks.next().await {
         let chunk = match item {
@@ -105,7 +105,7 @@ pub async fn relay(
         let Some(choice) = chunk.choices.into_iter().next() else {
             continue;
         };
-        if choice.finish_reason.as_deref() == Some(FINISH_PREEMPT) {
+        if choice.finish_reason == Some(FinishReason::Preempt) {
             return RelayEnd::Preempted;
         }
         match (&mut delivered.generated, choice.generated()) {
