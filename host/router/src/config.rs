@@ -84,7 +84,7 @@ use switchyard_wire::gguf::{GgufMetadata, ModelFiles, served_name};
 
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig};
-use crate::microserving::Timeouts;
+use crate::engine_client::Timeouts;
 use crate::{RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouterConfig};
 
 /// `switchyard serve` flags: where the engines are, and how the router runs.

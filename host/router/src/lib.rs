@@ -8,7 +8,7 @@
 //!  → Router  asks the request's policy (a switchyard_contract::Planner) for a plan over the
 //!            cluster's endpoint snapshot, validates it, runs it, retries and continues
 //!  → plan    executes one validated plan: prep_recv → remote_send → start_generate, or forward
-//!  → microserving   the HTTP client for the engines' calls
+//!  → engine_client  the HTTP client for the engines' calls, per protocol, and their probes
 //! cluster    endpoints, health probes, in-flight counts: the snapshot policies see
 //! config     flags and TOML, parsed once;   serve   wires it all up and listens
 //! discovery  (feature `k8s`) engine pods from the Kubernetes API, fed into the cluster
@@ -25,7 +25,7 @@ pub mod cluster;
 pub mod config;
 #[cfg(feature = "k8s")]
 pub mod discovery;
-pub mod microserving;
+pub mod engine_client;
 pub mod plan;
 mod router;
 pub mod serve;

@@ -46,7 +46,7 @@ use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
 use switchyard_wire::sse::SseError;
 
-use crate::microserving::CallError;
+use crate::engine_client::CallError;
 use crate::plan::{
     AttemptBody, AttemptId, Delivered, Event, ExecError, Execute, Executor, RelayEnd, StepKind,
     relay,

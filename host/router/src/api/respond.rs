@@ -14,7 +14,7 @@ use super::admission::Refusal;
 use super::{Body, full};
 use crate::RouteError;
 use crate::cluster::EndpointError;
-use crate::microserving::CallError;
+use crate::engine_client::CallError;
 use crate::plan::StepKind;
 
 /// Everything a client request can fail with.

@@ -39,7 +39,7 @@ use switchyard_wire::sse::{ChunkStream, SseError};
 use crate::cluster::{
     Cluster, EndpointError, EndpointSpec, InFlight, Owner, ProbeConfig, spawn_probe,
 };
-use crate::microserving::{CallError, EngineClient, Release, Upstream};
+use crate::engine_client::{CallError, EngineClient, Release, Upstream};
 
 /// The microserving step an error happened in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

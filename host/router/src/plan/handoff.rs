@@ -33,7 +33,7 @@ use super::execute::{
     AttemptBody, AttemptId, ExecError, Executor, Generation, StepKind, detached, streams,
 };
 use crate::cluster::InFlight;
-use crate::microserving::{CallError, Delivery, Upstream};
+use crate::engine_client::{CallError, Delivery, Upstream};
 
 /// Which leg of a pair failed, and how.
 type LegFailure = (EndpointId, StepKind, CallError);

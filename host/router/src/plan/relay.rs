@@ -11,7 +11,7 @@ use switchyard_wire::sse::SseError;
 use super::execute::{ExecError, Generation, StepKind};
 use crate::RouteError;
 use crate::Summary;
-use crate::microserving::CallError;
+use crate::engine_client::CallError;
 
 /// What the client side of a request receives, in order: text deltas, then exactly one
 /// `Done` or `Failed`.
