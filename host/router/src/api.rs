@@ -69,7 +69,7 @@ pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, Tokenize
 use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
 use switchyard_wire::client::ClientBody;
 
-use crate::plan::Event;
+use crate::Event;
 use crate::{RouteRequest, Router, Routing};
 
 /// Every response body the router writes.

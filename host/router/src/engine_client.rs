@@ -93,6 +93,10 @@ pub enum CallError {
     /// The request could not be written (its body does not serialize).
     #[error("cannot build the request: {reason}")]
     Build { reason: String },
+    /// The endpoint's URL makes no request URI: the endpoint is misconfigured, and the call
+    /// never left.
+    #[error("the endpoint's URL is unusable: {reason}")]
+    Url { reason: &'static str },
     /// Refused: nothing listens there (a sign the engine is down).
     #[error("cannot connect: {reason}")]
     Connect { reason: String },
@@ -128,7 +132,7 @@ impl CallError {
 pub struct Upstream {
     base: Arc<str>,
     /// `base` split once (`None` if it is no `http://HOST[:PORT][/PREFIX]` URI: every call
-    /// then fails to connect), so a call's URI is assembled, not parsed.
+    /// then fails with [`CallError::Url`]), so a call's URI is assembled, not parsed.
     target: Option<Target>,
     auth: Option<http::HeaderValue>,
 }
@@ -194,16 +198,12 @@ impl Upstream {
         method: http::Method,
         path: &str,
     ) -> Result<http::request::Builder, CallError> {
-        let uri = self
-            .target
-            .as_ref()
-            .ok_or("the endpoint's URL is no http://HOST:PORT")
-            .and_then(|target| {
-                target
-                    .with_path(path)
-                    .map_err(|_| "the path does not make a URI")
-            })
-            .map_err(|why| CallError::Connect { reason: why.into() })?;
+        let target = self.target.as_ref().ok_or(CallError::Url {
+            reason: "it is no http://HOST:PORT",
+        })?;
+        let uri = target.with_path(path).map_err(|_| CallError::Url {
+            reason: "followed by the call's path, it makes no URI",
+        })?;
         let request = http::Request::builder().method(method).uri(uri);
         Ok(match &self.auth {
             Some(auth) => request.header(http::header::AUTHORIZATION, auth.clone()),

@@ -7,7 +7,9 @@
 //! api        admits, parses and tokenizes the OpenAI request; answers JSON or SSE
 //!  → Router  asks the request's policy (a switchyard_contract::Planner) for a plan over the
 //!            cluster's endpoint snapshot, validates it, runs it, retries and continues
-//!  → plan    executes one validated plan: prep_recv → remote_send → start_generate, or forward
+//!  → plan    executes one validated plan through its protocol's steps (MLC's prep_recv →
+//!            remote_send → start_generate, vLLM's or SGLang's handoff, a forward) and relays
+//!            the generation; never looks back up at the Router or api
 //!  → engine_client  the HTTP client for the engines' calls, per protocol, and their probes
 //! cluster    endpoints, health probes, in-flight counts: the snapshot policies see
 //! config     flags and TOML, parsed once;   serve   wires it all up and listens
@@ -31,6 +33,6 @@ mod router;
 pub mod serve;
 
 pub use router::{
-    DEFAULT_REQUEST_TIMEOUT, RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouteError,
+    DEFAULT_REQUEST_TIMEOUT, Event, RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouteError,
     RouteRequest, Router, RouterConfig, Routing, Summary,
 };

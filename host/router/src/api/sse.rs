@@ -25,8 +25,8 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::openai::Responder;
 use super::respond::ApiError;
 use super::{AppState, Body};
+use crate::Event;
 use crate::Routing;
-use crate::plan::Event;
 
 /// Stream `routing`'s events (starting with `first`, already received) to the client.
 pub fn stream_response(

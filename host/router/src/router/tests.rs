@@ -12,18 +12,19 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use switchyard_contract::{EndpointId, Plan, Role, Step};
+use switchyard_contract::{Plan, Role, Step};
 use switchyard_wire::completion::{Choice, CompletionResponse, Logprobs};
-use switchyard_wire::sse::ChunkStream;
+use switchyard_wire::sse::{ChunkStream, SseError};
 
 use super::*;
 use crate::cluster::{Cluster, EndpointSpec, OutlierConfig};
-use crate::plan::{AttemptBody, Generation};
-
-const REQUEST_ID: &str = "cmpl-0123456789abcdef0123456789abcdef";
+use crate::engine_client::CallError;
+use crate::plan::{AttemptBody, Generation, StepKind};
 
 /// How an engine says it preempted a request.
 const PREEMPT: &str = "preempt";
+
+const REQUEST_ID: &str = "cmpl-0123456789abcdef0123456789abcdef";
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -124,12 +125,12 @@ impl Execute for FakeExecutor {
         let script = self.script.lock().pop_front();
         let chunks: ChunkStream = match script {
             Some(Script::Fail(source)) => {
-                return Err(ExecError {
-                    endpoint,
-                    step: StepKind::Forward,
-                    attempt: id.attempt,
+                return Err(ExecError::new(
                     source,
-                });
+                    endpoint,
+                    StepKind::Forward,
+                    id.attempt,
+                ));
             }
             Some(Script::Stream(chunks)) => Box::pin(futures::stream::iter(chunks)),
             Some(Script::Hang(dropped)) => hanging_stream(dropped),
@@ -510,7 +511,7 @@ async fn the_attempt_cap_ends_the_request_with_the_last_failure() {
         RouteError::Exhausted { attempts, last } => {
             assert_eq!(attempts, 3);
             assert_eq!((last.attempt, last.endpoint), (3, 0));
-            assert!(last.source.is_timeout(), "{last}");
+            assert!(last.timed_out(), "{last}");
         }
         other => panic!("expected Exhausted, got {other}"),
     }
@@ -720,7 +721,13 @@ async fn preemptions_without_progress_count_toward_the_attempt_cap() {
     let (_, last) = h.route("hello", 5).await;
     let (error, summary) = expect_failed(last);
     assert!(
-        matches!(error, RouteError::Exhausted { attempts: 2, .. }),
+        matches!(
+            error,
+            RouteError::Preempted {
+                attempts: 2,
+                endpoint: 1
+            }
+        ),
         "{error}"
     );
     assert_eq!(summary.preemptions, 2);
