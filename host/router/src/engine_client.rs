@@ -24,6 +24,8 @@ mod microserving;
 mod openai;
 mod probe;
 #[cfg(test)]
+pub(crate) mod scripted;
+#[cfg(test)]
 mod tests;
 
 use std::convert::Infallible;
@@ -37,8 +39,8 @@ use futures::{StreamExt, TryStreamExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -233,8 +235,27 @@ impl std::fmt::Debug for Upstream {
 /// its own thread drives and wakes no other thread. Clones share the pools.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
-    http: Arc<ThreadLocal<Client<HttpConnector, CallBody>>>,
+    pools: Arc<Pools>,
     timeouts: Timeouts,
+}
+
+/// Where the client's connections come from. An enum rather than a type parameter, so the
+/// executor and everything holding a client stay one concrete type; outside tests it has one
+/// variant, and the match costs nothing.
+#[derive(Debug)]
+#[cfg_attr(
+    test,
+    expect(
+        clippy::large_enum_variant,
+        reason = "one per client, made once and shared behind an Arc"
+    )
+)]
+enum Pools {
+    /// TCP, one pool per thread (see [`EngineClient`]).
+    Tcp(ThreadLocal<Client<HttpConnector, CallBody>>),
+    /// In-process engines over in-memory pipes ([`scripted`]).
+    #[cfg(test)]
+    Scripted(Client<scripted::Connector, CallBody>),
 }
 
 /// An engine's answer, its body still to read.
@@ -243,24 +264,34 @@ type EngineResponse = http::Response<Incoming>;
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
         EngineClient {
-            http: Arc::default(),
+            pools: Arc::new(Pools::Tcp(ThreadLocal::new())),
             timeouts,
         }
     }
 
-    /// This thread's pooled client.
-    fn http(&self) -> &Client<HttpConnector, CallBody> {
-        self.http.get_or(|| {
-            let mut connector = HttpConnector::new();
-            connector.set_connect_timeout(Some(self.timeouts.connect));
-            connector.set_nodelay(true);
-            Client::builder(TokioExecutor::new())
-                // Below common engine keep-alive timeouts (uvicorn closes idle connections
-                // after 5 s), so a request is not sent on a connection the engine is closing.
-                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-                .pool_timer(TokioTimer::new())
-                .build(connector)
-        })
+    /// A client whose connections reach the in-process engines behind `connector`.
+    #[cfg(test)]
+    pub(crate) fn scripted(timeouts: Timeouts, connector: scripted::Connector) -> Self {
+        EngineClient {
+            pools: Arc::new(Pools::Scripted(pooled(connector))),
+            timeouts,
+        }
+    }
+
+    /// Send `request` on this thread's pool.
+    fn request(&self, request: http::Request<CallBody>) -> ResponseFuture {
+        match &*self.pools {
+            Pools::Tcp(per_thread) => per_thread
+                .get_or(|| {
+                    let mut connector = HttpConnector::new();
+                    connector.set_connect_timeout(Some(self.timeouts.connect));
+                    connector.set_nodelay(true);
+                    pooled(connector)
+                })
+                .request(request),
+            #[cfg(test)]
+            Pools::Scripted(client) => client.request(request),
+        }
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -290,7 +321,7 @@ impl EngineClient {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
             let request = json_request(request, json.clone(), delivery.cloned())?;
-            let sent = self.http().request(request);
+            let sent = self.request(request);
             match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
                     CallError::Timeout {
@@ -388,6 +419,19 @@ impl EngineClient {
             self.timeouts.stream_idle,
         ))
     }
+}
+
+/// hyper-util's pooled HTTP/1 client over `connector`.
+fn pooled<C>(connector: C) -> Client<C, CallBody>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
+{
+    Client::builder(TokioExecutor::new())
+        // Below common engine keep-alive timeouts (uvicorn closes idle connections after 5 s),
+        // so a request is not sent on a connection the engine is closing.
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_timer(TokioTimer::new())
+        .build(connector)
 }
 
 /// Says when a request's body has all been handed to its connection: its receiver resolves

@@ -18,6 +18,9 @@ mod relay;
 mod sglang;
 mod vllm;
 
+#[cfg(test)]
+mod tests;
+
 pub use attempt::{AttemptBody, AttemptId, Generation};
 pub use error::{Cause, ExecError, Origin, StepKind};
 pub use execute::{Execute, Executor};

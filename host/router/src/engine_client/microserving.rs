@@ -92,7 +92,7 @@ impl EngineClient {
             Err(e) => return Release::Later(e.to_string()),
         };
         let within = self.timeouts.call;
-        let Ok(sent) = tokio::time::timeout(within, self.http().request(request)).await else {
+        let Ok(sent) = tokio::time::timeout(within, self.request(request)).await else {
             // Sent, but no answer came (a frozen engine): see below.
             return Release::Gone(format!("sent, answer lost: no answer within {within:?}"));
         };

@@ -48,7 +48,7 @@ impl EngineClient {
             .ok()?
             .body(CallBody::empty())
             .ok()?;
-        let response = tokio::time::timeout_at(deadline, self.http().request(request))
+        let response = tokio::time::timeout_at(deadline, self.request(request))
             .await
             .ok()?
             .ok()?;
