@@ -5,7 +5,7 @@
 #   make bench-peers      the same builds, then scripts/bench-peers.sh: switchyard vs vllm-router and
 #                         sglang-router in front of one nginx static responder (ROUNDS=3 ...)
 #   make bench-kv-aware   release build + plugins + the affinity example, then scripts/bench-kv-aware.sh:
-#                         four policies on a Mooncake trace window, 4 engines (LOAD=0.7 LIMIT=400 ...)
+#                         four policies on a Mooncake trace window, 4 engines (LOAD=0.7 LIMIT=600 ...)
 # Included by the top-level Makefile.
 
 .PHONY: bench-overhead

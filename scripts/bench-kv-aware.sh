@@ -32,9 +32,11 @@ BIN=${BIN:-target/release/switchyard}
 OUT=${OUT:-target/bench-kv-aware}
 TRACE=${TRACE:-examples/traces/mooncake_conversation_trace.jsonl}
 ENGINES=${ENGINES:-4}
-# Trace seconds replayed, and the cuts that keep a 2-core machine able to serve them.
+# Trace seconds replayed and how many requests of them (the more, the more turns of the same
+# conversations: each run reports the window's prefix-sharing ceiling), and the cuts that keep
+# a 2-core machine able to serve them.
 WINDOW=${WINDOW:-0..300}
-LIMIT=${LIMIT:-400}
+LIMIT=${LIMIT:-600}
 MAX_INPUT_LEN=${MAX_INPUT_LEN:-8192}
 MAX_OUTPUT_LEN=${MAX_OUTPUT_LEN:-64}
 LOAD=${LOAD:-0.7}
