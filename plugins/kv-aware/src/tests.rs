@@ -144,22 +144,23 @@ fn a_cached_prefix_longer_than_the_prompt_counts_as_the_whole_prompt() {
 }
 
 #[test]
-fn the_queue_is_the_engines_count_or_this_routers_whichever_is_larger() {
+fn the_queue_is_this_routers_in_flight_or_the_engines_waiting_whichever_is_larger() {
     let mut policy = kv_aware();
-    // Endpoint 0's engine reports 3 running and 2 waiting (other replicas' requests), this
-    // router has 1 there; endpoint 1's engine reports 1 but this router just sent it 4.
+    // Endpoint 0's engine has 4 requests waiting (other replicas'), this router 1 in flight
+    // there; endpoint 1 runs 9 (a probe interval ago: not counted) and this router has 2 there.
     let ctx = endpoints(3)
-        .with_in_flight(&[1, 4, 2])
-        .engine_load(0, 3, 2)
-        .engine_load(1, 1, 0)
-        .context();
-    assert_eq!(policy.translate(&request(64), &ctx), Ok(Plan::forward(2)));
-    let ctx = endpoints(2)
-        .with_in_flight(&[1, 4])
-        .engine_load(0, 3, 2)
-        .engine_load(1, 1, 0)
+        .with_in_flight(&[1, 2, 3])
+        .engine_load(0, 0, 4)
+        .engine_load(1, 9, 0)
         .context();
     assert_eq!(policy.translate(&request(64), &ctx), Ok(Plan::forward(1)));
+    // This router just sent endpoint 1 five: more than the engine said was waiting at 0.
+    let ctx = endpoints(2)
+        .with_in_flight(&[1, 5])
+        .engine_load(0, 0, 4)
+        .engine_load(1, 0, 0)
+        .context();
+    assert_eq!(policy.translate(&request(64), &ctx), Ok(Plan::forward(0)));
 }
 
 #[test]
