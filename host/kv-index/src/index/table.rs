@@ -3,12 +3,13 @@
 //!
 //! Open addressing in cache lines of four entries, keys and values apart inside the line. A
 //! key's search starts at the first entry of its home line and walks on entry by entry (linear
-//! probing), and each run of taken entries is kept in order of home line (Robin Hood), so a
-//! search ends at the first key homed past its own: at most 7/8 of the entries are taken, and
-//! nearly every search, for a key there or not, ends in its home line. One cache line, one
-//! miss, where a SwissTable reads a control group and then an entry in another line. Removal
-//! shifts the rest of the run back (no tombstones), so a table that sees as many removals as
-//! inserts, as an index at its cap does, never needs rebuilding.
+//! probing). Each run of taken entries is kept in order of the keys' spread bits, of which the
+//! home line is the top (Robin Hood, ordered): a search ends at the first key ordered after
+//! its own, and at most 7/8 of the entries are taken, so nearly every search, for a key there
+//! or not, ends in its home line. One cache line, one miss, where a SwissTable reads a control
+//! group and then an entry in another line. Removal shifts the rest of the run back (no
+//! tombstones), so a table that sees as many removals as inserts, as an index at its cap does,
+//! never needs rebuilding; and growing, the order already right, moves runs without a search.
 //!
 //! Key 0 marks an empty entry; a map holding key 0 keeps its value beside the lines.
 
@@ -162,12 +163,9 @@ impl Table {
         self.lines.len() * LANES
     }
 
-    /// The line a key's search starts at: the key's bits spread by a multiplication
-    /// (engine hashes may be small integers) and scaled to the line count.
+    /// The line a key's search starts at: the top bits of its [`spread`].
     fn home(&self, key: u64) -> usize {
-        const SPREAD: u64 = 0x9e37_79b9_7f4a_7c15;
-        let spread = u128::from(key.wrapping_mul(SPREAD));
-        ((spread * self.lines.len() as u128) >> 64) as usize
+        home_line(key, self.lines.len())
     }
 
     /// Whether `other`, a key in `line`, has its home past `home`: runs are in order of home,
@@ -177,18 +175,32 @@ impl Table {
         (line.wrapping_sub(self.home(other)) & mask) < (line.wrapping_sub(home) & mask)
     }
 
+    /// Whether `key`, homed at `home`, goes before `other`, a key in `line`: `other` is homed
+    /// past it, or at the same line with greater spread bits.
+    fn goes_before(&self, key: u64, home: usize, other: u64, line: usize) -> bool {
+        self.homed_past(other, home, line)
+            || (self.home(other) == home && spread(key) < spread(other))
+    }
+
     /// `None` when there are no lines yet.
     fn search(&self, key: u64) -> Option<Search> {
-        let mask = self.entries().checked_sub(1)?;
+        let line_mask = self.lines.len().checked_sub(1)?;
         let home = self.home(key);
-        (0..=mask)
-            .map(|step| (home * LANES + step) & mask)
-            .find_map(|entry| match self.key(entry) {
-                found if found == key => Some(Search::Found(entry)),
-                EMPTY => Some(Search::Absent(entry)),
-                other if self.homed_past(other, home, entry / LANES) => Some(Search::Absent(entry)),
-                _ => None,
-            })
+        let mut line = home;
+        for _ in 0..self.lines.len() {
+            let keys = &self.lines[line].keys;
+            if let Some(lane) = keys.iter().position(|&other| other == key) {
+                return Some(Search::Found(line * LANES + lane));
+            }
+            if let Some(lane) = keys
+                .iter()
+                .position(|&other| other == EMPTY || self.goes_before(key, home, other, line))
+            {
+                return Some(Search::Absent(line * LANES + lane));
+            }
+            line = (line + 1) & line_mask;
+        }
+        None
     }
 
     /// Where `key`, absent, goes.
@@ -233,16 +245,37 @@ impl Table {
         self.set(hole, EMPTY, 0);
     }
 
+    /// Doubles the lines. Runs are in order of spread bits, of which a key's new home takes
+    /// one more: taken in that order, each key goes at the end of the new run so far, with no
+    /// search and no shift.
     fn grow(&mut self) {
         let lines = (self.lines.len() * 2).max(1);
         let old = std::mem::replace(&mut self.lines, vec![EMPTY_LINE; lines]);
-        self.len = 0;
-        for line in old {
-            for (&key, &value) in line.keys.iter().zip(&line.values) {
-                if key != EMPTY {
-                    self.insert_at(self.absent_at(key), key, value);
-                }
+        let (old_lines, old_entries) = (old.len(), old.len() * LANES);
+        let old_key = |entry: usize| old[entry / LANES].keys[entry % LANES];
+        // Start after an empty entry: no run goes on past one, so none is cut in two. Homes
+        // and positions count on from there without wrapping ("unwrapped").
+        let Some(empty) = (0..old_entries).find(|&entry| old_key(entry) == EMPTY) else {
+            return;
+        };
+        let (first_home, mask) = (empty / LANES + 1, lines * LANES - 1);
+        let mut next = 0;
+        for step in 1..old_entries {
+            let entry = (empty + step) & (old_entries - 1);
+            let key = old_key(entry);
+            if key == EMPTY {
+                continue;
             }
+            // The new home, unwrapped as the old one (half of it) is.
+            let home = home_line(key, lines);
+            let home = if home / 2 >= first_home {
+                home
+            } else {
+                home + 2 * old_lines
+            };
+            let at = (home * LANES).max(next);
+            self.set(at & mask, key, old[entry / LANES].values[entry % LANES]);
+            next = at + 1;
         }
     }
 
@@ -261,11 +294,50 @@ impl Table {
     }
 }
 
+/// A key's bits spread by a multiplication (engine hashes may be small integers): its home
+/// line is their top bits, and runs are in their order.
+fn spread(key: u64) -> u64 {
+    key.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+}
+
+/// [`Table::home`] among `lines` lines.
+fn home_line(key: u64, lines: usize) -> usize {
+    ((u128::from(spread(key)) * lines as u128) >> 64) as usize
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
 
     use super::*;
+
+    /// Every key is reachable from its home, runs in order: each entry is at most one further
+    /// from its home than the entry before it (at its home after an empty one), and after it
+    /// in spread bits when both have the same home.
+    fn assert_in_order(table: &Table) {
+        let Some(mask) = table.entries().checked_sub(1) else {
+            return;
+        };
+        let distance = |entry: usize, key: u64| entry.wrapping_sub(table.home(key) * LANES) & mask;
+        for entry in 0..table.entries() {
+            let (key, before) = (table.key(entry), (entry + mask) & mask);
+            if key == EMPTY {
+                continue;
+            }
+            match table.key(before) {
+                EMPTY => assert_eq!(distance(entry, key), 0, "entry {entry}"),
+                other => {
+                    assert!(
+                        distance(entry, key) <= distance(before, other) + 1,
+                        "entry {entry}"
+                    );
+                    if table.home(other) == table.home(key) {
+                        assert!(spread(other) < spread(key), "entry {entry}");
+                    }
+                }
+            }
+        }
+    }
 
     /// A line is one cache line, and so is every line of the allocation.
     #[test]
@@ -277,16 +349,25 @@ mod tests {
     fn it_grows_keeping_every_key_and_at_most_seven_eighths_full() {
         let mut table = Table::default();
         let key = |i: u64| i.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
+        let mut grown = 0;
         for i in 0..10_000u64 {
+            let entries = table.entries();
             assert_eq!(table.insert(key(i), i), None);
             assert!(table.len * 8 <= table.entries() * 7, "{i}");
+            if table.entries() != entries {
+                // Grown by moving runs over without a search: still in order.
+                assert_in_order(&table);
+                grown += 1;
+            }
         }
+        assert_eq!(grown, 13, "1 line, then doubled up to 4,096");
         assert_eq!(table.len(), 10_000);
         assert_eq!(
             table.entries(),
             16_384,
             "the smallest power of two that fits"
         );
+        assert_in_order(&table);
         for i in 0..10_000u64 {
             assert_eq!(table.get(key(i)), Some(i));
         }
@@ -340,6 +421,16 @@ mod tests {
             assert_eq!(table.lines.len(), 2, "seven keys fit in eight entries");
             crossed |= table.home(table.key(LANES)) == 0;
             wrapped |= table.home(table.key(0)) == 1;
+            // Growing moves runs that cross lines and wrap without losing their order.
+            let mut grown = two_lines();
+            for (i, &key) in keys.iter().enumerate() {
+                grown.insert(key, i as u64);
+            }
+            grown.grow();
+            assert_in_order(&grown);
+            for (&key, &value) in &model {
+                assert_eq!(grown.get(key), Some(value), "seed {seed}");
+            }
             for &key in &shuffled(&keys, seed + 1) {
                 assert_eq!(table.remove(key), model.remove(&key), "seed {seed}");
                 for (&key, &value) in &model {
@@ -353,6 +444,7 @@ mod tests {
                 let mut expected: Vec<u64> = model.keys().copied().collect();
                 expected.sort_unstable();
                 assert_eq!(held, expected, "seed {seed}");
+                assert_in_order(&table);
             }
             assert_eq!(table.remove(keys[0]), None);
         }
@@ -389,6 +481,9 @@ mod tests {
             }
             assert_eq!(table.get(key), model.get(&key).copied());
             assert_eq!(table.len(), model.len());
+            if step % 1_000 == 0 {
+                assert_in_order(&table);
+            }
             zero_held += usize::from(model.contains_key(&0));
         }
         for (&key, &value) in &model {
