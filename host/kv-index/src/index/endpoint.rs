@@ -83,6 +83,7 @@ impl EndpointBlocks {
         }
         self.places
             .insert(hash, self.front + self.order.len() as u64);
+        self.make_room_in_order(cap);
         self.order.push_back(Block {
             hash,
             key,
@@ -175,6 +176,22 @@ impl EndpointBlocks {
         }
     }
 
+    /// Grows `order` when it is full by doubling, as `VecDeque` does, but not past `cap`: an
+    /// endpoint at its cap holds `cap` blocks (gaps aside), and the doubling past it would
+    /// leave the rest unused (a quarter of the queue at 100k blocks, which doubles to 131,072).
+    fn make_room_in_order(&mut self, cap: usize) {
+        let len = self.order.len();
+        if len < self.order.capacity() {
+            return;
+        }
+        let more = if len < cap {
+            len.max(4).min(cap - len)
+        } else {
+            len
+        };
+        self.order.reserve_exact(more);
+    }
+
     /// Closes the gaps once they outnumber the blocks, renumbering the blocks' places: a
     /// cost of one table update per block, paid once per as many removals.
     fn compact_order(&mut self) {
@@ -193,5 +210,39 @@ fn clear_holders(holders: &mut Holders, block: &Block, slot: usize) {
         if block.media.contains(medium) {
             holders.clear(block.key, slot, medium);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> BlockKey {
+        crate::key::prompt_keys(&[i as u32], 1, crate::key::Adapter::Base)[0]
+    }
+
+    /// The order queue grows to the cap and no further while the endpoint stays at it, and
+    /// past it (doubling) only for gaps.
+    #[test]
+    fn the_order_queue_grows_to_the_cap_and_no_further() {
+        const CAP: usize = 1_000;
+        let (mut blocks, mut holders) = (EndpointBlocks::new(0), Holders::default());
+        for i in 0..3 * CAP as u64 {
+            blocks.store(&mut holders, i, key(i), Medium::Gpu, CAP);
+            assert!(blocks.order.capacity() <= CAP, "{i}");
+        }
+        assert_eq!(
+            (blocks.len(), blocks.order.capacity(), blocks.stats.evicted),
+            (CAP, CAP, 2 * CAP as u64)
+        );
+        // Removals leave gaps, which the queue holds until compacted: it grows past the cap.
+        for i in 2 * CAP as u64..2 * CAP as u64 + 100 {
+            blocks.remove(&mut holders, i, Medium::Gpu);
+        }
+        for i in 3 * CAP as u64..3 * CAP as u64 + 100 {
+            blocks.store(&mut holders, i, key(i), Medium::Gpu, CAP);
+        }
+        assert_eq!((blocks.len(), blocks.order.len()), (CAP, CAP + 100));
+        assert!(blocks.order.capacity() >= 2 * CAP);
     }
 }
