@@ -1,5 +1,5 @@
 //! How long an engine step and a KV transfer would take on real hardware, scaled by
-//! `--time-scale`.
+//! `--time-scale`: the [`TimingModel`] the scheduler core costs its steps with.
 //!
 //! Profiles are named so benchmarks can say what they simulate. `null` costs nothing (the default:
 //! tests and functional runs should not wait). `llama3-8b-h100` is Llama-3-8B in bf16 on one
@@ -75,6 +75,17 @@ pub struct StepWork {
     pub decode_ctx_tokens: usize,
 }
 
+/// How long work takes on the hardware an engine stands in for. The core costs each step with
+/// it and makes the step's outputs visible only when that time has passed; KV pushes wait out
+/// their transfer time. [`Latency`] computes both from a [`Profile`]'s formula; a table
+/// measured on real hardware can take its place.
+pub trait TimingModel: std::fmt::Debug + Send + Sync {
+    /// One engine step that did `work`.
+    fn step(&self, work: &StepWork) -> Duration;
+    /// Moving `bytes` of KV from one engine to another.
+    fn transfer(&self, bytes: usize) -> Duration;
+}
+
 /// A profile and the factor by which its times are stretched (0 = no waiting at all).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Latency {
@@ -82,8 +93,8 @@ pub struct Latency {
     pub time_scale: f64,
 }
 
-impl Latency {
-    pub fn step(&self, work: &StepWork) -> Duration {
+impl TimingModel for Latency {
+    fn step(&self, work: &StepWork) -> Duration {
         if work.prefill_tokens == 0 && work.decode_seqs == 0 {
             return Duration::ZERO;
         }
@@ -100,14 +111,16 @@ impl Latency {
         self.scaled(p.step_base_us + prefill + decode)
     }
 
-    pub fn transfer(&self, bytes: usize) -> Duration {
+    fn transfer(&self, bytes: usize) -> Duration {
         if bytes == 0 {
             return Duration::ZERO;
         }
         let p = &self.profile;
         self.scaled(p.transfer_us_base + bytes as f64 * p.transfer_us_per_byte)
     }
+}
 
+impl Latency {
     fn scaled(&self, us: f64) -> Duration {
         let us = us * self.time_scale;
         if us.is_finite() && us > 0.0 {

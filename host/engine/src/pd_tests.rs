@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
+use switchyard_wire::ReadyLine;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -845,7 +846,7 @@ fn protocol_flags_must_fit_together() {
         ],
     ] {
         let args = EngineArgs::from_flags(["--port", "0"].iter().chain(flags)).expect("parses");
-        let err = check_protocol(&args).expect_err(&format!("{flags:?}"));
+        let err = args.check_protocol().expect_err(&format!("{flags:?}"));
         assert!(err.is_usage());
     }
 }

@@ -3,8 +3,10 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
+use switchyard_kv::PeerAddr;
 
 use super::*;
+use crate::latency::{Latency, Profile, StepWork, TimingModel};
 
 async fn engine(flags: &[&str]) -> RunningEngine {
     let args = EngineArgs::from_flags(["--port", "0"].iter().chain(flags)).expect("valid flags");
@@ -133,4 +135,50 @@ async fn the_engine_keeps_its_pool_where_kv_device_says() {
             started.err()
         ),
     }
+}
+
+/// A step's tokens leave when its modelled time has passed, as a real engine's do: a lone
+/// request's first token reaches the client no sooner than the profile says its prefill takes
+/// (it used to leave before the step's wait, a few ms in whatever the profile), and not much
+/// later either.
+#[tokio::test]
+async fn the_first_token_arrives_when_the_prefill_would_end() {
+    // llama3-8b-h100 prefills 100 tokens in 4.1 ms; stretched 75 times, ~300 ms.
+    let engine = engine(&["--profile", "llama3-8b-h100", "--time-scale", "75"]).await;
+    let latency = Latency {
+        profile: Profile::LLAMA3_8B_H100,
+        time_scale: 75.0,
+    };
+    let prefill = latency.step(&StepWork {
+        prefill_tokens: 100,
+        ..StepWork::default()
+    });
+    let prompt: Vec<u32> = (0..100).map(|i| 97 + i % 26).collect();
+    let started = Instant::now();
+    let mut response = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", engine.http_addr()))
+        .json(&json!({"prompt": prompt, "max_tokens": 2, "stream": true}))
+        .send()
+        .await
+        .expect("engine reachable");
+    assert_eq!(response.status(), 200);
+    let first = response
+        .chunk()
+        .await
+        .expect("body")
+        .expect("a first chunk");
+    let ttft = started.elapsed();
+    assert!(
+        String::from_utf8_lossy(&first).starts_with("data: {"),
+        "{first:?}"
+    );
+    assert!(
+        ttft >= prefill,
+        "TTFT {ttft:?} before the prefill's {prefill:?}"
+    );
+    // Slack for a busy machine, short of a second prefill.
+    assert!(
+        ttft < prefill + prefill * 3 / 4,
+        "TTFT {ttft:?} for a prefill of {prefill:?}"
+    );
 }

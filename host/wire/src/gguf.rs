@@ -1,5 +1,6 @@
 //! A GGUF file's metadata (its key/value header), read without any ML framework, and what the
-//! router needs from it: the model's name, context length, chat template and tokenizer.
+//! router needs from it: the model's name, context length, chat template and tokenizer, and
+//! what an engine running it needs to turn ids back into text ([`Vocabulary`]).
 //!
 //! The engine loads the tensors with candle; the router must never depend on candle, so the
 //! tokenizer is built here, from the GGUF's own tokens and merges, and both sides use this one
@@ -19,7 +20,7 @@
 //! # Ok::<(), switchyard_wire::gguf::GgufError>(())
 //! ```
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
@@ -285,6 +286,74 @@ impl ModelFiles {
             .parse::<Tokenizer>()
             .map_err(|e| GgufError::Tokenizer(e.to_string()))
     }
+}
+
+/// What a server running a GGUF model needs to turn its ids back into text and to stop: the
+/// other direction from [`ModelFiles::tokenizer`], read from the same token table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Vocabulary {
+    /// The bytes each token id stands for; empty for control tokens, which are never streamed.
+    pub token_bytes: Vec<Vec<u8>>,
+    /// Ids that end a generation: the GGUF's EOS, and `<|endoftext|>` where it is a control
+    /// token (chat models end a turn with one and may emit the other).
+    pub stop_ids: Vec<u32>,
+}
+
+impl GgufMetadata {
+    /// The model's [`Vocabulary`]. A token is written in GPT-2's byte-level alphabet; a symbol
+    /// outside it (a user-defined token) stands for its own UTF-8 text.
+    pub fn vocabulary(&self) -> Result<Vocabulary, GgufError> {
+        let tokens = self.strings("tokenizer.ggml.tokens")?;
+        let types = self.ints("tokenizer.ggml.token_type")?;
+        let byte_of = gpt2_byte_decoder();
+        let mut stop_ids: Vec<u32> = match self.get("tokenizer.ggml.eos_token_id") {
+            Some(_) => vec![self.uint("tokenizer.ggml.eos_token_id")? as u32],
+            None => Vec::new(),
+        };
+        let token_bytes = tokens
+            .iter()
+            .zip(types.iter().chain(std::iter::repeat(&1)))
+            .enumerate()
+            .map(|(id, (text, &ty))| {
+                if ty == TOKEN_TYPE_CONTROL {
+                    if *text == "<|endoftext|>" && !stop_ids.contains(&(id as u32)) {
+                        stop_ids.push(id as u32);
+                    }
+                    return Vec::new();
+                }
+                let mut bytes = Vec::with_capacity(text.len());
+                for ch in text.chars() {
+                    match byte_of.get(&ch) {
+                        Some(&b) => bytes.push(b),
+                        None => bytes.extend_from_slice(ch.encode_utf8(&mut [0; 4]).as_bytes()),
+                    }
+                }
+                bytes
+            })
+            .collect();
+        Ok(Vocabulary {
+            token_bytes,
+            stop_ids,
+        })
+    }
+}
+
+/// GPT-2's byte-level alphabet, reversed: the char each byte is written as in a token, to the
+/// byte. Printable bytes stand for themselves; the rest map to U+0100 onwards in order.
+fn gpt2_byte_decoder() -> HashMap<char, u8> {
+    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    let mut next = 256u32;
+    (0..=255u8)
+        .map(|b| {
+            if printable(b) {
+                (char::from(b), b)
+            } else {
+                let ch = char::from_u32(next).unwrap_or(char::REPLACEMENT_CHARACTER);
+                next += 1;
+                (ch, b)
+            }
+        })
+        .collect()
 }
 
 /// GGUF token types (llama.cpp's `llama_token_type`): control tokens are special (never split

@@ -40,14 +40,14 @@ use tokio::sync::{mpsc, oneshot};
 
 use switchyard_kv::{KvAddrInfo, PeerAddr};
 
-use super::openai::{
-    Arrived, Collected, Fields, Meta, OpenAiRequest, Reserved, body_digest, parse,
-    prefill_and_hold, replay, respond, serve_whole, sse_after, violation,
+use super::common::{
+    Arrived, Body, Collected, EngineState, Fields, HttpError, Meta, OpenAiRequest, Reserved, Shape,
+    body_digest, full, json, parse, prefill_and_hold, push_kv, read_request, replay, request_id,
+    respond, serve_whole, stream_after, violation,
 };
-use super::{Body, EngineState, HttpError, full, json, push_kv, read_request};
+use crate::args::{DisaggregationMode, EngineArgs};
 use crate::metrics::{PdMetrics, side};
 use crate::scheduler::{Event, FinishReason};
-use crate::{DisaggregationMode, EngineArgs};
 
 /// Top-level fields that may differ between the legs (DP-aware routing), left out of the
 /// digest that proves both legs got the same body.
@@ -55,7 +55,7 @@ const DP_FIELDS: [&str; 2] = ["routed_dp_rank", "disagg_prefill_dp_rank"];
 
 /// An SGLang-mode engine's handoff state.
 pub(crate) struct Sglang {
-    pub(super) mode: DisaggregationMode,
+    mode: DisaggregationMode,
     /// This prefill engine's bootstrap server, which P legs must name.
     bootstrap: Option<SocketAddr>,
     timeout: Duration,
@@ -189,9 +189,21 @@ fn bootstrap_fields(state: &EngineState, f: &Fields) -> Result<Bootstrap, HttpEr
     })
 }
 
+/// A completion or chat call, served as the engine's mode says.
+pub(super) async fn generate(
+    req: Request<Incoming>,
+    state: Arc<EngineState>,
+    sg: Arc<Sglang>,
+    shape: Shape,
+) -> Result<Response<Body>, HttpError> {
+    let request_id = request_id(&req);
+    let body = read_request(req).await?;
+    serve(state, sg, Arrived::new(shape, request_id, body)?).await
+}
+
 /// The mode decides: a null engine serves everything whole; a prefill or decode engine only
 /// serves its leg of a P/D pair.
-pub(super) async fn serve(
+async fn serve(
     state: Arc<EngineState>,
     sg: Arc<Sglang>,
     arrived: Arrived,
@@ -227,7 +239,7 @@ pub(super) async fn serve(
             let work = prefill(state, sg, request.clone(), boot.room, digest);
             if stream {
                 let replayed = async move { work.await.map(|done| replay(done.events)) };
-                Ok(sse_after(meta, include_usage, replayed))
+                Ok(stream_after(meta, include_usage, replayed))
             } else {
                 let done = work.await?;
                 Ok(json(StatusCode::OK, &meta.full(&done, None)))
@@ -236,10 +248,10 @@ pub(super) async fn serve(
         DisaggregationMode::Decode | DisaggregationMode::Null => {
             let work = decode(state, sg, request.clone(), boot, digest);
             if stream {
-                Ok(sse_after(meta, include_usage, work))
+                Ok(stream_after(meta, include_usage, work))
             } else {
                 let rx = work.await?;
-                respond(meta, &request, rx).await
+                respond(meta, stream, include_usage, rx).await
             }
         }
     }
@@ -421,7 +433,7 @@ async fn prefill(
             // slots if this leg is dropped.
             let push = tokio::spawn(push_kv(
                 state.transport.clone(),
-                state.latency,
+                state.timing.clone(),
                 lease,
                 window.clone(),
                 registration.rank,

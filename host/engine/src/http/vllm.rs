@@ -33,14 +33,15 @@ use serde_json::{Value, json};
 
 use switchyard_kv::{KvAddrInfo, PeerAddr};
 
-use super::openai::{
-    Arrived, Meta, OpenAiRequest, Reserved, body_digest, empty, parse, prefill_and_hold, respond,
-    sse_after, violation,
+use super::common::{
+    Arrived, Body, EngineState, HttpError, Meta, OpenAiRequest, Reserved, Shape, body_digest,
+    empty, json, parse, prefill_and_hold, push_kv, read_request, request_id, respond, serve_whole,
+    stream_after, violation,
 };
-use super::{Body, EngineState, HttpError, json, push_kv, read_request};
-use crate::EngineArgs;
+use crate::args::EngineArgs;
 use crate::metrics::PdMetrics;
-use crate::scheduler::{Event, FinishReason, SendLease};
+use crate::scheduler::{Event, FinishReason};
+use crate::step_loop::SendLease;
 
 /// Top-level fields the P and D legs may differ in (spec §3 and §4): the rest of D's body must
 /// be P's (checked at the pull, §11.6).
@@ -119,8 +120,21 @@ impl Vllm {
     }
 }
 
+/// A completion or chat call: its body read ([`read_body_or_release`]), then served as the leg
+/// its `kv_transfer_params` make it.
+pub(super) async fn generate(
+    req: Request<Incoming>,
+    state: Arc<EngineState>,
+    v: Arc<Vllm>,
+    shape: Shape,
+) -> Result<Response<Body>, HttpError> {
+    let request_id = request_id(&req);
+    let body = read_body_or_release(&state, req).await?;
+    serve(state, v, Arrived::new(shape, request_id, body)?).await
+}
+
 /// `kv_transfer_params` decides the leg: P, D, or a plain request served whole.
-pub(super) async fn serve(
+async fn serve(
     state: Arc<EngineState>,
     v: Arc<Vllm>,
     arrived: Arrived,
@@ -143,7 +157,7 @@ pub(super) async fn serve(
         decode(state, arrived, params).await
     } else {
         let request = parse(&state, arrived)?;
-        super::openai::serve_whole(&state, request).await
+        serve_whole(&state, request).await
     }
 }
 
@@ -319,10 +333,10 @@ async fn decode(
         async move { pull_and_start(state, &request, params, release, digest).await }
     };
     if request.stream {
-        Ok(sse_after(meta, request.include_usage, work))
+        Ok(stream_after(meta, request.include_usage, work))
     } else {
         let rx = work.await?;
-        respond(meta, &request, rx).await
+        respond(meta, request.stream, request.include_usage, rx).await
     }
 }
 
@@ -462,14 +476,14 @@ impl Release {
 /// is gone, buffered body or not), and vLLM aborts such a request, which for a decode leg
 /// tells its prefill to drop the lease. So when nobody is left to take the body, a decode
 /// leg's release is sent from here.
-pub(super) async fn read_body_or_release(
+async fn read_body_or_release(
     state: &Arc<EngineState>,
     req: Request<Incoming>,
 ) -> Result<Value, HttpError> {
     let (tx, rx) = tokio::sync::oneshot::channel();
     let state = state.clone();
     tokio::spawn(async move {
-        let body = super::read_request::<Value>(req).await;
+        let body = read_request::<Value>(req).await;
         if let Err(Ok(body)) = tx.send(body) {
             drop(Release::for_decode_leg(&state, &body));
         }
@@ -620,7 +634,7 @@ async fn serve_pull(
         let metrics = v.metrics.clone();
         let push = push_kv(
             state.transport.clone(),
-            state.latency,
+            state.timing.clone(),
             lease.kv,
             window,
             pull.recv_rank,

@@ -1,11 +1,11 @@
 use super::*;
 
 fn llama() -> &'static Llama {
-    &crate::test_smollm2().0.llama
+    &crate::load::test_smollm2().0.llama
 }
 
 fn tokenizer() -> &'static tokenizers::Tokenizer {
-    &crate::test_smollm2().1
+    &crate::load::test_smollm2().1
 }
 
 fn encode(text: &str) -> Vec<u32> {

@@ -1,13 +1,14 @@
-//! What computes the tokens: the synthetic model or a real GGUF model, behind one face the step
-//! loop drives. Both keep every position's K/V in the engine's pool, so the transports move
-//! what the model actually reads.
+//! What computes the tokens, behind one face the core drives: the synthetic model or a real
+//! GGUF model, which keep every position's K/V in the engine's pool (so the transports move
+//! what the model actually reads), or a model that costs nothing, for a simulator.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use switchyard_kv::KvStore;
+use switchyard_kv::{KvStore, SlotGate};
 
-use super::Seq;
+use super::request::RequestId;
+use super::seq::Seq;
 use crate::kv_pool::PagePool;
 use crate::llama::{Llama, SeqChunk};
 use crate::model::{self, Model, Sampled, Sampling};
@@ -35,56 +36,78 @@ pub(super) struct Planned<'a> {
     pub n: usize,
 }
 
-pub(super) enum Backend {
+/// What computes a core's tokens, and where their K/V lives.
+pub struct Backend(Kind);
+
+enum Kind {
     Synthetic {
+        store: Arc<KvStore>,
         model: Model,
         /// Digest of every slot's bytes, kept in step with the pool: what decode steps read.
         slot_digest: Vec<u64>,
         scratch: Vec<u8>,
+        /// Each running sequence's hash chain, and after how many of its tokens.
+        chains: HashMap<RequestId, (usize, u64)>,
     },
     Llama {
+        store: Arc<KvStore>,
         model: Arc<LlamaModel>,
         /// The last position's logits of each sequence whose pass ended its known tokens.
-        logits: HashMap<u64, Vec<f32>>,
+        logits: HashMap<RequestId, Vec<f32>>,
         /// Each running sequence's K/V of positions `0..computed`, as last read or written, so
         /// a decode step does not copy the whole context out of the pool again. Sound because
         /// a sequence's computed positions never change while it runs: they are its own pages
         /// or shared prefix-cache pages, and transfers land before its start_generate.
-        kv: HashMap<u64, Vec<f32>>,
+        kv: HashMap<RequestId, Vec<f32>>,
     },
+    /// Writes and reads no K/V and picks tokens from their positions alone: what a simulator
+    /// drives when only the scheduling and its modelled time matter.
+    Costless,
 }
 
 impl Backend {
-    pub fn new(spec: &ModelSpec, store: &KvStore) -> Self {
-        match spec {
-            ModelSpec::Synthetic => Backend::Synthetic {
+    /// `spec`'s model, keeping its K/V in `store`, whose gate guards the reserved windows.
+    pub fn new(spec: &ModelSpec, store: Arc<KvStore>) -> Self {
+        Backend(match spec {
+            ModelSpec::Synthetic => Kind::Synthetic {
                 model: Model::new(store.shape()),
                 slot_digest: vec![0; store.num_slots() as usize],
                 scratch: vec![0; store.shape().bytes_per_token()],
+                chains: HashMap::new(),
+                store,
             },
-            ModelSpec::Llama(model) => Backend::Llama {
+            ModelSpec::Llama(model) => Kind::Llama {
+                store,
                 model: model.clone(),
                 logits: HashMap::new(),
                 kv: HashMap::new(),
             },
+        })
+    }
+
+    /// A model that costs nothing per token: no K/V is written or read, so a transfer moves
+    /// nothing, and the token after position `p` is the byte `b'a' + p % 26` (never EOS: a
+    /// generation runs to its `max_tokens` or a stop string).
+    pub fn costless() -> Self {
+        Backend(Kind::Costless)
+    }
+
+    /// Where receivers may write: the pool's gate, which a costless model has none of.
+    pub(super) fn gate(&self) -> Option<&SlotGate> {
+        match &self.0 {
+            Kind::Synthetic { store, .. } | Kind::Llama { store, .. } => Some(store.gate()),
+            Kind::Costless => None,
         }
     }
 
-    /// The synthetic model's hash chain after `len` tokens (unused by a real model).
-    pub fn chain_at(&self, tokens: &[u32], len: usize) -> u64 {
-        match self {
-            Backend::Synthetic { model, .. } => model.chain_at(tokens, len),
-            Backend::Llama { .. } => 0,
-        }
-    }
-
-    /// A transport wrote `slot` behind the loop's back: take note of its bytes.
-    pub fn received(&mut self, store: &KvStore, slot: u32) {
-        if let Backend::Synthetic {
+    /// A transport wrote `slot` behind the core's back: take note of its bytes.
+    pub(super) fn received(&mut self, slot: u32) {
+        if let Kind::Synthetic {
+            store,
             slot_digest,
             scratch,
             ..
-        } = self
+        } = &mut self.0
         {
             store.read_slot(slot, scratch);
             slot_digest[slot as usize] = Model::slot_digest(scratch);
@@ -93,25 +116,44 @@ impl Backend {
 
     /// Runs the model over every planned sequence's next positions, writing their K/V into
     /// the pool, and advances each `computed`. A real model runs them all in one batch.
-    pub fn compute(&mut self, store: &KvStore, pool: &PagePool, plan: &mut [Planned<'_>]) {
-        match self {
-            Backend::Synthetic {
+    pub(super) fn compute(&mut self, pool: &PagePool, plan: &mut [Planned<'_>]) {
+        match &mut self.0 {
+            Kind::Synthetic {
+                store,
                 model,
                 slot_digest,
                 scratch,
+                chains,
             } => {
                 for Planned { seq, n } in plan.iter_mut() {
+                    // The chain carries on from the sequence's last step; after a jump (a
+                    // prefix-cache match, received KV) it is recomputed from the tokens.
+                    let mut chain = match chains.get(&seq.id) {
+                        Some(&(at, chain)) if at == seq.computed => chain,
+                        _ => model.chain_at(&seq.tokens, seq.computed),
+                    };
                     for pos in seq.computed..seq.computed + *n {
-                        seq.chain = Model::chain_step(seq.chain, seq.tokens[pos], pos);
-                        model.fill_kv(seq.chain, scratch);
+                        chain = Model::chain_step(chain, seq.tokens[pos], pos);
+                        model.fill_kv(chain, scratch);
                         let slot = pool.slot(&seq.pages, pos);
                         store.write_slot(slot, scratch);
                         slot_digest[slot as usize] = Model::slot_digest(scratch);
                     }
                     seq.computed += *n;
+                    chains.insert(seq.id, (seq.computed, chain));
                 }
             }
-            Backend::Llama { model, logits, kv } => {
+            Kind::Costless => {
+                for Planned { seq, n } in plan.iter_mut() {
+                    seq.computed += *n;
+                }
+            }
+            Kind::Llama {
+                store,
+                model,
+                logits,
+                kv,
+            } => {
                 let floats = model.llama.config().slot_floats();
                 // What each sequence runs: positions `[from, to)`. A generation whose every
                 // position is in the pool already (start_generate at the window's end) reruns
@@ -185,7 +227,7 @@ impl Backend {
     /// The token after the last computed position of `seq`, per its sampling parameters, and
     /// its log-probability if `with_logprob` (a pass over the vocabulary's logits, which the
     /// real model does only when asked).
-    pub fn next_token(
+    pub(super) fn next_token(
         &mut self,
         pool: &PagePool,
         seq: &Seq,
@@ -193,15 +235,15 @@ impl Backend {
         with_logprob: bool,
     ) -> Sampled {
         let position = seq.computed - 1;
-        match self {
-            Backend::Synthetic {
+        match &mut self.0 {
+            Kind::Synthetic {
                 model, slot_digest, ..
             } => {
                 let digests =
                     (0..seq.computed).map(|pos| slot_digest[pool.slot(&seq.pages, pos) as usize]);
                 model.next_token(digests, position, sampling)
             }
-            Backend::Llama { logits, .. } => {
+            Kind::Llama { logits, .. } => {
                 let l = logits
                     .remove(&seq.id)
                     .expect("the pass that ended a sequence's tokens kept its logits");
@@ -212,39 +254,51 @@ impl Backend {
                     logprob: with_logprob.then(|| model::logprob(&l, index)),
                 }
             }
+            Kind::Costless => Sampled {
+                token: u32::from(b'a') + (position % 26) as u32,
+                // Certain of its choice.
+                logprob: with_logprob.then_some(0.0),
+            },
         }
     }
 
-    pub fn is_eos(&self, token: u32) -> bool {
-        match self {
-            Backend::Synthetic { .. } => token == Model::EOS,
-            Backend::Llama { model, .. } => model.eos.contains(&token),
+    pub(super) fn is_eos(&self, token: u32) -> bool {
+        match &self.0 {
+            Kind::Synthetic { .. } => token == Model::EOS,
+            Kind::Llama { model, .. } => model.eos.contains(&token),
+            Kind::Costless => false,
         }
     }
 
     /// The bytes a token stands for in the output text.
-    pub fn token_bytes(&self, token: u32) -> &[u8] {
-        match self {
-            Backend::Synthetic { .. } => SYNTHETIC_BYTES
+    pub(super) fn token_bytes(&self, token: u32) -> &[u8] {
+        match &self.0 {
+            Kind::Synthetic { .. } | Kind::Costless => SYNTHETIC_BYTES
                 .get(token as usize..token as usize + 1)
                 .unwrap_or_default(),
-            Backend::Llama { model, .. } => model
+            Kind::Llama { model, .. } => model
                 .token_bytes
                 .get(token as usize)
                 .map_or(&[][..], Vec::as_slice),
         }
     }
 
-    /// A sequence left the loop: forget what was kept for it.
-    pub fn forget(&mut self, id: u64) {
-        if let Backend::Llama { logits, kv, .. } = self {
-            logits.remove(&id);
-            kv.remove(&id);
+    /// A sequence left the batch: forget what was kept for it.
+    pub(super) fn forget(&mut self, id: RequestId) {
+        match &mut self.0 {
+            Kind::Synthetic { chains, .. } => {
+                chains.remove(&id);
+            }
+            Kind::Llama { logits, kv, .. } => {
+                logits.remove(&id);
+                kv.remove(&id);
+            }
+            Kind::Costless => {}
         }
     }
 }
 
-/// The synthetic model's ids below 256 are the bytes themselves.
+/// The synthetic (and costless) model's ids below 256 are the bytes themselves.
 const SYNTHETIC_BYTES: [u8; 256] = {
     let mut b = [0u8; 256];
     let mut i = 0;

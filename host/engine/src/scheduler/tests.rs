@@ -1,16 +1,18 @@
-//! The core driven through its command channel on its own thread, as the HTTP layer drives it,
-//! and by hand (commands straight into `handle`, one `turn` at a time on a clock the test
-//! chooses) where timing matters.
+//! The core driven by the engine's step loop: through its command channel on its own thread, as
+//! the HTTP layer drives it, and by hand (commands straight into `handle`, one `turn` at a time
+//! on a clock the test chooses) where timing matters; and the core alone, on a fake clock.
 
 use std::sync::mpsc::Sender;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use switchyard_kv::{KvShape, KvStore};
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use crate::latency::Profile;
-use crate::model::Model;
-use switchyard_kv::KvShape;
+use crate::latency::{Latency, Profile};
+use crate::metrics::Metrics;
+use crate::model::{Model, Sampling};
+use crate::step_loop::{Command, StepLoop};
 
 /// Bound on every wait for the core thread, so a bug fails the test instead of hanging it.
 const PATIENCE: Duration = Duration::from_secs(20);
@@ -19,6 +21,14 @@ struct Harness {
     commands: Sender<Command>,
     store: Arc<KvStore>,
     metrics: Metrics,
+}
+
+/// Steps that cost nothing.
+fn free() -> Arc<dyn TimingModel> {
+    Arc::new(Latency {
+        profile: Profile::NULL,
+        time_scale: 0.0,
+    })
 }
 
 fn config(num_pages: u32) -> CoreConfig {
@@ -31,19 +41,15 @@ fn config(num_pages: u32) -> CoreConfig {
         reservation_ttl: Duration::from_secs(60),
         expiry_quarantine: Duration::ZERO,
         preempt_every: None,
-        latency: Latency {
-            profile: Profile::NULL,
-            time_scale: 0.0,
-        },
-        model: ModelSpec::Synthetic,
+        timing: free(),
     }
 }
 
 /// A guarded pool sized for `cfg`, as the engine builds it: the synthetic model writes the
 /// small shape, a real model its own.
-fn pool_for(cfg: &CoreConfig) -> Arc<KvStore> {
+fn pool_for(cfg: &CoreConfig, model: &ModelSpec) -> Arc<KvStore> {
     let slots = cfg.num_pages * cfg.page_size as u32;
-    let shape = match &cfg.model {
+    let shape = match model {
         ModelSpec::Synthetic => KvShape::SMALL,
         ModelSpec::Llama(m) => m.llama.config().kv_shape(),
     };
@@ -51,11 +57,17 @@ fn pool_for(cfg: &CoreConfig) -> Arc<KvStore> {
 }
 
 fn start(cfg: CoreConfig) -> Harness {
-    let store = pool_for(&cfg);
+    start_with(cfg, ModelSpec::Synthetic)
+}
+
+/// A step loop on its own thread, as the engine runs it.
+fn start_with(cfg: CoreConfig, model: ModelSpec) -> Harness {
+    let store = pool_for(&cfg, &model);
     let metrics = Metrics::default();
-    let core = Core::new(cfg, store.clone(), metrics.clone());
+    let core = Core::new(cfg, Backend::new(&model, store.clone()));
+    let step_loop = StepLoop::new(core, metrics.clone());
     let (commands, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || core.run(rx));
+    std::thread::spawn(move || step_loop.run(rx));
     Harness {
         commands,
         store,
@@ -341,15 +353,45 @@ fn protocol_violations_are_errors_not_crashes() {
 
 // === driven by hand ===
 
-fn manual(cfg: CoreConfig) -> Core {
-    let store = pool_for(&cfg);
-    Core::new(cfg, store, Metrics::default())
+/// A step loop driven by hand on a clock the test chooses: commands in, one turn at a time.
+struct Manual {
+    step_loop: StepLoop,
+    store: Arc<KvStore>,
+    metrics: Metrics,
+    cfg: CoreConfig,
+}
+
+impl Manual {
+    fn handle(&mut self, command: Command) {
+        self.step_loop.handle(command, Time::ZERO);
+    }
+
+    /// One step at `now`, its outputs delivered when due.
+    fn turn(&mut self, now: Time) {
+        let end = self.step_loop.turn(now);
+        self.step_loop.deliver(end);
+    }
+}
+
+fn manual(cfg: CoreConfig) -> Manual {
+    let store = pool_for(&cfg, &ModelSpec::Synthetic);
+    let metrics = Metrics::default();
+    let core = Core::new(
+        cfg.clone(),
+        Backend::new(&ModelSpec::Synthetic, store.clone()),
+    );
+    Manual {
+        step_loop: StepLoop::new(core, metrics.clone()),
+        store,
+        metrics,
+        cfg,
+    }
 }
 
 /// prep_recv on a hand-driven core: the command, then one turn at `now` to answer it.
 fn manual_prep(
-    core: &mut Core,
-    now: Instant,
+    core: &mut Manual,
+    now: Time,
     user: &str,
     req: GenRequest,
     end: usize,
@@ -369,7 +411,7 @@ fn manual_prep(
 
 /// start_generate on a hand-driven core; the events, when accepted.
 fn manual_start(
-    core: &mut Core,
+    core: &mut Manual,
     user: &str,
     begin: usize,
 ) -> Result<mpsc::UnboundedReceiver<Event>, CoreError> {
@@ -393,11 +435,11 @@ fn reservations_expire_exactly_at_their_ttl_and_free_their_pages() {
         reservation_ttl: ttl,
         ..config(16)
     });
-    let t0 = Instant::now();
+    let t0 = Time::ZERO;
     manual_prep(&mut core, t0, "leak", request(&[b'x'; 30], 4), 29);
     // 29 positions in pages of 4: 8 pages, held until the TTL passes.
     assert_eq!(core.metrics.kv_pages_used.get(), 8);
-    core.turn(t0 + ttl - MS);
+    core.turn(t0 + (ttl - MS));
     assert_eq!(core.metrics.kv_pages_used.get(), 8, "held until the TTL");
     assert_eq!(core.metrics.reservations_expired.get(), 0);
     core.turn(t0 + ttl);
@@ -411,7 +453,7 @@ fn reservations_expire_exactly_at_their_ttl_and_free_their_pages() {
 #[test]
 fn an_expired_window_is_closed_to_late_pushes() {
     let mut core = manual(config(16));
-    let t0 = Instant::now();
+    let t0 = Time::ZERO;
     let reply = manual_prep(&mut core, t0, "late", request(&[b'x'; 30], 4), 29);
     let runs = reply.kv_addr_info.models[0].clone();
     assert!(
@@ -434,7 +476,7 @@ fn one_sided_transports_quarantine_expired_pages() {
         expiry_quarantine: quarantine,
         ..config(16)
     });
-    let t0 = Instant::now();
+    let t0 = Time::ZERO;
     manual_prep(&mut core, t0, "q", request(&[b'x'; 30], 4), 29);
     core.turn(t0 + ttl);
     assert_eq!(core.metrics.reservations_expired.get(), 1);
@@ -443,7 +485,7 @@ fn one_sided_transports_quarantine_expired_pages() {
         8,
         "a late one-sided push may still land there"
     );
-    core.turn(t0 + ttl + quarantine - MS);
+    core.turn(t0 + ttl + (quarantine - MS));
     assert_eq!(core.metrics.kv_pages_used.get(), 8);
     core.turn(t0 + ttl + quarantine);
     assert_eq!(core.metrics.kv_pages_used.get(), 0);
@@ -452,7 +494,7 @@ fn one_sided_transports_quarantine_expired_pages() {
 #[test]
 fn pages_a_receiver_is_writing_are_not_reused_or_read() {
     let mut core = manual(config(16));
-    let t0 = Instant::now();
+    let t0 = Time::ZERO;
     let reply = manual_prep(&mut core, t0, "w", request(&[b'x'; 30], 4), 29);
     let runs = reply.kv_addr_info.models[0].clone();
     let store = core.store.clone();
@@ -477,7 +519,7 @@ fn start_generate_before_the_matched_prefix_is_refused() {
         prefix_cache: true,
         ..config(64)
     });
-    let t0 = Instant::now();
+    let t0 = Time::ZERO;
     let prompt = [b'p'; 30];
     // A first request fills the prefix cache with the prompt's whole pages.
     let first = manual_prep(&mut core, t0, "a", request(&prompt, 2), 29);
@@ -513,11 +555,11 @@ fn a_lease_nobody_received_still_comes_back() {
         begin: 0,
         reply,
     });
-    core.turn(Instant::now());
+    core.turn(Time::ZERO);
     assert_eq!(core.metrics.kv_pages_used.get(), 5, "prefilled and leased");
     // The handler was cancelled after the lease was sent but before it was received.
     drop(lease_rx);
-    core.turn(Instant::now());
+    core.turn(Time::ZERO);
     assert_eq!(core.metrics.kv_pages_used.get(), 0);
 }
 
@@ -530,17 +572,17 @@ fn a_dropped_lease_releases_its_pages() {
         begin: 4,
         reply,
     });
-    core.turn(Instant::now());
+    core.turn(Time::ZERO);
     let lease = lease_rx.try_recv().expect("leased in one turn");
     assert_eq!(lease.slots.len(), 16);
-    core.turn(Instant::now());
+    core.turn(Time::ZERO);
     assert_eq!(
         core.metrics.kv_pages_used.get(),
         5,
         "held while the lease lives"
     );
     drop(lease);
-    core.turn(Instant::now());
+    core.turn(Time::ZERO);
     assert_eq!(core.metrics.kv_pages_used.get(), 0);
 }
 
@@ -561,24 +603,6 @@ fn injected_preemption_sends_no_held_back_text() {
     let (text, reason, _) = generate(&h, req);
     assert_eq!(reason, FinishReason::Preempt);
     assert_eq!(text, chars[..4].iter().collect::<String>());
-}
-
-#[test]
-fn the_tail_search_finds_what_a_full_search_finds() {
-    let stops = vec!["cab".to_owned(), "é!".to_owned(), "zz".to_owned()];
-    let text = "abcaé!xcabzz";
-    let mut grown = String::new();
-    let mut found = None;
-    for ch in text.chars() {
-        grown.push(ch);
-        found = first_stop_match(&grown, &stops, ch.len_utf8());
-        if found.is_some() {
-            break;
-        }
-    }
-    let full = stops.iter().filter_map(|s| grown.find(s.as_str())).min();
-    assert_eq!(found, full);
-    assert_eq!(&grown[found.unwrap()..], "é!");
 }
 
 #[test]
@@ -621,7 +645,7 @@ fn a_gone_client_frees_its_pages() {
         time_scale: 1.0,
     };
     let h = start(CoreConfig {
-        latency: slow,
+        timing: Arc::new(slow),
         ..config(64)
     });
     let (events, rx) = mpsc::unbounded_channel();
@@ -637,42 +661,15 @@ fn a_gone_client_frees_its_pages() {
     wait_for("pages freed", || h.metrics.kv_pages_used.get() == 0);
 }
 
-// === streaming text ===
-
-#[test]
-fn a_character_split_across_tokens_is_streamed_whole() {
-    let mut pending = Vec::new();
-    let mut text = String::new();
-    let mut seen = Vec::new();
-    for &b in "é🦀x".as_bytes() {
-        pending.push(b);
-        decode_pending(&mut pending, &mut text, false);
-        seen.push(text.clone());
-    }
-    assert_eq!(seen, ["", "é", "é", "é", "é", "é🦀", "é🦀x"]);
-    // Bytes that can never be valid are replaced at once; an unfinished character only when
-    // the generation ends.
-    pending.extend_from_slice(&[0xFF, b'a', 0xF0, 0x9F]);
-    decode_pending(&mut pending, &mut text, false);
-    assert_eq!(text, "é🦀x\u{FFFD}a");
-    assert_eq!(pending, [0xF0, 0x9F]);
-    decode_pending(&mut pending, &mut text, true);
-    assert_eq!(text, "é🦀x\u{FFFD}a\u{FFFD}");
-    assert!(pending.is_empty());
-}
-
 // === the real model ===
 
 /// A core running SmolLM2 (`make model`).
 fn start_smollm2(cfg: CoreConfig) -> Harness {
-    start(CoreConfig {
-        model: ModelSpec::Llama(crate::test_smollm2().0.clone()),
-        ..cfg
-    })
+    start_with(cfg, ModelSpec::Llama(crate::load::test_smollm2().0.clone()))
 }
 
 fn smollm2_request(text: &str, max_tokens: usize, sampling: Sampling) -> GenRequest {
-    let ids = crate::test_smollm2().1.encode(text, false).unwrap();
+    let ids = crate::load::test_smollm2().1.encode(text, false).unwrap();
     GenRequest {
         tokens: ids.get_ids().to_vec(),
         sampling,
@@ -737,7 +734,7 @@ fn a_released_reservation_leaves_no_unchecked_page_in_the_prefix_cache() {
         prefix_cache: true,
         ..config(32)
     });
-    let t0 = Instant::now();
+    let t0 = Time::ZERO;
     let prompt = [b'p'; 30];
     manual_prep(&mut core, t0, "a", request(&prompt, 4), 29);
     // No remote_send came: the reserved slots hold nothing. A router frees them by starting
@@ -767,4 +764,168 @@ fn a_released_reservation_leaves_no_unchecked_page_in_the_prefix_cache() {
     assert!(finished, "the generation finished within 100 turns");
     let third = manual_prep(&mut core, t0, "c", request(&prompt, 4), 29);
     assert_eq!(third.prefix_matched_length, 28);
+}
+
+// === the core alone, on a fake clock ===
+
+#[test]
+fn a_steps_outputs_are_due_only_once_its_cost_has_elapsed() {
+    let timing = Latency {
+        profile: Profile::LLAMA3_8B_H100,
+        time_scale: 1.0,
+    };
+    let mut core = Core::new(
+        CoreConfig {
+            timing: Arc::new(timing),
+            ..config(64)
+        },
+        Backend::costless(),
+    );
+    let id = core.generate(request(&[b'x'; 40], 2));
+    let t0 = Time::from_micros(1_000);
+    let prefill = core.step(t0);
+    let work = StepWork {
+        prefill_tokens: 40,
+        ..StepWork::default()
+    };
+    assert_eq!(prefill.work, work);
+    assert_eq!(prefill.cost, timing.step(&work));
+    assert_eq!(prefill.end, t0 + timing.step(&work));
+    assert!(core.take_due(t0).is_empty(), "the step has only begun");
+    let just_before = Time::from_micros(prefill.end.as_micros() - 1);
+    assert!(core.take_due(just_before).is_empty(), "a microsecond early");
+    let first = events(core.take_due(prefill.end));
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert_eq!(first[0].0, id);
+    assert_eq!(
+        first[0].1.token_ids.len(),
+        1,
+        "the prompt's pass samples one token"
+    );
+    // The decode step starts when the prefill ended; its token is due a decode's cost later.
+    let decode = core.step(prefill.end);
+    assert_eq!(decode.work.decode_seqs, 1);
+    assert_eq!(decode.end, prefill.end + timing.step(&decode.work));
+    assert!(core.take_due(prefill.end).is_empty());
+    let last = events(core.take_due(decode.end));
+    assert_eq!(last.len(), 1, "{last:?}");
+    assert_eq!(last[0].1.finish.map(|f| f.0), Some(FinishReason::Length));
+}
+
+/// The generation events among `outputs`.
+fn events(outputs: Vec<Output>) -> Vec<(RequestId, Event)> {
+    outputs
+        .into_iter()
+        .filter_map(|output| match output {
+            Output::Event { id, event } => Some((id, event)),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn an_idle_core_wants_a_step_only_for_a_call_or_a_deadline() {
+    let ttl = Duration::from_secs(30);
+    let mut core = Core::new(
+        CoreConfig {
+            reservation_ttl: ttl,
+            ..config(16)
+        },
+        Backend::costless(),
+    );
+    let t0 = Time::from_micros(5);
+    assert_eq!(core.next_turn(t0), None, "nothing to do");
+    core.prep_recv("r".into(), request(&[b'r'; 9], 2), 8)
+        .expect("a new id");
+    core.step(t0);
+    assert!(matches!(&core.take_due(t0)[..], [Output::Reserved { .. }]));
+    assert_eq!(
+        core.next_turn(t0),
+        Some(t0 + ttl),
+        "the reservation's expiry"
+    );
+    core.generate(request(b"go", 2));
+    core.step(t0);
+    assert_eq!(core.next_turn(t0), Some(t0), "a batch to run");
+}
+
+/// What a run did: each step's work and the gauges after it, what each request's events came
+/// to (the token count of each, the finish), and the counters at the end.
+#[derive(Debug, PartialEq)]
+struct Record {
+    steps: Vec<(StepWork, Gauges)>,
+    ends: Vec<(Vec<usize>, Option<FinishReason>)>,
+    counters: Counters,
+}
+
+/// Runs `requests` on `core` to their ends, a step at a time, on a fake clock.
+fn schedule(mut core: Core, requests: &[GenRequest]) -> Record {
+    let ids: Vec<RequestId> = requests.iter().map(|r| core.generate(r.clone())).collect();
+    let mut events: HashMap<RequestId, (Vec<usize>, Option<FinishReason>)> = HashMap::new();
+    let mut steps = Vec::new();
+    let mut now = Time::ZERO;
+    for _ in 0..1_000 {
+        let Some(at) = core.next_turn(now) else {
+            break;
+        };
+        let step = core.step(at.max(now));
+        for output in core.take_due(step.end) {
+            if let Output::Event { id, event } = output {
+                let seen = events.entry(id).or_default();
+                seen.0.push(event.token_ids.len());
+                seen.1 = event.finish.map(|f| f.0);
+            }
+        }
+        steps.push((step.work, core.gauges()));
+        now = step.end;
+    }
+    Record {
+        steps,
+        ends: ids
+            .iter()
+            .map(|id| events.remove(id).unwrap_or_default())
+            .collect(),
+        counters: core.counters(),
+    }
+}
+
+/// What the policy lab relies on: the costless model runs exactly the schedule the synthetic
+/// model does (chunked prefill, prefix-cache hits, preemption under KV pressure, the same
+/// steps costed the same), without writing or reading a byte of KV.
+#[test]
+fn the_costless_model_runs_the_synthetic_models_schedule() {
+    // Two at a time in 20 pages of 4: the second is preempted as both grow, and the third
+    // waits for room, by when the first's prompt pages are in the prefix cache.
+    let cfg = || CoreConfig {
+        prefix_cache: true,
+        prefill_chunk: 16,
+        max_batch: 2,
+        ..config(20)
+    };
+    let shared: Vec<u8> = (0..24).map(|i| b'a' + i % 26).collect();
+    let requests: Vec<GenRequest> = [&shared[..], b"another prompt", &shared[..], b"fourth!"]
+        .iter()
+        .map(|prompt| request(prompt, 24))
+        .collect();
+    let synthetic = Core::new(
+        cfg(),
+        Backend::new(
+            &ModelSpec::Synthetic,
+            pool_for(&cfg(), &ModelSpec::Synthetic),
+        ),
+    );
+    let record = schedule(synthetic, &requests);
+    assert!(
+        record
+            .ends
+            .iter()
+            .all(|e| matches!(e.1, Some(FinishReason::Length | FinishReason::Preempt))),
+        "no EOS ends a synthetic generation early here: {record:?}"
+    );
+    assert!(record.counters.preemptions >= 1, "{record:?}");
+    assert!(record.counters.prefix_matched_tokens >= 20, "{record:?}");
+    assert_eq!(
+        schedule(Core::new(cfg(), Backend::costless()), &requests),
+        record
+    );
 }

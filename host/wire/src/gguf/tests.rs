@@ -85,3 +85,27 @@ fn not_a_gguf_file_is_a_format_error() {
     std::fs::remove_file(&path).unwrap();
     assert!(matches!(err, GgufError::Format { .. }), "{err}");
 }
+
+#[test]
+fn smollm2_vocabulary_spells_what_the_tokenizer_encodes() {
+    let meta = smollm2();
+    let tokenizer = meta.model_files().unwrap().tokenizer().unwrap();
+    let vocab = meta.vocabulary().unwrap();
+    // Byte-level symbols (Ġ for a space, Ċ for a newline, a character split into its bytes)
+    // decode to the bytes they stand for.
+    for text in ["The capital of France is", "héllo wörld 🦀\n\tx = 3.14159"] {
+        let ids = tokenizer.encode(text, false).unwrap();
+        let bytes: Vec<u8> = ids
+            .get_ids()
+            .iter()
+            .flat_map(|&id| vocab.token_bytes[id as usize].iter().copied())
+            .collect();
+        assert_eq!(bytes, text.as_bytes());
+    }
+    // The EOS (`<|im_end|>`) first, then the control token `<|endoftext|>`, which is never
+    // streamed.
+    let endoftext = tokenizer.token_to_id("<|endoftext|>").unwrap();
+    assert_eq!(vocab.stop_ids, [2, endoftext]);
+    assert!(vocab.token_bytes[endoftext as usize].is_empty());
+    assert_eq!(vocab.token_bytes.len(), tokenizer.get_vocab_size(true));
+}

@@ -3,10 +3,12 @@
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use switchyard_wire::completion::{
     Choice, CompletionResponse, EngineUsage, Logprobs, TokenLogprob, Usage,
 };
 
+use crate::http::common::{Chunks, Tokens};
 use crate::scheduler::{self, FinishReason};
 
 /// Identity of one response: every chunk of a stream repeats it.
@@ -54,26 +56,12 @@ impl ResponseMeta {
         Choice {
             index: 0,
             text,
-            finish_reason: finish.map(|f| f.as_str().to_owned()),
+            finish_reason: finish.map(Into::into),
             logprobs: self.logprobs.as_ref().map(|t| logprobs(t, &tokens)),
             token_ids: self.token_ids.then_some(tokens.ids),
             delta: None,
             message: None,
         }
-    }
-}
-
-/// Generated tokens a choice completes: ids and their log-probabilities, in order.
-#[derive(Debug, Default)]
-pub struct Tokens {
-    pub ids: Vec<u32>,
-    pub logprobs: Vec<f32>,
-}
-
-impl Tokens {
-    pub fn extend(&mut self, event: &scheduler::Event) {
-        self.ids.extend(&event.token_ids);
-        self.logprobs.extend(&event.logprobs);
     }
 }
 
@@ -96,6 +84,16 @@ fn logprobs(tokenizer: &tokenizers::Tokenizer, tokens: &Tokens) -> Logprobs {
         })
         .collect();
     Logprobs::Entries(content)
+}
+
+impl Chunks for ResponseMeta {
+    fn event(&self, event: scheduler::Event, _first: bool) -> Bytes {
+        switchyard_wire::sse::event(&self.chunk(event))
+    }
+
+    fn usage(&self, usage: scheduler::Usage) -> Bytes {
+        switchyard_wire::sse::event(&self.body(Vec::new(), Some(usage)))
+    }
 }
 
 fn engine_usage(u: scheduler::Usage) -> EngineUsage {

@@ -1,0 +1,104 @@
+//! Engines found while serving: `--discovery k8s` and its flags, or the file's `[discovery]`.
+
+use std::time::Duration;
+
+use super::error::ConfigError;
+use super::source::Source;
+use super::table::{longer_than_zero, not_blank, settings};
+
+/// Where endpoints are discovered while the router serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DiscoveryKind {
+    /// Pods from the Kubernetes API.
+    K8s,
+}
+
+/// `--discovery k8s`: which pods are engines, and how often they are listed afresh.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct K8sDiscovery {
+    /// A label selector, e.g. `app=engine,model=llama`.
+    pub selector: String,
+    /// `None`: the kubeconfig's default namespace (in a cluster: the router pod's).
+    pub namespace: Option<String>,
+    pub resync: Duration,
+}
+
+pub const DEFAULT_K8S_RESYNC: Duration = Duration::from_secs(30);
+
+settings! {
+    /// `switchyard serve`'s discovery flags; the file's `[discovery]` table has their keys.
+    args DiscoveryArgs, keys DiscoveryKeys, resolved DiscoverySettings, table "discovery";
+
+    /// Find engines while serving, beside any --endpoint: `k8s` watches the pods that match
+    /// --k8s-selector through the Kubernetes API (kubeconfig from KUBECONFIG, else the pod's
+    /// service account); needs a build with the `k8s` feature.
+    #[arg(value_enum)]
+    discovery: Option<DiscoveryKind> => DiscoveryKind {
+        flag: "discovery",
+        key: "kind",
+    }
+    /// With --discovery k8s: the label selector engine pods match, e.g. `app=engine,model=llama`
+    /// (sent whole to the API server).
+    #[arg(value_name = "LABELS")]
+    k8s_selector: Option<String> => String {
+        flag: "k8s-selector",
+        key: "k8s_selector",
+        check: not_blank,
+    }
+    /// With --discovery k8s: the namespace whose pods are watched [default: the kubeconfig's
+    /// namespace, or the router pod's own].
+    #[arg(value_name = "NS")]
+    k8s_namespace: Option<String> => String {
+        flag: "k8s-namespace",
+        key: "k8s_namespace",
+    }
+    /// With --discovery k8s: how often the pods are listed afresh and reconciled, so a watch
+    /// that lost events or went silent still converges [default: 30s].
+    #[arg(value_parser = humantime::parse_duration)]
+    k8s_resync: Option<Duration> => Duration {
+        flag: "k8s-resync",
+        key: "k8s_resync",
+        default: DEFAULT_K8S_RESYNC,
+        check: longer_than_zero,
+    }
+}
+
+impl DiscoverySettings {
+    /// The discovery asked for, if any, with its selector.
+    pub(super) fn k8s(self) -> Result<Option<K8sDiscovery>, ConfigError> {
+        let Some(kind) = self.discovery else {
+            // The file's keys without a kind are not used; a flag without one is a mistake.
+            let stray_flag = [
+                self.k8s_selector.map(|s| s.source),
+                self.k8s_namespace.map(|s| s.source),
+                Some(self.k8s_resync.source),
+            ]
+            .into_iter()
+            .flatten()
+            .find(|source| matches!(source, Source::Flag(_)));
+            return match stray_flag {
+                Some(flag) => Err(ConfigError::K8sWithoutDiscovery(flag)),
+                None => Ok(None),
+            };
+        };
+        if !cfg!(feature = "k8s") {
+            return Err(ConfigError::DiscoveryNotBuilt(kind.source));
+        }
+        let selector = self
+            .k8s_selector
+            .ok_or(ConfigError::NoSelector { kind: kind.source })?;
+        Ok(Some(K8sDiscovery {
+            selector: selector.value,
+            namespace: self.k8s_namespace.map(|ns| ns.value),
+            resync: self.k8s_resync.value,
+        }))
+    }
+}
+
+impl DiscoveryKeys {
+    /// Whether the file asks for discovery (its endpoints may then be none).
+    pub(super) fn kind_given(&self) -> bool {
+        self.discovery.is_some()
+    }
+}

@@ -1,0 +1,398 @@
+//! Every setting of `switchyard serve` and `switchyard up`, each declared once (see
+//! [`settings!`]): its `--help` text, its flag, its file key, its environment variable where it
+//! has one, its default and its check.
+
+use std::net::IpAddr;
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use switchyard_policy_host::QuarantineRule;
+
+use super::discovery::DiscoveryArgs;
+use super::error::Problem;
+use super::file::{FileValue as _, json_text};
+use super::table::{at_least_one, longer_than_zero, not_empty, settings};
+use crate::RetryBudgetConfig;
+use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig};
+use crate::cluster::OutlierConfig;
+use crate::engine_client::Timeouts;
+
+/// `switchyard serve` flags: where the engines are, and how the router runs.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct ServeArgs {
+    /// An engine: `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]` (repeat for each engine, in
+    /// id order). PROTOCOL is mlc (the default), vllm, sglang or openai; ROLE any, prefill or
+    /// decode (binding on vllm and sglang); an sglang prefill needs its bootstrap_port. E.g.
+    /// `http://127.0.0.1:8081`, `vllm+http://10.0.0.4:8000,role=decode`.
+    #[arg(long = "endpoint", value_name = "ENDPOINT")]
+    pub endpoints: Vec<String>,
+    /// GPUs of each `--endpoint`, in the same order (default 1 each); device ranks are their
+    /// prefix sums.
+    #[arg(long = "endpoint-num-gpus")]
+    pub endpoint_num_gpus: Vec<u32>,
+    /// A TOML config file (see the `config` module docs).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub discovery: DiscoveryArgs,
+    #[command(flatten)]
+    pub router: RouterArgs,
+}
+
+const DEFAULT_HOST: IpAddr = IpAddr::V4(std::net::Ipv4Addr::LOCALHOST);
+pub const DEFAULT_PORT: u16 = 8000;
+pub const DEFAULT_POLICY: &str = "disagg";
+const DEFAULT_PLUGINS: &str = "plugins";
+pub const DEFAULT_FALLBACK_POLICY: &str = "round-robin";
+/// `--fallback-policy none` turns the fallback off.
+pub const NO_FALLBACK: &str = "none";
+/// Far above any prompt a model takes as text (a 128k-token context is ~0.5 MiB of text, 1 MiB
+/// as token ids), small enough that many at once do not exhaust memory.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 4 << 20;
+pub const DEFAULT_MAX_TOKENS: u32 = 256;
+/// The reference engine's: 2048 KV pages of 16 positions.
+pub const DEFAULT_CONTEXT_LENGTH: u32 = 32768;
+pub const DEFAULT_MODEL: &str = "switchyard-reference";
+/// The request headers policies see unless configured otherwise.
+pub const DEFAULT_FORWARD_HEADERS: [&str; 1] = ["x-priority"];
+/// Failed attempts before a request fails, unless `--max-attempts` says otherwise.
+pub(crate) const DEFAULT_MAX_ATTEMPTS: u32 = 3;
+/// The backoff between attempts, which is not a setting: with [`DEFAULT_MAX_ATTEMPTS`], what
+/// [`RetryPolicy::default`](crate::RetryPolicy::default) is made of.
+pub(crate) const RETRY_MIN_DELAY: Duration = Duration::from_millis(10);
+pub(crate) const RETRY_MAX_DELAY: Duration = Duration::from_secs(1);
+
+settings! {
+    /// How the router runs, whoever started the engines: the flags `switchyard serve` and
+    /// `switchyard up` share. Each overrides its key in the `--config` file; unset, the file's
+    /// value or the default applies.
+    args RouterArgs, keys RouterKeys, resolved RouterSettings, table "";
+
+    /// Address to listen on [default: 127.0.0.1].
+    host: Option<IpAddr> => IpAddr {
+        flag: "host",
+        key: "host",
+        default: DEFAULT_HOST,
+    }
+    /// Port to listen on (0 picks a free one) [default: 8000].
+    port: Option<u16> => u16 {
+        flag: "port",
+        key: "port",
+        default: DEFAULT_PORT,
+    }
+    /// The default policy: `<plugins>/<NAME>.wasm` (the last --policy given wins) [default:
+    /// disagg].
+    #[arg(overrides_with = "policy")]
+    policy: Option<String> => String {
+        flag: "policy",
+        key: "policy",
+        default: DEFAULT_POLICY.to_owned(),
+    }
+    /// Where policies live: every `*.wasm` in it is loaded, and reloaded when its file (or
+    /// `<name>.json` config) changes (the last --plugins given wins) [default: plugins].
+    #[arg(overrides_with = "plugins")]
+    plugins: Option<PathBuf> => PathBuf {
+        flag: "plugins",
+        key: "plugins",
+        default: PathBuf::from(DEFAULT_PLUGINS),
+    }
+    /// The default policy's JSON config, given to its `init` (instead of `<plugins>/<NAME>.json`).
+    policy_config: Option<String> => String {
+        flag: "policy-config",
+        key: "policy_config",
+        file: json_text,
+    }
+    /// Plans the requests of a policy that faults or is quarantined (default `round-robin`;
+    /// `none`: those requests fail).
+    fallback_policy: Option<String> => String {
+        flag: "fallback-policy",
+        key: "fallback_policy",
+    }
+    /// Ignore the `x-switchyard-policy` request header (clients cannot pick a policy).
+    no_policy_header: bool => bool {
+        flag: "no-policy-header",
+        key: "policy_header",
+        default: false,
+        // The file says the opposite: `policy_header = false` ignores the header.
+        file: |value| bool::from_toml(value).map(|heeded| !heeded),
+    }
+    /// A request header policies may route on (repeatable; names are case-insensitive). No
+    /// other header reaches a policy [default: x-priority].
+    #[arg(value_name = "NAME")]
+    forward_headers: Vec<String> => Vec<String> {
+        flag: "forward-header",
+        key: "forward_headers",
+        default: DEFAULT_FORWARD_HEADERS.map(str::to_owned).to_vec(),
+        check: |names| header_names(names),
+    }
+    /// Faults (trap, deadline, memory cap, invalid plan) within --quarantine-window-ms that
+    /// quarantine a policy version.
+    quarantine_faults: Option<u32> => u32 {
+        flag: "quarantine-faults",
+        key: "quarantine_faults",
+        default: QuarantineRule::default().faults,
+        check: at_least_one,
+    }
+    quarantine_window_ms: Option<u64> => u64 {
+        flag: "quarantine-window-ms",
+        key: "quarantine_window_ms",
+        default: u64::try_from(QuarantineRule::default().window.as_millis()).unwrap_or(u64::MAX),
+        check: at_least_one,
+    }
+    /// Require `Authorization: Bearer TOKEN` on `/admin/*`.
+    #[arg(hide_env_values = true)]
+    admin_token: Option<String> => String {
+        flag: "admin-token",
+        key: "admin_token",
+        env: "SWITCHYARD_ADMIN_TOKEN",
+        check: not_empty,
+    }
+    /// Serve `/admin/*` on this port (same host) instead of the main port.
+    admin_port: Option<u16> => u16 {
+        flag: "admin-port",
+        key: "admin_port",
+    }
+    /// The served model's tokenizer: a directory with `tokenizer.json` (and
+    /// `tokenizer_config.json` for chat), or a GGUF file, whose metadata gives the tokenizer,
+    /// chat template, default `--model` name and default `--context-length`; default: the
+    /// reference engine's byte-level tokenizer.
+    model_dir: Option<PathBuf> => PathBuf {
+        flag: "model-dir",
+        key: "model_dir",
+    }
+    /// The model name `/v1/models` reports.
+    model: Option<String> => String {
+        flag: "model",
+        key: "model",
+    }
+    /// Failed attempts (engine errors, preemptions without progress) before a request fails.
+    max_attempts: Option<u32> => u32 {
+        flag: "max-attempts",
+        key: "max_attempts",
+        // Checked as the retry policy is built from it.
+        default: DEFAULT_MAX_ATTEMPTS,
+    }
+    /// Largest accepted request body in bytes; larger ones get 413 [default: 4194304, 4 MiB].
+    max_body_bytes: Option<usize> => usize {
+        flag: "max-body-bytes",
+        key: "max_body_bytes",
+        default: DEFAULT_MAX_BODY_BYTES,
+        check: at_least_one,
+    }
+    /// `max_tokens` for requests that give none (less when the context leaves less room).
+    default_max_tokens: Option<u32> => u32 {
+        flag: "default-max-tokens",
+        key: "default_max_tokens",
+        default: DEFAULT_MAX_TOKENS,
+        check: at_least_one,
+    }
+    /// Prompt plus completion tokens the model holds: a request whose prompt and `max_tokens`
+    /// do not fit is refused with 400, never cut short [default: 32768, the reference engine's].
+    context_length: Option<u32> => u32 {
+        flag: "context-length",
+        key: "context_length",
+        check: holds_a_prompt,
+    }
+    /// The longest prompt accepted, in tokens [default: --context-length - 1].
+    max_prompt_tokens: Option<u32> => u32 {
+        flag: "max-prompt-tokens",
+        key: "max_prompt_tokens",
+        check: at_least_one,
+    }
+    /// Longest time from a request's arrival to the end of its response, over every attempt;
+    /// a stream still open then ends with an error event [default: 10m].
+    #[arg(value_parser = humantime::parse_duration)]
+    request_timeout: Option<Duration> => Duration {
+        flag: "request-timeout",
+        key: "request_timeout",
+        default: crate::DEFAULT_REQUEST_TIMEOUT,
+        check: longer_than_zero,
+    }
+    /// Longest wait for a TCP connection to an engine [default: 2s].
+    #[arg(value_parser = humantime::parse_duration)]
+    connect_timeout: Option<Duration> => Duration {
+        flag: "connect-timeout",
+        key: "connect_timeout",
+        default: Timeouts::default().connect,
+        check: longer_than_zero,
+    }
+    /// Longest wait for a whole prep_recv or remote_send (prep_recv may wait for free KV
+    /// pages, remote_send includes the prefill), and for a generation's response headers
+    /// [default: 120s].
+    #[arg(value_parser = humantime::parse_duration)]
+    call_timeout: Option<Duration> => Duration {
+        flag: "call-timeout",
+        key: "call_timeout",
+        default: Timeouts::default().call,
+        check: longer_than_zero,
+    }
+    /// Longest gap between two chunks of a generation before it counts as stalled: the request
+    /// continues elsewhere and the engine is blamed [default: 60s].
+    #[arg(value_parser = humantime::parse_duration)]
+    stream_idle_timeout: Option<Duration> => Duration {
+        flag: "stream-idle-timeout",
+        key: "stream_idle_timeout",
+        default: Timeouts::default().stream_idle,
+        check: longer_than_zero,
+    }
+    /// Healthy endpoints the router needs to report ready (`/health` 200) and serve; requests
+    /// are planned over the healthy ones, so one engine down never stops the others
+    /// [default: 1].
+    min_healthy_endpoints: Option<usize> => usize {
+        flag: "min-healthy-endpoints",
+        key: "min_healthy_endpoints",
+        default: 1,
+    }
+    /// Consecutive failures of an endpoint's own making (refused connections, timeouts, 5xx,
+    /// broken or stalled streams; never a client's 4xx) that eject it from routing for a while;
+    /// 0 turns ejection off [default: 3].
+    outlier_failures: Option<u32> => u32 {
+        flag: "outlier-failures",
+        key: "outlier_failures",
+        default: OutlierConfig::default().consecutive_failures,
+    }
+    /// How long an endpoint's first ejection lasts; each further ejection in a row doubles it.
+    /// It comes back on trial once the time is up and its readiness probe answers [default: 1s].
+    #[arg(value_parser = humantime::parse_duration)]
+    outlier_base_ejection: Option<Duration> => Duration {
+        flag: "outlier-base-ejection",
+        key: "outlier_base_ejection",
+        default: OutlierConfig::default().base_ejection,
+        check: longer_than_zero,
+    }
+    /// The longest an ejection lasts [default: 30s].
+    #[arg(value_parser = humantime::parse_duration)]
+    outlier_max_ejection: Option<Duration> => Duration {
+        flag: "outlier-max-ejection",
+        key: "outlier_max_ejection",
+        default: OutlierConfig::default().max_ejection,
+    }
+    /// Retries (attempts after an engine failure) the whole router may make per client request
+    /// over the last 10 s; past it, failing requests fail at once instead of retrying
+    /// [default: 0.2].
+    retry_budget_ratio: Option<f64> => f64 {
+        flag: "retry-budget-ratio",
+        key: "retry_budget_ratio",
+        default: RetryBudgetConfig::default().ratio,
+        check: percentage,
+    }
+    /// Retries per second allowed on top of --retry-budget-ratio, so a quiet router still
+    /// retries [default: 10].
+    retry_budget_min_per_sec: Option<u32> => u32 {
+        flag: "retry-budget-min-per-sec",
+        key: "retry_budget_min_per_sec",
+        default: RetryBudgetConfig::default().min_per_sec,
+    }
+    /// Completion requests served at once, each from admission (its body read) to the end of
+    /// its response, stream included; more wait in a queue [default: 1024].
+    max_concurrent_requests: Option<u32> => u32 {
+        flag: "max-concurrent-requests",
+        key: "max_concurrent_requests",
+        default: AdmissionConfig::default().max_concurrent,
+        check: at_least_one,
+    }
+    /// Requests that may wait, first come first served, while --max-concurrent-requests are in
+    /// flight; more are refused at once with 429 and Retry-After (0: none wait)
+    /// [default: 1024].
+    max_queued_requests: Option<u32> => u32 {
+        flag: "max-queued-requests",
+        key: "max_queued_requests",
+        default: AdmissionConfig::default().max_queued,
+    }
+    /// The longest a request waits in the queue; still waiting then, it gets 429 with
+    /// Retry-After [default: 5s].
+    #[arg(value_parser = humantime::parse_duration)]
+    queue_timeout: Option<Duration> => Duration {
+        flag: "queue-timeout",
+        key: "queue_timeout",
+        default: AdmissionConfig::default().queue_timeout,
+        check: longer_than_zero,
+    }
+    /// Deadline from a request's first byte to its whole header; a connection still sending
+    /// its header then is closed (slowloris) [default: 10s].
+    #[arg(value_parser = humantime::parse_duration)]
+    header_read_timeout: Option<Duration> => Duration {
+        flag: "header-read-timeout",
+        key: "header_read_timeout",
+        default: ConnectionLimits::default().header_read_timeout,
+        check: longer_than_zero,
+    }
+    /// Deadline from a request's whole header to its whole body; a slower body gets 408
+    /// [default: 30s].
+    #[arg(value_parser = humantime::parse_duration)]
+    body_read_timeout: Option<Duration> => Duration {
+        flag: "body-read-timeout",
+        key: "body_read_timeout",
+        default: ConnectionLimits::default().body_read_timeout,
+        check: longer_than_zero,
+    }
+    /// How long a client connection stays open with no request on it; keep it above the idle
+    /// timeout of a load balancer in front [default: 75s].
+    #[arg(value_parser = humantime::parse_duration)]
+    keep_alive_timeout: Option<Duration> => Duration {
+        flag: "keep-alive-timeout",
+        key: "keep_alive_timeout",
+        default: ConnectionLimits::default().keep_alive_timeout,
+        check: longer_than_zero,
+    }
+    /// Client connections open at once, per listener; at the limit new ones wait in the
+    /// kernel's backlog until one closes [default: 4096].
+    max_connections: Option<u32> => u32 {
+        flag: "max-connections",
+        key: "max_connections",
+        default: ConnectionLimits::default().max_connections,
+        check: at_least_one,
+    }
+    /// Threads serving client connections; each connection, with the engine calls its
+    /// requests make, stays on one of them [default: one per core this process may use].
+    workers: Option<NonZeroUsize> => NonZeroUsize {
+        flag: "workers",
+        key: "workers",
+        default: std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN),
+    }
+    /// On SIGTERM or SIGINT, how long /health answers 503 while the listeners still accept
+    /// and serve, so a load balancer notices; then they stop accepting [default: 5s].
+    // Zero is a valid drain, as for the grace: no delay (nothing balances load in front).
+    #[arg(value_parser = humantime::parse_duration)]
+    drain_delay: Option<Duration> => Duration {
+        flag: "drain-delay",
+        key: "drain_delay",
+        default: DrainConfig::default().delay,
+    }
+    /// Once the listeners stop accepting, how long requests in flight may take to finish;
+    /// streams still open then end with an error event and [DONE]. A second signal ends them
+    /// at once [default: 30s].
+    #[arg(value_parser = humantime::parse_duration)]
+    shutdown_grace: Option<Duration> => Duration {
+        flag: "shutdown-grace",
+        key: "shutdown_grace",
+        default: DrainConfig::default().grace,
+    }
+}
+
+/// Names that can be request headers; policies see them lower-cased.
+fn header_names(names: &[String]) -> Result<(), Problem> {
+    match names
+        .iter()
+        .find(|name| http::HeaderName::from_bytes(name.as_bytes()).is_err())
+    {
+        Some(name) => Err(Problem::HeaderName(name.clone())),
+        None => Ok(()),
+    }
+}
+
+/// A context holds at least a one-token prompt and one generated token.
+pub(super) fn holds_a_prompt(tokens: &u32) -> Result<(), Problem> {
+    if *tokens < 2 {
+        return Err(Problem::AtLeast(2));
+    }
+    Ok(())
+}
+
+fn percentage(ratio: &f64) -> Result<(), Problem> {
+    if !(0.0..=100.0).contains(ratio) {
+        return Err(Problem::NotAPercentage(*ratio));
+    }
+    Ok(())
+}

@@ -1,0 +1,682 @@
+use std::net::IpAddr;
+use std::path::Path;
+use std::time::Duration;
+
+use switchyard_contract::Role;
+use switchyard_policy_host::QuarantineRule;
+
+use super::*;
+use crate::RetryPolicyError;
+
+mod golden;
+
+fn plugins_with(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::write(dir.path().join(format!("{name}.wasm")), b"\0asm").expect("write");
+    dir
+}
+
+fn args(plugins: &Path) -> ServeArgs {
+    ServeArgs {
+        endpoints: vec!["http://127.0.0.1:1".into(), "http://127.0.0.1:2".into()],
+        router: RouterArgs {
+            plugins: Some(plugins.to_owned()),
+            ..RouterArgs::default()
+        },
+        ..ServeArgs::default()
+    }
+}
+
+/// `ServeArgs` naming the config file `file`, which holds `text`.
+fn with_file(file: &Path, text: &str) -> ServeArgs {
+    std::fs::write(file, text).expect("write");
+    ServeArgs {
+        config: Some(file.to_owned()),
+        ..ServeArgs::default()
+    }
+}
+
+/// The error's source and problem, when it is about one value.
+fn invalid(error: ConfigError) -> (Source, Problem) {
+    match error {
+        ConfigError::Invalid { at, problem } => (at, problem),
+        other => panic!("not an invalid value: {other}"),
+    }
+}
+
+/// The key and line a file source names.
+fn key_and_line(source: &Source) -> (&str, usize) {
+    match source {
+        Source::File(at) => (&at.key, at.line),
+        other => panic!("not a file's key: {other}"),
+    }
+}
+
+#[test]
+fn model_dir_must_hold_a_tokenizer_or_be_a_gguf() {
+    let plugins = plugins_with("disagg");
+    let with = |path: &Path| {
+        let mut a = args(plugins.path());
+        a.router.model_dir = Some(path.to_owned());
+        Config::from_args(&a)
+    };
+    let empty = tempfile::tempdir().expect("tempdir");
+    let (at, problem) = invalid(with(empty.path()).expect_err("no tokenizer.json"));
+    assert_eq!(at, Source::Flag("model-dir"));
+    assert_eq!(problem, Problem::NoTokenizer(empty.path().to_owned()));
+    let not_gguf = empty.path().join("weights.gguf");
+    std::fs::write(&not_gguf, b"GGML but not GGUF").expect("write");
+    let (_, problem) = invalid(with(&not_gguf).expect_err("not a GGUF"));
+    assert!(matches!(problem, Problem::NotAGguf { .. }), "{problem}");
+    // A directory is named after itself, and leaves the context length at the default.
+    let model = tempfile::tempdir().expect("tempdir");
+    let dir = model.path().join("tiny-llama");
+    std::fs::create_dir(&dir).expect("mkdir");
+    std::fs::write(dir.join("tokenizer.json"), b"{}").expect("write");
+    let config = with(&dir).expect("a model directory");
+    assert_eq!(config.model, "tiny-llama");
+    assert_eq!(config.limits.context_length, DEFAULT_CONTEXT_LENGTH);
+}
+
+#[test]
+fn flags_give_a_config_with_defaults() {
+    let dir = plugins_with("disagg");
+    let config = Config::from_args(&args(dir.path())).expect("valid");
+    assert_eq!(config.listen, "127.0.0.1:8000".parse().expect("addr"));
+    assert_eq!(config.endpoints.len(), 2);
+    assert_eq!(config.policy_path, dir.path().join("disagg.wasm"));
+    assert_eq!(config.max_body_bytes, DEFAULT_MAX_BODY_BYTES);
+    assert_eq!(config.routing, RouterConfig::default());
+    assert_eq!(config.timeouts, Timeouts::default());
+    assert_eq!(config.outlier, OutlierConfig::default());
+    // The defaults `--help` and the README give.
+    assert_eq!(config.max_body_bytes, 4 << 20);
+    assert_eq!(config.routing.retry.max_attempts(), 3);
+    assert_eq!(
+        config.limits,
+        RequestLimits {
+            context_length: 32768,
+            max_prompt_tokens: 32767,
+        }
+    );
+    assert_eq!(
+        config.admission,
+        AdmissionConfig {
+            max_concurrent: 1024,
+            max_queued: 1024,
+            queue_timeout: Duration::from_secs(5),
+        }
+    );
+    assert_eq!(
+        config.connections,
+        ConnectionLimits {
+            header_read_timeout: Duration::from_secs(10),
+            body_read_timeout: Duration::from_secs(30),
+            keep_alive_timeout: Duration::from_secs(75),
+            max_connections: 4096,
+        }
+    );
+    assert_eq!(
+        config.drain,
+        DrainConfig {
+            delay: Duration::from_secs(5),
+            grace: Duration::from_secs(30),
+        }
+    );
+}
+
+#[test]
+fn a_flag_wins_over_the_file_and_the_file_over_the_default() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let mut a = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\nport = 9000\nmax_body_bytes = 1024\nrequest_timeout = \"90s\"\n\
+             forward_headers = [\"x-tenant\"]\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        ),
+    );
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.listen.port(), 9000);
+    assert_eq!(config.max_body_bytes, 1024);
+    assert_eq!(config.routing.request_timeout, Duration::from_secs(90));
+    assert_eq!(config.policies.forward_headers, ["x-tenant"]);
+    assert_eq!(config.default_max_tokens, DEFAULT_MAX_TOKENS);
+
+    a.router.port = Some(9100);
+    a.router.request_timeout = Some(Duration::from_secs(5));
+    a.router.forward_headers = vec!["X-Priority".into()];
+    a.endpoints = vec!["http://127.0.0.1:2".into(), "http://127.0.0.1:3".into()];
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.listen.port(), 9100);
+    assert_eq!(config.routing.request_timeout, Duration::from_secs(5));
+    assert_eq!(config.policies.forward_headers, ["x-priority"]);
+    // --endpoint flags replace the file's endpoints, which a SIGHUP then does not re-read.
+    assert_eq!(config.endpoints.len(), 2);
+    assert_eq!(config.endpoints_file, None);
+    // What the flags leave alone still comes from the file.
+    assert_eq!(config.max_body_bytes, 1024);
+}
+
+#[test]
+fn an_error_names_the_flag_or_the_file_and_line_its_value_came_from() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let mut a = with_file(
+        &file,
+        &format!(
+            "# the router\nplugins = {:?}\n\nmax_body_bytes = 0\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        ),
+    );
+    let error = Config::from_args(&a).expect_err("zero bytes");
+    assert_eq!(
+        error.to_string(),
+        format!(
+            "max_body_bytes in {} line 4: must be at least 1",
+            file.display()
+        )
+    );
+    let (at, problem) = invalid(error);
+    assert_eq!(key_and_line(&at), ("max_body_bytes", 4));
+    assert_eq!(problem, Problem::AtLeast(1));
+
+    a.router.max_body_bytes = Some(0);
+    let error = Config::from_args(&a).expect_err("zero bytes");
+    assert_eq!(error.to_string(), "--max-body-bytes: must be at least 1");
+    a.router.max_body_bytes = Some(1);
+    assert!(Config::from_args(&a).is_ok(), "the flag's good value wins");
+}
+
+#[test]
+fn a_value_equal_to_its_variable_is_reported_as_the_variable() {
+    // clap fills an absent flag from its variable without saying so; PATH is set wherever
+    // tests run, and read here, never written.
+    let path = std::env::var("PATH").expect("PATH is set");
+    assert_eq!(
+        Source::flag_or_env("admin-token", "PATH", &path),
+        Source::Env("PATH")
+    );
+    assert_eq!(
+        Source::flag_or_env("admin-token", "PATH", "another value"),
+        Source::Flag("admin-token")
+    );
+    assert_eq!(Source::Env("PATH").to_string(), "PATH in the environment");
+}
+
+#[test]
+fn edge_settings_come_from_flags_over_the_file_and_are_checked() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let mut a = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\nmax_concurrent_requests = 8\nmax_queued_requests = 0\n\
+             queue_timeout = \"250ms\"\nheader_read_timeout = \"2s\"\n\
+             body_read_timeout = \"3s\"\nkeep_alive_timeout = \"4s\"\nmax_connections = 16\n\
+             drain_delay = \"0s\"\nshutdown_grace = \"1m\"\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        ),
+    );
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(
+        config.admission,
+        AdmissionConfig {
+            max_concurrent: 8,
+            max_queued: 0,
+            queue_timeout: Duration::from_millis(250),
+        }
+    );
+    assert_eq!(
+        config.connections,
+        ConnectionLimits {
+            header_read_timeout: Duration::from_secs(2),
+            body_read_timeout: Duration::from_secs(3),
+            keep_alive_timeout: Duration::from_secs(4),
+            max_connections: 16,
+        }
+    );
+    assert_eq!(
+        config.drain,
+        DrainConfig {
+            delay: Duration::ZERO,
+            grace: Duration::from_secs(60),
+        }
+    );
+    a.router.max_concurrent_requests = Some(2);
+    a.router.drain_delay = Some(Duration::from_secs(1));
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.admission.max_concurrent, 2);
+    assert_eq!(config.drain.delay, Duration::from_secs(1));
+
+    a.router.max_concurrent_requests = Some(0);
+    assert_eq!(
+        invalid(Config::from_args(&a).expect_err("zero")),
+        (Source::Flag("max-concurrent-requests"), Problem::AtLeast(1))
+    );
+    a.router.max_concurrent_requests = None;
+    a.router.max_connections = Some(0);
+    assert_eq!(
+        invalid(Config::from_args(&a).expect_err("zero")),
+        (Source::Flag("max-connections"), Problem::AtLeast(1))
+    );
+    a.router.max_connections = None;
+    a.router.header_read_timeout = Some(Duration::ZERO);
+    assert_eq!(
+        invalid(Config::from_args(&a).expect_err("zero")),
+        (Source::Flag("header-read-timeout"), Problem::ZeroDuration)
+    );
+}
+
+#[test]
+fn workers_come_from_the_flag_over_the_file_over_the_cores() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let text = |workers: &str| {
+        format!(
+            "plugins = {:?}\n{workers}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        )
+    };
+    let mut a = with_file(&file, &text(""));
+    let cores = std::thread::available_parallelism().expect("a core count");
+    assert_eq!(Config::from_args(&a).expect("valid").workers, cores);
+    with_file(&file, &text("workers = 3"));
+    assert_eq!(Config::from_args(&a).expect("valid").workers.get(), 3);
+    a.router.workers = NonZeroUsize::new(5);
+    assert_eq!(Config::from_args(&a).expect("valid").workers.get(), 5);
+    a.router.workers = None;
+    with_file(&file, &text("workers = 0"));
+    let (at, problem) = invalid(Config::from_args(&a).expect_err("zero workers"));
+    assert_eq!(key_and_line(&at), ("workers", 2));
+    assert!(matches!(problem, Problem::Value(_)), "{problem}");
+}
+
+#[test]
+fn fault_settings_come_from_flags_over_the_file_and_are_checked() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let mut a = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\nrequest_timeout = \"90s\"\noutlier_failures = 5\n\
+             outlier_base_ejection = \"250ms\"\noutlier_max_ejection = \"1m\"\n\
+             retry_budget_ratio = 0.5\nretry_budget_min_per_sec = 2\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        ),
+    );
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.routing.request_timeout, Duration::from_secs(90));
+    assert_eq!(
+        config.outlier,
+        OutlierConfig {
+            consecutive_failures: 5,
+            base_ejection: Duration::from_millis(250),
+            max_ejection: Duration::from_secs(60),
+        }
+    );
+    assert_eq!(
+        config.routing.retry_budget,
+        RetryBudgetConfig {
+            ratio: 0.5,
+            min_per_sec: 2
+        }
+    );
+    a.router.request_timeout = Some(Duration::from_secs(5));
+    a.router.outlier_failures = Some(0);
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.routing.request_timeout, Duration::from_secs(5));
+    assert_eq!(config.outlier.consecutive_failures, 0);
+
+    a.router.outlier_base_ejection = Some(Duration::from_secs(120));
+    match Config::from_args(&a).expect_err("base above max") {
+        ConfigError::Ejection { base, max } => {
+            assert_eq!(base.source, Source::Flag("outlier-base-ejection"));
+            assert_eq!(key_and_line(&max.source), ("outlier_max_ejection", 5));
+        }
+        other => panic!("{other}"),
+    }
+    a.router.outlier_base_ejection = None;
+    a.router.retry_budget_ratio = Some(-1.0);
+    assert_eq!(
+        invalid(Config::from_args(&a).expect_err("negative")),
+        (
+            Source::Flag("retry-budget-ratio"),
+            Problem::NotAPercentage(-1.0)
+        )
+    );
+    a.router.retry_budget_ratio = None;
+    a.router.request_timeout = Some(Duration::ZERO);
+    assert_eq!(
+        invalid(Config::from_args(&a).expect_err("zero")),
+        (Source::Flag("request-timeout"), Problem::ZeroDuration)
+    );
+    a.router.request_timeout = None;
+    a.router.stream_idle_timeout = Some(Duration::from_millis(1500));
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.timeouts.stream_idle, Duration::from_millis(1500));
+    assert_eq!(config.timeouts.call, Timeouts::default().call);
+}
+
+#[test]
+fn bad_values_name_what_is_wrong() {
+    let dir = plugins_with("disagg");
+    let mut a = args(dir.path());
+    a.endpoints.clear();
+    assert!(matches!(
+        Config::from_args(&a),
+        Err(ConfigError::NoEndpoints)
+    ));
+    let mut a = args(dir.path());
+    a.endpoints.push("ftp://x".into());
+    assert!(matches!(
+        Config::from_args(&a),
+        Err(ConfigError::BadEndpoint {
+            at: Source::Flag("endpoint"),
+            index: 2,
+            ..
+        })
+    ));
+    let mut a = args(dir.path());
+    a.endpoint_num_gpus = vec![1];
+    assert!(matches!(
+        Config::from_args(&a),
+        Err(ConfigError::NumGpusCount {
+            given: 1,
+            endpoints: 2
+        })
+    ));
+    let mut a = args(dir.path());
+    a.router.policy = Some("missing".into());
+    let (at, problem) = invalid(Config::from_args(&a).expect_err("no such policy"));
+    assert_eq!(at, Source::Flag("policy"));
+    assert!(matches!(problem, Problem::NoPolicy { .. }), "{problem}");
+    let mut a = args(dir.path());
+    a.router.policy_config = Some("{oops".into());
+    let (at, problem) = invalid(Config::from_args(&a).expect_err("not JSON"));
+    assert_eq!(at, Source::Flag("policy-config"));
+    assert!(matches!(problem, Problem::Json(_)), "{problem}");
+    let mut a = args(dir.path());
+    a.router.max_attempts = Some(0);
+    assert_eq!(
+        invalid(Config::from_args(&a).expect_err("no attempts")),
+        (
+            Source::Flag("max-attempts"),
+            Problem::Retry(RetryPolicyError::ZeroAttempts)
+        )
+    );
+    let mut a = args(dir.path());
+    a.router.context_length = Some(100);
+    a.router.max_prompt_tokens = Some(100);
+    match Config::from_args(&a).expect_err("no room to generate") {
+        ConfigError::PromptNotBelowContext {
+            max_prompt_tokens,
+            context_length,
+        } => {
+            assert_eq!(max_prompt_tokens.source, Source::Flag("max-prompt-tokens"));
+            assert_eq!(context_length.source, Source::Flag("context-length"));
+        }
+        other => panic!("{other}"),
+    }
+    a.router.context_length = None;
+    a.router.max_prompt_tokens = Some(DEFAULT_CONTEXT_LENGTH);
+    let error = Config::from_args(&a).expect_err("no room to generate");
+    assert_eq!(
+        error.to_string(),
+        "--max-prompt-tokens (32768) must be below the context length, 32768 \
+         (the default --context-length)"
+    );
+}
+
+#[test]
+fn policy_and_admin_settings_have_defaults_and_are_checked() {
+    let dir = plugins_with("disagg");
+    let config = Config::from_args(&args(dir.path())).expect("valid");
+    assert_eq!(config.plugins, dir.path());
+    assert_eq!(
+        config.policies.fallback.as_deref(),
+        Some(DEFAULT_FALLBACK_POLICY)
+    );
+    assert!(config.policies.header);
+    assert_eq!(config.policies.forward_headers, ["x-priority"]);
+    assert_eq!(config.policies.quarantine, QuarantineRule::default());
+    assert_eq!(config.admin, AdminSettings::default());
+
+    let mut a = args(dir.path());
+    a.router.fallback_policy = Some(NO_FALLBACK.into());
+    a.router.no_policy_header = true;
+    a.router.admin_token = Some("s3cret".into());
+    a.router.admin_port = Some(9001);
+    a.router.forward_headers = vec!["X-Tenant".into(), "x-priority".into()];
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.policies.forward_headers, ["x-tenant", "x-priority"]);
+    assert_eq!(config.policies.fallback, None);
+    assert!(!config.policies.header);
+    assert_eq!(config.admin.token.as_deref(), Some("s3cret"));
+    assert_eq!(
+        config.admin.listen,
+        Some("127.0.0.1:9001".parse().expect("addr"))
+    );
+
+    let refused = |edit: &dyn Fn(&mut ServeArgs)| {
+        let mut a = args(dir.path());
+        edit(&mut a);
+        Config::from_args(&a).expect_err("refused")
+    };
+    let (at, problem) = invalid(refused(&|a| {
+        a.router.fallback_policy = Some("missing".into())
+    }));
+    assert_eq!(at, Source::Flag("fallback-policy"));
+    assert!(matches!(problem, Problem::NoPolicy { .. }), "{problem}");
+    let (_, problem) = invalid(refused(&|a| a.router.admin_token = Some(String::new())));
+    assert_eq!(problem, Problem::Empty);
+    match refused(&|a| a.router.admin_port = Some(DEFAULT_PORT)) {
+        ConfigError::AdminPort { admin_port, port } => {
+            assert_eq!(admin_port.value, DEFAULT_PORT);
+            assert_eq!(port, Source::Default("port"));
+        }
+        other => panic!("{other}"),
+    }
+    assert_eq!(
+        invalid(refused(&|a| a.router.quarantine_faults = Some(0))),
+        (Source::Flag("quarantine-faults"), Problem::AtLeast(1))
+    );
+    assert_eq!(
+        invalid(refused(&|a| {
+            a.router.forward_headers = vec!["bad header".into()]
+        })),
+        (
+            Source::Flag("forward-header"),
+            Problem::HeaderName("bad header".into())
+        )
+    );
+}
+
+#[test]
+fn the_file_heeds_the_policy_header_unless_it_or_the_flag_says_not() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let text = |line: &str| {
+        format!(
+            "plugins = {:?}\n{line}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        )
+    };
+    let mut a = with_file(&file, &text(""));
+    assert!(Config::from_args(&a).expect("valid").policies.header);
+    with_file(&file, &text("policy_header = false"));
+    assert!(!Config::from_args(&a).expect("valid").policies.header);
+    with_file(&file, &text("policy_header = true"));
+    assert!(Config::from_args(&a).expect("valid").policies.header);
+    a.router.no_policy_header = true;
+    assert!(!Config::from_args(&a).expect("valid").policies.header);
+}
+
+#[test]
+fn the_file_maps_models_to_policies_that_exist() {
+    let dir = plugins_with("disagg");
+    std::fs::write(dir.path().join("round-robin.wasm"), b"\0asm").expect("write");
+    let file = dir.path().join("router.toml");
+    let text = |mapping: &str| {
+        format!(
+            "plugins = {:?}\nquarantine_faults = 2\n[model_policies]\n{mapping}\n",
+            dir.path()
+        )
+    };
+    let mut a = with_file(&file, &text(r#"small = "round-robin""#));
+    a.endpoints = vec!["http://127.0.0.1:1".into()];
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(
+        config.policies.models.get("small").map(String::as_str),
+        Some("round-robin")
+    );
+    assert_eq!(config.policies.quarantine.faults, 2);
+    with_file(&file, &text(r#"small = "missing""#));
+    let (at, problem) = invalid(Config::from_args(&a).expect_err("no such policy"));
+    assert_eq!(key_and_line(&at), ("model_policies.small", 4));
+    assert!(matches!(problem, Problem::NoPolicy { .. }), "{problem}");
+}
+
+#[test]
+fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let from_file = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\n[discovery]\nkind = \"k8s\"\n\
+             k8s_selector = \"app=engine,tier=serve\"\nk8s_resync = \"5s\"\n",
+            dir.path()
+        ),
+    );
+    let flags = ServeArgs {
+        discovery: DiscoveryArgs {
+            discovery: Some(DiscoveryKind::K8s),
+            k8s_selector: Some("app=engine".into()),
+            k8s_namespace: Some("serving".into()),
+            k8s_resync: None,
+        },
+        endpoints: Vec::new(),
+        ..args(dir.path())
+    };
+    if !cfg!(feature = "k8s") {
+        match Config::from_args(&from_file).expect_err("not built") {
+            ConfigError::DiscoveryNotBuilt(at) => {
+                assert_eq!(key_and_line(&at), ("discovery.kind", 3));
+            }
+            other => panic!("{other}"),
+        }
+        return;
+    }
+    // No static endpoint is needed, and any number may be wanted healthy.
+    let config = Config::from_args(&from_file).expect("valid");
+    assert!(config.endpoints.is_empty());
+    assert_eq!(
+        config.discovery,
+        Some(K8sDiscovery {
+            selector: "app=engine,tier=serve".into(),
+            namespace: None,
+            resync: Duration::from_secs(5),
+        })
+    );
+    let config = Config::from_args(&flags).expect("valid");
+    assert_eq!(
+        config.discovery,
+        Some(K8sDiscovery {
+            selector: "app=engine".into(),
+            namespace: Some("serving".into()),
+            resync: DEFAULT_K8S_RESYNC,
+        })
+    );
+    let with = |edit: &dyn Fn(&mut DiscoveryArgs)| {
+        let mut a = flags.clone();
+        edit(&mut a.discovery);
+        Config::from_args(&a).expect_err("refused")
+    };
+    assert!(matches!(
+        with(&|d| d.k8s_selector = None),
+        ConfigError::NoSelector {
+            kind: Source::Flag("discovery")
+        }
+    ));
+    assert_eq!(
+        invalid(with(&|d| d.k8s_selector = Some(" ".into()))),
+        (Source::Flag("k8s-selector"), Problem::Empty)
+    );
+    assert_eq!(
+        invalid(with(&|d| d.k8s_resync = Some(Duration::ZERO))),
+        (Source::Flag("k8s-resync"), Problem::ZeroDuration)
+    );
+    assert!(matches!(
+        with(&|d| d.discovery = None),
+        ConfigError::K8sWithoutDiscovery(Source::Flag("k8s-selector"))
+    ));
+}
+
+#[test]
+fn a_toml_file_gives_endpoints_roles_and_policy_config() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let a = with_file(
+        &file,
+        &format!(
+            "port = 9000\nhost = \"0.0.0.0\"\nplugins = {:?}\n\
+             policy_config = {{ pd_balance_factor = 0.1 }}\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:1\"\nrole = \"prefill\"\nnum_gpus = 4\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:2\"\nrole = \"decode\"\n",
+            dir.path()
+        ),
+    );
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(config.listen.port(), 9000);
+    assert_eq!(config.listen.ip(), IpAddr::from([0, 0, 0, 0]));
+    assert_eq!(config.endpoints[0].role, Role::Prefill);
+    assert_eq!(config.endpoints[0].num_gpus, 4);
+    assert_eq!(config.endpoints[1].num_gpus, 1);
+    assert_eq!(config.endpoints_file.as_deref(), Some(file.as_path()));
+    assert_eq!(
+        config.policy_config.as_deref(),
+        Some(r#"{"pd_balance_factor":0.1}"#)
+    );
+    // The same config as a JSON string, spaced out: made compact.
+    let a = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\npolicy_config = '{{ \"pd_balance_factor\": 0.1 }}'\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        ),
+    );
+    assert_eq!(
+        Config::from_args(&a)
+            .expect("valid")
+            .policy_config
+            .as_deref(),
+        Some(r#"{"pd_balance_factor":0.1}"#)
+    );
+}
+
+#[test]
+fn a_sighup_reads_the_files_endpoints_checked() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("router.toml");
+    with_file(
+        &file,
+        "port = 9000\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n\
+         [[endpoints]]\nurl = \"vllm+http://127.0.0.1:2\"\n",
+    );
+    match endpoints_in_file(&file).expect_err("a bad URL") {
+        ConfigError::BadEndpoint { at, index, .. } => {
+            assert_eq!(key_and_line(&at), ("endpoints", 4));
+            assert_eq!(index, 1);
+        }
+        other => panic!("{other}"),
+    }
+    with_file(&file, "[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n");
+    let endpoints = endpoints_in_file(&file).expect("valid");
+    assert_eq!(endpoints.len(), 1);
+}
