@@ -301,6 +301,8 @@ impl StepLoop {
                     let _ = reply.send(lease);
                 }
             }
+            // This engine's core is not built to report them yet.
+            Output::KvEvents(_) => {}
         }
     }
 

@@ -941,3 +941,5 @@ fn the_costless_model_runs_the_synthetic_models_schedule() {
         record
     );
 }
+
+mod kv_events;
