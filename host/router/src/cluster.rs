@@ -569,6 +569,8 @@ impl Cluster {
                     running: load.running,
                     waiting: load.waiting,
                     address_hash: e.address_hash,
+                    // Per request: the router fills it from the KV index for each prompt.
+                    cached_prefix: None,
                 }
             })
             .collect()

@@ -18,7 +18,7 @@
 //! types (`switchyard-wire`), the contract (`switchyard-contract`) and the policy host
 //! (`switchyard-policy-host`); never on the reference engine, which is just another engine to
 //! it.
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod api;
 pub mod cluster;
