@@ -33,7 +33,7 @@ use switchyard_contract::{EndpointSnapshot, Health, Protocol, Role};
 use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
-use crate::microserving::Upstream;
+use crate::engine_client::Upstream;
 use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
