@@ -11,17 +11,21 @@
 //! for the requests it runs and queues and its KV usage (the reference engine's, vLLM's or
 //! SGLang's gauges: `switchyard_wire::metrics::EngineLoad`). That is one small GET per
 //! endpoint per probe interval, off the request path, and every router replica reads the
-//! same figures. An engine whose metrics lack those gauges (an MLC engine's `/metrics`
+//! same figures. The same read watches for a restart: a ready endpoint whose probe fails, or
+//! whose `process_start_time_seconds` changes, has its KV event index cleared and rebuilt (a
+//! new engine process holds a cold cache, and the protocol has no epoch to say so). An engine
+//! whose metrics lack those gauges (an MLC engine's `/metrics`
 //! reports other names) or that is down reports `None`: policies must treat load as
 //! optional, and a stale number is worse than none.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use switchyard_wire::metrics::EngineLoad;
+use switchyard_wire::metrics::{EngineLoad, process_start_time};
 
 use super::Cluster;
 use crate::engine_client::EngineClient;
+use crate::kv_events::ResyncReason;
 
 /// Probe timing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +64,8 @@ pub fn spawn_probe(cluster: &Arc<Cluster>, client: &EngineClient, config: ProbeC
 
 async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeConfig, id: u32) {
     let mut backoff = config.min_backoff;
+    let mut was_ok = false;
+    let mut started: Option<f64> = None;
     loop {
         let Some(endpoint) = cluster.upgrade().and_then(|c| c.endpoint(id)) else {
             return;
@@ -71,15 +77,22 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         drop(endpoint);
         let models = client.ready(&engine, protocol).await;
         let ok = models.is_some();
-        let load = match ok {
-            true => client
-                .metrics(&engine)
-                .await
-                .as_deref()
-                .map(EngineLoad::from_prometheus),
+        let metrics = match ok {
+            true => client.metrics(&engine).await,
             false => None,
         };
+        let load = metrics.as_deref().map(EngineLoad::from_prometheus);
+        let now_started = metrics.as_deref().and_then(process_start_time);
         let Some(c) = cluster.upgrade() else { return };
+        let restarted = match (was_ok, ok) {
+            (true, false) => true,
+            _ => matches!((started, now_started), (Some(before), Some(now)) if before != now),
+        };
+        if restarted {
+            c.resync_kv_events(id, ResyncReason::EngineRestarted);
+        }
+        was_ok = ok;
+        started = now_started.or(started);
         c.set_health(id, ok);
         c.set_engine_load(id, load.unwrap_or_default());
         if let Some(models) = models {
