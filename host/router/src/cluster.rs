@@ -4,6 +4,8 @@
 //! ```text
 //! Cluster::new(Vec<EndpointSpec>, OutlierConfig)   ids in order, device ranks = prefix sums of GPUs (as MLC)
 //!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
+//!   snapshot_for(prompt)                 the same with each endpoint's cached prefix (see `kv`)
+//!   subscribe_kv_events(id) / note_served(ids, len) / resync_kv_events(id, why)   KV events
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
 //!   mark_unhealthy(id) / set_health(id, ok) / set_engine_load(id, load)

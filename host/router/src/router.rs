@@ -219,6 +219,9 @@ pub struct Summary {
     pub policy_calls: Vec<Duration>,
     pub generator: Option<u32>,
     pub prefix_matched: u32,
+    /// The generating endpoint's cached prefix in the last attempt's snapshot, from its KV
+    /// events; `None` when it publishes none or its index was stale.
+    pub predicted_prefix: Option<u32>,
     pub completion_tokens: u32,
     /// Arrival to first text handed to the client.
     pub ttft: Option<Duration>,
@@ -645,7 +648,13 @@ impl<E: Execute> Router<E> {
             },
             planned => planned,
         };
-        Ok(planned?)
+        let plan = planned?;
+        // What the index predicts the generating engine holds of this attempt's prompt.
+        st.summary.predicted_prefix = context
+            .endpoints
+            .get(plan.generator() as usize)
+            .and_then(|e| e.cached_prefix);
+        Ok(plan)
     }
 
     /// One `translate-request` call, timed, and its plan validated against the snapshot the

@@ -199,6 +199,10 @@ impl Metrics {
         self.preemptions.inc_by(u64::from(summary.preemptions));
         self.remote_sends_skipped
             .inc_by(u64::from(summary.remote_sends_skipped));
+        if let Some(predicted) = summary.predicted_prefix {
+            self.kv.predictions.inc();
+            self.kv.predicted_tokens.inc_by(u64::from(predicted));
+        }
     }
 
     /// The Prometheus text exposition, with the endpoint gauges read from `cluster` now.
@@ -247,6 +251,10 @@ struct KvMetrics {
     replay_failures: Family<Labels, Counter>,
     clears: Family<Labels, Counter>,
     index_bytes: Gauge,
+    /// Requests whose generating endpoint had a trusted index, and the prefix tokens it
+    /// predicted for them.
+    predictions: Counter,
+    predicted_tokens: Counter,
 }
 
 impl KvMetrics {
@@ -297,6 +305,16 @@ impl KvMetrics {
         for (name, help, counter) in counters {
             registry.register(name, help, counter.clone());
         }
+        registry.register(
+            "kv_predictions",
+            "Requests whose generating endpoint's cached prefix was known from its KV events",
+            m.predictions.clone(),
+        );
+        registry.register(
+            "kv_predicted_prefix_tokens",
+            "Prompt tokens the KV index predicted the generating endpoint held, summed over requests",
+            m.predicted_tokens.clone(),
+        );
         registry.register(
             "kv_index_bytes",
             "Heap held by the KV index, every endpoint's blocks",
