@@ -62,10 +62,33 @@ pub fn spawn_probe(cluster: &Arc<Cluster>, client: &EngineClient, config: ProbeC
     ));
 }
 
+/// What the probes saw of the engine's process, to tell when it may have restarted.
+#[derive(Debug, Default)]
+struct Process {
+    ready: bool,
+    /// The last `process_start_time_seconds` it reported.
+    started: Option<f64>,
+}
+
+impl Process {
+    /// Records a probe (`ready`, and the start time its metrics gave); whether the engine may
+    /// have restarted since the last one: a ready engine stopped answering, or it reports
+    /// another start time (a restart quicker than a probe interval shows only there).
+    fn probed(&mut self, ready: bool, started: Option<f64>) -> bool {
+        let lost = self.ready && !ready;
+        let new_process = matches!(
+            (self.started, started),
+            (Some(before), Some(now)) if before != now
+        );
+        self.ready = ready;
+        self.started = started.or(self.started);
+        lost || new_process
+    }
+}
+
 async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeConfig, id: u32) {
     let mut backoff = config.min_backoff;
-    let mut was_ok = false;
-    let mut started: Option<f64> = None;
+    let mut process = Process::default();
     loop {
         let Some(endpoint) = cluster.upgrade().and_then(|c| c.endpoint(id)) else {
             return;
@@ -84,15 +107,9 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         let load = metrics.as_deref().map(EngineLoad::from_prometheus);
         let now_started = metrics.as_deref().and_then(process_start_time);
         let Some(c) = cluster.upgrade() else { return };
-        let restarted = match (was_ok, ok) {
-            (true, false) => true,
-            _ => matches!((started, now_started), (Some(before), Some(now)) if before != now),
-        };
-        if restarted {
+        if process.probed(ok, now_started) {
             c.resync_kv_events(id, ResyncReason::EngineRestarted);
         }
-        was_ok = ok;
-        started = now_started.or(started);
         c.set_health(id, ok);
         c.set_engine_load(id, load.unwrap_or_default());
         if let Some(models) = models {
@@ -108,5 +125,39 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
             wait
         };
         tokio::time::sleep(wait).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Process;
+
+    #[test]
+    fn a_lost_engine_or_a_new_start_time_may_be_a_restart() {
+        let mut process = Process::default();
+        assert!(!process.probed(false, None), "never ready yet");
+        assert!(!process.probed(true, Some(100.0)), "first seen");
+        assert!(!process.probed(true, Some(100.0)), "the same process");
+        assert!(
+            process.probed(true, Some(250.0)),
+            "restarted between two probes"
+        );
+        assert!(
+            !process.probed(true, None),
+            "metrics without the gauge say nothing"
+        );
+        assert!(
+            process.probed(false, None),
+            "a ready engine stopped answering"
+        );
+        assert!(
+            !process.probed(false, None),
+            "still down: one resync is enough"
+        );
+        assert!(
+            process.probed(true, Some(300.0)),
+            "back as a new process: rebuild again"
+        );
+        assert!(!process.probed(true, Some(300.0)));
     }
 }
