@@ -11,6 +11,7 @@ mod interop;
 #[cfg(feature = "k8s")]
 mod k8s;
 mod kv_aware;
+mod kv_events;
 mod protocols;
 mod replicas;
 mod router;

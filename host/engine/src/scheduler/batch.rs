@@ -8,7 +8,7 @@ use super::Core;
 use super::backend::Planned;
 use super::request::{FinishReason, Output, RequestId, Usage};
 use super::seq::{Seq, Work};
-use crate::kv_pool::{PagePool, extend_page_keys};
+use crate::kv_pool::PagePool;
 use crate::latency::StepWork;
 use crate::model::Sampled;
 
@@ -184,7 +184,7 @@ impl Core {
     fn accept_token(&mut self, i: usize, Sampled { token, logprob }: Sampled) -> Accepted {
         let preempt_every = self.cfg.preempt_every;
         let seq = &mut self.running[i];
-        let (id, prompt_len) = (seq.id, seq.prompt_len);
+        let (id, prompt_len, cached) = (seq.id, seq.prompt_len, seq.cached);
         let Work::Generate(g) = &mut seq.work else {
             return Accepted::Continue;
         };
@@ -225,6 +225,7 @@ impl Core {
             let usage = Usage {
                 prompt_tokens: prompt_len,
                 completion_tokens: g.generated,
+                cached_tokens: cached,
             };
             (f, usage)
         });
@@ -253,9 +254,12 @@ fn register_full_pages(pool: &mut PagePool, seq: &mut Seq) {
     if full <= seq.registered_pages {
         return;
     }
-    extend_page_keys(&mut seq.page_keys, &seq.tokens[..full * ps], ps);
-    for p in seq.registered_pages..full {
-        pool.register(seq.pages[p], seq.page_keys[p]);
-    }
+    pool.extend_keys(&mut seq.page_keys, &seq.tokens[..full * ps]);
+    pool.register(
+        &seq.pages,
+        &seq.page_keys[..full],
+        &seq.tokens,
+        seq.registered_pages,
+    );
     seq.registered_pages = full;
 }

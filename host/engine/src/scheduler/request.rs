@@ -38,10 +38,15 @@ impl From<FinishReason> for switchyard_wire::completion::FinishReason {
     }
 }
 
+/// A finished generation's counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens this engine did not compute because its own prefix cache held them (whole
+    /// pages). A decode that started from a reservation counts what prep_recv matched here,
+    /// not the KV another engine pushed into it.
+    pub cached_tokens: usize,
 }
 
 /// One step's output for one generation: new text, the ids whose text it completes, and how
@@ -104,6 +109,12 @@ pub enum Output {
     /// A prefill for sending is computed, or a held generation finished (after its finishing
     /// event, unless it was preempted): its slots, held for the handoff.
     Leased(Lease),
+    /// What one step did to the prefix cache, in order, as vLLM publishes it: pages that became
+    /// full and cached (`BlockStored`, the page keys as block hashes) and pages evicted
+    /// (`BlockRemoved`). Due when the step ends, before its other outputs; only from a core
+    /// built [`with_kv_events`](super::Core::with_kv_events), and only for a step that changed
+    /// the cache.
+    KvEvents(Vec<switchyard_wire::kv_events::Event>),
 }
 
 /// What the core counted since it started. Each only grows, so a driver publishes differences.
