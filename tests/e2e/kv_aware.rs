@@ -1,7 +1,8 @@
 //! The built-in `kv-aware` policy served by the router in front of reference engines, loaded by
 //! name from the checkout's `plugins/` as `disagg` is. Outputs equal a single engine's; the
 //! engines' own metrics show what the policy planned (forwarded whole, or disaggregated with the
-//! KV the decode engine holds left where it is).
+//! KV the decode engine holds left where it is) and, on the engines' KV events, where each
+//! follow-up went: to the engine holding its prefix, away from one that evicted or lost it.
 
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
@@ -92,9 +93,9 @@ async fn with_mlc_roles_it_disaggregates_and_leaves_what_the_decode_engine_holds
 
 // === on the engines' KV events ===
 //
-// These need the router to subscribe to the engines' events (`--endpoint URL,kv_events=tcp://…`,
-// branch kvwire) and the engine to publish them (`--kv-events`, branch engevents); until both
-// are in main they are ignored.
+// Each engine publishes its prefix cache's events (`--kv-events`, `--kv-events-replay`) and the
+// router subscribes (`--endpoint URL,kv_events=…,kv_events_replay=…`): the cache state the
+// policy routes on is made by requests sent straight to the engines, behind the router's back.
 
 /// Engines in the event tests: enough that chance (about 1/N) and the policy are far apart.
 const ENGINES: usize = 4;
@@ -229,7 +230,6 @@ fn follow_up(history: &str) -> String {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the router's KV-event subscriptions (branch kvwire) and the engine's publisher (branch engevents) in main"]
 async fn follow_ups_go_to_the_engine_that_cached_their_prefix_behind_the_routers_back() {
     let cluster = EventCluster::start(2048);
     let histories: Vec<(String, usize)> = (0..CONVERSATIONS)
@@ -264,7 +264,6 @@ async fn follow_ups_go_to_the_engine_that_cached_their_prefix_behind_the_routers
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the router's KV-event subscriptions (branch kvwire) and the engine's publisher (branch engevents) in main"]
 async fn an_evicted_prefix_no_longer_draws_its_follow_ups() {
     // Three 65-page conversations fill an engine of 200 pages; four more evict the first.
     let cluster = EventCluster::start(200);
@@ -283,7 +282,6 @@ async fn an_evicted_prefix_no_longer_draws_its_follow_ups() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the router's KV-event subscriptions (branch kvwire) and the engine's publisher (branch engevents) in main"]
 async fn batches_published_before_the_router_subscribed_are_recovered_by_replay() {
     let engines = publishing_engines(2048);
     // Engine 2 caches a conversation while no router listens: its batches are gone from the
@@ -297,7 +295,6 @@ async fn batches_published_before_the_router_subscribed_are_recovered_by_replay(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "needs the router's KV-event subscriptions (branch kvwire) and the engine's publisher (branch engevents) in main"]
 async fn a_restarted_engines_index_is_rebuilt_from_its_new_events() {
     let mut cluster = EventCluster::start(2048);
     let lost = conversation(0, 3);
