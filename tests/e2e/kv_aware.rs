@@ -177,27 +177,47 @@ impl EventCluster {
 /// `ENGINES` engines publishing their KV events, and how the router subscribes to each:
 /// `URL,kv_events=tcp://…,kv_events_replay=tcp://…`.
 fn publishing_engines(kv_pages: u32) -> (Vec<EngineProcess>, Vec<String>) {
-    let pages = kv_pages.to_string();
-    (0..ENGINES)
-        .map(|_| {
-            let events = format!("tcp://127.0.0.1:{}", switchyard_tests::free_port());
-            let replay = format!("tcp://127.0.0.1:{}", switchyard_tests::free_port());
-            let engine = EngineProcess::spawn(&[
-                "--prefix-cache",
-                "--kv-pages",
-                &pages,
-                "--kv-events",
-                &events,
-                "--kv-events-replay",
-                &replay,
-            ]);
-            let endpoint = format!(
-                "{},kv_events={events},kv_events_replay={replay}",
-                engine.url
-            );
-            (engine, endpoint)
-        })
-        .unzip()
+    (0..ENGINES).map(|_| publishing_engine(kv_pages)).unzip()
+}
+
+/// Tries to start an engine with its event sockets on ports that were free a moment ago.
+const PORT_TRIES: usize = 3;
+
+/// One engine publishing its KV events, and its router endpoint. The engine binds ports chosen
+/// here (it does not say which it bound for port 0), so another process may take one between
+/// the choice and the bind: then the engine exits at start, and it is tried again on new ports.
+fn publishing_engine(kv_pages: u32) -> (EngineProcess, String) {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        match std::panic::catch_unwind(|| spawn_publishing(kv_pages)) {
+            Ok(started) => return started,
+            Err(panic) if tries == PORT_TRIES => std::panic::resume_unwind(panic),
+            Err(_) => {}
+        }
+    }
+}
+
+fn spawn_publishing(kv_pages: u32) -> (EngineProcess, String) {
+    let (events, replay) = (event_socket(), event_socket());
+    let engine = EngineProcess::spawn(&[
+        "--prefix-cache",
+        "--kv-pages",
+        &kv_pages.to_string(),
+        "--kv-events",
+        &events,
+        "--kv-events-replay",
+        &replay,
+    ]);
+    let endpoint = format!(
+        "{},kv_events={events},kv_events_replay={replay}",
+        engine.url
+    );
+    (engine, endpoint)
+}
+
+fn event_socket() -> String {
+    format!("tcp://127.0.0.1:{}", switchyard_tests::free_port())
 }
 
 /// Whole 16-token pages in a conversation's history: 1024 cached tokens outweigh one more
