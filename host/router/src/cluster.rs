@@ -694,6 +694,12 @@ impl Cluster {
         }
     }
 
+    /// Whether `predicted`, endpoint `id`'s cached prefix in an attempt's snapshot, is what its
+    /// engine then reported having cached (`cached`, rounded down to its block size).
+    pub fn kv_prediction_hit(&self, id: u32, predicted: u32, cached: u32) -> bool {
+        self.kv.prediction_hit(id, predicted, cached)
+    }
+
     /// Starts endpoint `id`'s KV event subscriber when its engine publishes and none runs (on
     /// the current Tokio runtime): at startup for every endpoint, then for each one added.
     pub fn subscribe_kv_events(&self, id: u32) {
