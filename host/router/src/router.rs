@@ -596,7 +596,7 @@ impl<E: Execute> Router<E> {
                     _ => self.count_tokens(&st.delivered.text[before..])?,
                 };
                 let cached = usage.and_then(|u| u.cached_tokens());
-                self.check_prediction(generation.generator, cached, st);
+                self.check_prediction(generation.generator, prompt_len, cached, st);
                 let usage = final_usage(req, already, Some(this_attempt), cached);
                 self.finish(req, tx, st, finish_reason, usage).await;
                 Ok(AttemptEnd::Over)
@@ -684,13 +684,20 @@ impl<E: Execute> Router<E> {
 
     /// Compares the index's prediction for the generating endpoint with what its engine
     /// reported having cached.
-    fn check_prediction(&self, generator: u32, cached: Option<u32>, st: &mut State) {
+    fn check_prediction(
+        &self,
+        generator: u32,
+        prompt_len: usize,
+        cached: Option<u32>,
+        st: &mut State,
+    ) {
         st.summary.cached_tokens = cached;
         if let (Some(predicted), Some(cached)) = (st.summary.predicted_prefix, cached) {
+            let prompt_len = u32::try_from(prompt_len).unwrap_or(u32::MAX);
             st.summary.prediction_hit = self
                 .executor
                 .cluster()
-                .kv_prediction_hit(generator, predicted, cached);
+                .kv_prediction_hit(generator, predicted, cached, prompt_len);
         }
     }
 

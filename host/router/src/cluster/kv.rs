@@ -105,11 +105,21 @@ impl KvCache {
         }
     }
 
-    /// Whether `predicted`, `id`'s cached prefix in an attempt's snapshot, is what its engine
-    /// then reported having cached: `cached` rounded down to a block (an engine may count
-    /// tokens of a partial block that no event announces).
-    pub(super) fn prediction_hit(&self, id: EndpointId, predicted: u32, cached: u32) -> bool {
-        predicted == whole_blocks(cached, self.block_size(id))
+    /// Whether `predicted`, `id`'s cached prefix of an attempt's `prompt_len`-token prompt, is
+    /// what its engine then reported having cached: `cached` rounded down to a block (an
+    /// engine may count tokens of a partial block that no event announces). An engine computes
+    /// the last prompt token itself (vLLM, SGLang, the reference engine), so it reports at most
+    /// the whole blocks before it: a prediction of more counts as that much.
+    pub(super) fn prediction_hit(
+        &self,
+        id: EndpointId,
+        predicted: u32,
+        cached: u32,
+        prompt_len: u32,
+    ) -> bool {
+        let block_size = self.block_size(id);
+        let reportable = whole_blocks(prompt_len.saturating_sub(1), block_size);
+        predicted.min(reportable) == whole_blocks(cached, block_size)
     }
 
     /// `id`'s block size as its events say, or vLLM's default before it published a block.

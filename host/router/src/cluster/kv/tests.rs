@@ -111,22 +111,27 @@ async fn a_prediction_hits_when_it_is_the_engines_cached_tokens_in_whole_blocks(
     let silent = silent_listener().await;
     let cluster = cluster(&silent);
     // No block published yet: vLLM's 16-token blocks are assumed.
-    assert!(cluster.kv_prediction_hit(0, 0, 15));
-    assert!(!cluster.kv_prediction_hit(0, 0, 16));
+    assert!(cluster.kv_prediction_hit(0, 0, 15, 40));
+    assert!(!cluster.kv_prediction_hit(0, 0, 16, 40));
     store_two_blocks(&cluster, 0);
-    // 4-token blocks now: an engine may count a partial block no event announced.
-    for (predicted, cached, hit) in [
-        (8, 8, true),
-        (8, 11, true),
-        (8, 12, false),
-        (8, 7, false),
-        (0, 3, true),
-        (4, 0, false),
+    // 4-token blocks now: an engine may count a partial block no event announced, and never
+    // counts the block holding the prompt's last token.
+    for (predicted, cached, prompt_len, hit) in [
+        (8, 8, 10, true),
+        (8, 11, 12, true),
+        (8, 12, 13, false),
+        (8, 7, 10, false),
+        (0, 3, 10, true),
+        (4, 0, 10, false),
+        (8, 4, 8, true),
+        (8, 8, 8, false),
+        (8, 0, 8, false),
+        (0, 0, 1, true),
     ] {
         assert_eq!(
-            cluster.kv_prediction_hit(0, predicted, cached),
+            cluster.kv_prediction_hit(0, predicted, cached, prompt_len),
             hit,
-            "predicted {predicted}, engine cached {cached}"
+            "predicted {predicted} of {prompt_len}, engine cached {cached}"
         );
     }
 }
