@@ -131,6 +131,21 @@ async fn a_prompt_the_engine_cached_is_predicted_and_its_cached_tokens_confirm_i
     let usage = streamed_usage(&router.endpoint("/v1/completions"), &prompt).await;
     assert_eq!(cached_tokens(&usage), Some(u64::from(2 * BLOCK)), "{usage}");
     assert_eq!(metric(&metrics, "switchyard_kv_prediction_hits").await, 2.0);
+
+    // Its first two blocks alone: both are predicted, but the engine computes the last prompt
+    // token itself and reports one block: still a hit.
+    let aligned = &prompt[..2 * BLOCK as usize];
+    let answer = post_json(&router.endpoint("/v1/completions"), &completion(aligned)).await;
+    assert_eq!(
+        cached_tokens(&answer["usage"]),
+        Some(u64::from(BLOCK)),
+        "{answer}"
+    );
+    assert_eq!(
+        metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
+        f64::from(3 * 2 * BLOCK)
+    );
+    assert_eq!(metric(&metrics, "switchyard_kv_prediction_hits").await, 3.0);
 }
 
 #[tokio::test]
