@@ -227,7 +227,8 @@ pub struct Summary {
     /// The generating engine's `cached_tokens` for the last attempt's prompt, as it reported.
     pub cached_tokens: Option<u32>,
     /// Whether `predicted_prefix` equalled `cached_tokens` rounded down to the endpoint's block
-    /// size: the index predicted what the engine found.
+    /// size (a prediction capped at the whole blocks before the prompt's last token, which
+    /// engines always compute): the index predicted what the engine found.
     pub prediction_hit: bool,
     pub completion_tokens: u32,
     /// Arrival to first text handed to the client.
