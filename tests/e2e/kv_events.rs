@@ -1,109 +1,208 @@
-//! The router's KV-event wiring against a reference engine and a publisher on loopback: an
-//! endpoint given `kv_events` is subscribed to, `/admin/endpoints` and `/metrics` show what
-//! its index holds, and a request's snapshot carries the cached prefix the events describe
-//! (the prediction metrics count it).
-//!
-//! The publisher is this test's own ZeroMQ PUB socket speaking vLLM's wire format (the
-//! reference engine's publisher is another branch's); blocks it announces are keyed by the
-//! prompt's token ids exactly as an engine's are.
+//! The router's KV-event wiring against reference engines that publish their prefix cache
+//! (`--prefix-cache --kv-events --kv-events-replay`): an endpoint given `kv_events` is
+//! subscribed to, a prompt an engine cached (sent straight to it, past the router) is in the
+//! next request's snapshot as that endpoint's cached prefix, the engine's own `cached_tokens`
+//! confirms the prediction (the accuracy counter counts a hit) and reaches the client, whole and
+//! streamed; and `switchyard up --prefix-cache` wires every engine's events to its router.
 
 use std::time::Duration;
 
-use bytes::Bytes;
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
-use switchyard_wire::kv_events::frames::PubMessage;
-use switchyard_wire::kv_events::{
-    BlockHash, BlockStored, Encoding, Event, EventBatch, encode_batch,
-};
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
-use crate::http::post_json;
-use crate::router::{metric, post_or_get};
+use crate::http::{post, post_json, sse_payloads};
+use crate::router::{eventually, metric, post_or_get};
 
+/// The reference engine's default `--page-size`: the blocks it announces.
 const BLOCK: u32 = 16;
-/// The longest wait for the subscriber to connect and apply a batch.
+/// The longest wait for a subscriber to apply what an engine published.
 const WITHIN: Duration = Duration::from_secs(20);
 
-/// Two blocks of 16 tokens, ids 1..=32, as an engine announces them after a prefill.
-fn two_blocks() -> EventBatch {
-    EventBatch {
-        ts: 1.0,
-        events: vec![Event::BlockStored(BlockStored::new(
-            vec![BlockHash::Int(0x11), BlockHash::Int(0x22)],
-            None,
-            (1..=2 * BLOCK).collect(),
-            BLOCK,
-        ))],
-        data_parallel_rank: None,
-    }
+const PUBLISHING: [&str; 5] = [
+    "--prefix-cache",
+    "--kv-events",
+    "tcp://127.0.0.1:0",
+    "--kv-events-replay",
+    "tcp://127.0.0.1:0",
+];
+
+fn completion(prompt: &[u32]) -> Value {
+    json!({"model": "switchyard-reference", "prompt": prompt, "max_tokens": 4})
 }
 
-async fn publish(socket: &mut PubSocket, seq: u64, batch: &EventBatch) {
-    let payload = encode_batch(batch, Encoding::Map);
-    let frames = PubMessage {
-        topic: b"",
-        seq,
-        payload: &payload,
-    }
-    .frames();
-    let message = ZmqMessage::try_from(frames.into_iter().map(Bytes::from).collect::<Vec<_>>())
-        .expect("frames");
-    socket.send(message).await.expect("PUB sends");
+/// 40 tokens, two whole blocks and a part, starting with `first`.
+fn prompt_from(first: u32) -> Vec<u32> {
+    (first..first + 40).collect()
 }
 
-fn kv_state(endpoints: &Value) -> Value {
-    endpoints["endpoints"][0]["kv_events"].clone()
+fn cached_tokens(usage: &Value) -> Option<u64> {
+    usage["prompt_tokens_details"]["cached_tokens"].as_u64()
+}
+
+async fn endpoints(router: &RouterProcess) -> Vec<Value> {
+    post_or_get(&router.endpoint("/admin/endpoints")).await["endpoints"]
+        .as_array()
+        .expect("endpoints")
+        .clone()
+}
+
+/// The usage chunk of a streamed completion.
+async fn streamed_usage(url: &str, prompt: &[u32]) -> Value {
+    let mut body = completion(prompt);
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, text) = post(url, &body).await;
+    assert_eq!(status, 200, "{text}");
+    sse_payloads(&text)
+        .iter()
+        .filter(|p| *p != "[DONE]")
+        .map(|p| serde_json::from_str::<Value>(p).expect("chunk JSON"))
+        .find_map(|chunk| (!chunk["usage"].is_null()).then(|| chunk["usage"].clone()))
+        .unwrap_or_else(|| panic!("no usage chunk in {text}"))
 }
 
 #[tokio::test]
-async fn a_requests_snapshot_carries_the_prefix_the_engines_events_announced() {
-    let mut publisher = PubSocket::new();
-    let events = publisher
-        .bind("tcp://127.0.0.1:0")
-        .await
-        .expect("PUB binds")
-        .to_string();
-    let engine = EngineProcess::spawn(&[]);
-    let endpoint = format!("{},kv_events={events}", engine.url);
+async fn a_prompt_the_engine_cached_is_predicted_and_its_cached_tokens_confirm_it() {
+    let engine = EngineProcess::spawn(&PUBLISHING);
+    let events = engine
+        .kv_events
+        .clone()
+        .expect("the ready line names the socket");
+    let replay = engine
+        .kv_events_replay
+        .clone()
+        .expect("and the replay socket");
+    let endpoint = format!(
+        "{},kv_events={events},kv_events_replay={replay}",
+        engine.url
+    );
     let router = RouterProcess::serve_ready(&[&endpoint], &["--policy", "round-robin"]);
-    let admin = router.endpoint("/admin/endpoints");
-    let shown = kv_state(&post_or_get(&admin).await);
-    assert_eq!(shown["events"], events.as_str(), "{shown}");
-
-    // A PUB socket drops what it sends before the subscriber has joined: announce the same
-    // blocks under new sequence numbers until the index holds them (a repeat is a no-op).
-    let deadline = tokio::time::Instant::now() + WITHIN;
-    for seq in 0.. {
-        publish(&mut publisher, seq, &two_blocks()).await;
-        let kv = kv_state(&post_or_get(&admin).await);
-        if kv["blocks"] == 2 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not indexed after {WITHIN:?}: {kv}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let kv = kv_state(&post_or_get(&admin).await);
+    let shown = endpoints(&router).await[0]["kv_events"].clone();
     assert_eq!(
-        (kv["block_size"].as_u64(), kv["stale"].as_bool()),
-        (Some(16), Some(false)),
-        "{kv}"
+        (shown["events"].as_str(), shown["replay"].as_str()),
+        (Some(events.as_str()), Some(replay.as_str())),
+        "{shown}"
     );
 
-    // 40 tokens: the first two blocks are cached, the rest is not.
-    let prompt: Vec<u32> = (1..=40).collect();
-    let body = json!({"model": "switchyard-reference", "prompt": prompt, "max_tokens": 4});
-    let answer = post_json(&router.endpoint("/v1/completions"), &body).await;
-    assert_eq!(answer["usage"]["prompt_tokens"], 40, "{answer}");
+    // Straight to the engine, past the router. A SUB socket misses what was published before
+    // it joined (the replay then fills only gaps it sees): new prompts until one is indexed.
+    let mut prompt = Vec::new();
+    for first in 1..=20 {
+        prompt = prompt_from(first);
+        let answer = post_json(&engine.endpoint("/v1/completions"), &completion(&prompt)).await;
+        assert_eq!(cached_tokens(&answer["usage"]), Some(0), "{answer}");
+        let indexed = tokio::time::timeout(Duration::from_secs(1), async {
+            while endpoints(&router).await[0]["kv_events"]["blocks"]
+                .as_u64()
+                .unwrap_or(0)
+                < 2
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        if indexed.await.is_ok() {
+            break;
+        }
+    }
+    let kv = endpoints(&router).await[0]["kv_events"].clone();
+    assert!(kv["blocks"].as_u64() >= Some(2), "never indexed: {kv}");
+    assert_eq!(kv["block_size"], BLOCK, "{kv}");
+
+    // Through the router: the snapshot predicted the two whole blocks, the engine served them
+    // from its cache, and the client sees that.
     let metrics = router.endpoint("/metrics");
+    let answer = post_json(&router.endpoint("/v1/completions"), &completion(&prompt)).await;
+    assert_eq!(
+        (
+            answer["usage"]["prompt_tokens"].as_u64(),
+            cached_tokens(&answer["usage"])
+        ),
+        (Some(40), Some(u64::from(2 * BLOCK))),
+        "{answer}"
+    );
     assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 1.0);
     assert_eq!(
         metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
         f64::from(2 * BLOCK)
     );
-    assert_eq!(metric(&metrics, "switchyard_kv_blocks").await, 2.0);
-    assert!(metric(&metrics, "switchyard_kv_events").await >= 1.0);
+    assert_eq!(metric(&metrics, "switchyard_kv_prediction_hits").await, 1.0);
+
+    // Streamed, the usage chunk says the same.
+    let usage = streamed_usage(&router.endpoint("/v1/completions"), &prompt).await;
+    assert_eq!(cached_tokens(&usage), Some(u64::from(2 * BLOCK)), "{usage}");
+    assert_eq!(metric(&metrics, "switchyard_kv_prediction_hits").await, 2.0);
+
+    // Its first two blocks alone: both are predicted, but the engine computes the last prompt
+    // token itself and reports one block: still a hit.
+    let aligned = &prompt[..2 * BLOCK as usize];
+    let answer = post_json(&router.endpoint("/v1/completions"), &completion(aligned)).await;
+    assert_eq!(
+        cached_tokens(&answer["usage"]),
+        Some(u64::from(BLOCK)),
+        "{answer}"
+    );
+    assert_eq!(
+        metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
+        f64::from(3 * 2 * BLOCK)
+    );
+    assert_eq!(metric(&metrics, "switchyard_kv_prediction_hits").await, 3.0);
+}
+
+#[tokio::test]
+async fn without_events_the_client_still_sees_the_engines_cached_tokens() {
+    let engine = EngineProcess::spawn(&["--prefix-cache"]);
+    let router = RouterProcess::serve_ready(&[&engine.url], &["--policy", "round-robin"]);
+    let url = router.endpoint("/v1/completions");
+    let prompt = prompt_from(7);
+    let first = post_json(&url, &completion(&prompt)).await;
+    assert_eq!(cached_tokens(&first["usage"]), Some(0), "{first}");
+    let again = post_json(&url, &completion(&prompt)).await;
+    assert_eq!(
+        cached_tokens(&again["usage"]),
+        Some(u64::from(2 * BLOCK)),
+        "{again}"
+    );
+    assert_eq!(
+        metric(&router.endpoint("/metrics"), "switchyard_kv_predictions").await,
+        0.0,
+        "nothing publishes: nothing predicted"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn up_with_the_prefix_cache_subscribes_its_router_to_every_engine() {
+    let router = RouterProcess::up(&["--prefix-cache"]);
+    let all = endpoints(&router).await;
+    assert_eq!(all.len(), 3, "1 prefill + 2 decode");
+    for e in &all {
+        let events = e["kv_events"]["events"].as_str().unwrap_or_default();
+        assert!(events.starts_with("tcp://127.0.0.1:"), "{e}");
+        assert!(e["kv_events"]["replay"].is_string(), "{e}");
+    }
+
+    // What the engines cache reaches the router's index; a request then has a prediction.
+    let url = router.endpoint("/v1/completions");
+    let answer = post_json(&url, &completion(&prompt_from(1))).await;
+    assert_eq!(answer["usage"]["prompt_tokens"], 40, "{answer}");
+    eventually(WITHIN, || async {
+        let blocks: u64 = endpoints(&router)
+            .await
+            .iter()
+            .filter_map(|e| e["kv_events"]["blocks"].as_u64())
+            .sum();
+        (blocks < 2).then(|| format!("{blocks} blocks indexed"))
+    })
+    .await;
+    post_json(&url, &completion(&prompt_from(1))).await;
+    // Every endpoint's index was trusted: both requests' generators had a prediction.
+    let metrics = router.endpoint("/metrics");
+    assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 2.0);
+}
+
+#[tokio::test]
+async fn up_without_the_prefix_cache_subscribes_to_nothing() {
+    let router = RouterProcess::up(&[]);
+    for e in endpoints(&router).await {
+        assert!(e.get("kv_events").is_none_or(Value::is_null), "{e}");
+    }
 }

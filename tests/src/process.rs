@@ -65,6 +65,10 @@ pub struct EngineProcess {
     /// The engine's KV transfer address as printed (`tcp:…` or `unix:@…`), for `--kv-peer`.
     pub kv_addr: String,
     pub device_rank: u32,
+    /// `tcp://ADDR` of its KV event socket and replay socket (`--kv-events`,
+    /// `--kv-events-replay`) as first started, for a router endpoint's `kv_events`.
+    pub kv_events: Option<String>,
+    pub kv_events_replay: Option<String>,
     /// The flags it was started with, for [`EngineProcess::restart`].
     args: Vec<String>,
 }
@@ -84,6 +88,8 @@ impl EngineProcess {
             child,
             url: ready.url(),
             http_addr: ready.http_addr,
+            kv_events: ready.kv_events_url(),
+            kv_events_replay: ready.kv_events_replay_url(),
             kv_addr: ready.kv_addr,
             device_rank: ready.device_rank,
             args,

@@ -79,6 +79,8 @@ impl RunningEngine {
             device_rank: self.device_rank,
             kv_addr: self.kv_addr.to_string(),
             bootstrap_port: self.bootstrap_addr.map(|a| a.port()),
+            kv_events: self.kv_events_addr(),
+            kv_events_replay: self.kv_events_replay_addr(),
         }
     }
 }

@@ -694,6 +694,13 @@ impl Cluster {
         }
     }
 
+    /// Whether `predicted`, endpoint `id`'s cached prefix of an attempt's `prompt_len`-token
+    /// prompt, is what its engine then reported having cached (`cached`, rounded down to its
+    /// block size; at most the whole blocks before the prompt's last token).
+    pub fn kv_prediction_hit(&self, id: u32, predicted: u32, cached: u32, prompt_len: u32) -> bool {
+        self.kv.prediction_hit(id, predicted, cached, prompt_len)
+    }
+
     /// Starts endpoint `id`'s KV event subscriber when its engine publishes and none runs (on
     /// the current Tokio runtime): at startup for every endpoint, then for each one added.
     pub fn subscribe_kv_events(&self, id: u32) {

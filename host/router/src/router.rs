@@ -18,7 +18,9 @@
 //!   the client both **continue**: the next attempt's prompt is the original prompt plus the
 //!   token ids of the text already delivered (re-tokenized with the serving tokenizer), its
 //!   `max_tokens` is what is left, and the client sees one seamless stream whose final usage
-//!   counts the original prompt and every delivered token.
+//!   counts the original prompt and every delivered token. Its `cached_tokens`, where the
+//!   generating engine reported one, is the last attempt's: what that engine found cached of
+//!   its prompt (the original and the continuation), bounded by the original prompt's length.
 //! - **The attempt cap** counts attempts that made no progress; an attempt that delivered text
 //!   resets the backoff and does not count, so the loop is bounded by
 //!   `max_attempts + max_tokens` attempts. Reached by failures, it ends the request with the
@@ -222,6 +224,12 @@ pub struct Summary {
     /// The generating endpoint's cached prefix in the last attempt's snapshot, from its KV
     /// events; `None` when it publishes none or its index was stale.
     pub predicted_prefix: Option<u32>,
+    /// The generating engine's `cached_tokens` for the last attempt's prompt, as it reported.
+    pub cached_tokens: Option<u32>,
+    /// Whether `predicted_prefix` equalled `cached_tokens` rounded down to the endpoint's block
+    /// size (a prediction capped at the whole blocks before the prompt's last token, which
+    /// engines always compute): the index predicted what the engine found.
+    pub prediction_hit: bool,
     pub completion_tokens: u32,
     /// Arrival to first text handed to the client.
     pub ttft: Option<Duration>,
@@ -529,7 +537,7 @@ impl<E: Execute> Router<E> {
         let remaining = req.max_tokens.saturating_sub(already);
         if remaining == 0 {
             // Preempted right after the last token: the response is complete.
-            let usage = final_usage(req, already, None);
+            let usage = final_usage(req, already, None, None);
             self.finish(req, tx, st, FinishReason::Length, usage).await;
             return Ok(AttemptEnd::Over);
         }
@@ -588,7 +596,9 @@ impl<E: Execute> Router<E> {
                     (None, Some(from), Some(now)) => now - from,
                     _ => self.count_tokens(&st.delivered.text[before..])?,
                 };
-                let usage = final_usage(req, already, Some(this_attempt));
+                let cached = usage.and_then(|u| u.cached_tokens());
+                self.check_prediction(generation.generator, prompt_len, cached, st);
+                let usage = final_usage(req, already, Some(this_attempt), cached);
                 self.finish(req, tx, st, finish_reason, usage).await;
                 Ok(AttemptEnd::Over)
             }
@@ -671,6 +681,25 @@ impl<E: Execute> Router<E> {
         let plan = plan.map_err(PlanningError::Translate)?;
         validate(&plan, request.prompt.len() as u32, &context.endpoints)
             .map_err(PlanningError::InvalidPlan)
+    }
+
+    /// Compares the index's prediction for the generating endpoint with what its engine
+    /// reported having cached.
+    fn check_prediction(
+        &self,
+        generator: u32,
+        prompt_len: usize,
+        cached: Option<u32>,
+        st: &mut State,
+    ) {
+        st.summary.cached_tokens = cached;
+        if let (Some(predicted), Some(cached)) = (st.summary.predicted_prefix, cached) {
+            let prompt_len = u32::try_from(prompt_len).unwrap_or(u32::MAX);
+            st.summary.prediction_hit = self
+                .executor
+                .cluster()
+                .kv_prediction_hit(generator, predicted, cached, prompt_len);
+        }
     }
 
     fn continuation_tokens(&self, delivered: &str) -> Result<Vec<u32>, RouteError> {
@@ -777,13 +806,24 @@ fn failure_of(error: &ExecError) -> Failure {
 }
 
 /// The usage the client sees: the original prompt, and every token delivered over all attempts.
-/// Saturating: an engine's count is not trusted to keep the sum in range.
-fn final_usage(req: &RouteRequest, earlier: u32, this_attempt: Option<u32>) -> Usage {
+/// Saturating: an engine's count is not trusted to keep the sum in range. `cached`, the last
+/// attempt's engine's count, is bounded by the original prompt: a continuation's engine may
+/// hold more of its longer prompt than the client sent.
+fn final_usage(
+    req: &RouteRequest,
+    earlier: u32,
+    this_attempt: Option<u32>,
+    cached: Option<u32>,
+) -> Usage {
     let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
-    Usage::new(
+    let usage = Usage::new(
         prompt_tokens,
         earlier.saturating_add(this_attempt.unwrap_or(0)),
-    )
+    );
+    match cached {
+        Some(cached) => usage.with_cached_tokens(cached.min(prompt_tokens)),
+        None => usage,
+    }
 }
 
 #[cfg(test)]

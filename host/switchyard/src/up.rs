@@ -5,6 +5,11 @@
 //! first (the engines serve its requests in flight to the end), then each engine gets SIGTERM,
 //! SIGKILL if it has not exited within [`ENGINE_STOP_TIMEOUT`], and is waited for.
 //!
+//! With `--prefix-cache` every engine also publishes its prefix cache's KV events on loopback
+//! (`--kv-events`, `--kv-events-replay`, ports of its choosing, read back from its ready line)
+//! and the router subscribes to each, so policies see every engine's real cached prefix.
+//! Without it there is nothing to publish (the engine refuses events without a prefix cache).
+//!
 //! `--model` names what the engines run (`synthetic`, `smollm2` or a GGUF path; see
 //! `switchyard engine --model`): with a real model the router gets the GGUF's tokenizer, chat
 //! template and name, and the machine's cores are split between the engines (`--threads`).
@@ -37,7 +42,8 @@ pub struct UpArgs {
     /// machine raise `--prefill`/`--decode`, e.g. `--prefill 2 --decode 4` on 12 cores.
     #[arg(long, default_value_t = 2)]
     pub decode: u32,
-    /// Start the engines with their prefix cache on.
+    /// Start the engines with their prefix cache on, publishing its KV events to the router
+    /// (which then knows each engine's cached prefix of every prompt).
     #[arg(long)]
     pub prefix_cache: bool,
     /// The name `/v1/models` reports (default: the router's default for the synthetic model,
@@ -96,6 +102,9 @@ pub struct EngineChild {
     pub url: String,
     /// An SGLang prefill engine's bootstrap port.
     pub bootstrap_port: Option<u16>,
+    /// `tcp://ADDR` of its KV event socket and of its replay socket (`--prefix-cache`).
+    pub kv_events: Option<String>,
+    pub kv_events_replay: Option<String>,
     /// `kill_on_drop`: the engine dies with this handle.
     child: Child,
 }
@@ -171,6 +180,10 @@ pub async fn run(
     for (endpoint, engine) in config.endpoints.iter_mut().zip(&engines) {
         endpoint.url.clone_from(&engine.url);
         endpoint.bootstrap_port = engine.bootstrap_port;
+        endpoint.kv_events.clone_from(&engine.kv_events);
+        endpoint
+            .kv_events_replay
+            .clone_from(&engine.kv_events_replay);
     }
     let router = serve::start(&config).await?;
     let ready_within = Duration::from_secs(30);
@@ -185,6 +198,7 @@ pub async fn run(
 }
 
 /// Engine `rank`'s `--endpoint` flag: the first `--prefill` ranks prefill, the rest decode.
+/// Its KV event sockets, known only once it runs, are set on the endpoint then (as its URL).
 fn endpoint_flag(args: &UpArgs, rank: u32, url: &str, bootstrap_port: Option<u16>) -> String {
     let prefill = rank < args.prefill;
     let role = if prefill { "prefill" } else { "decode" };
@@ -206,7 +220,13 @@ fn serve_args(args: &UpArgs, endpoints: Vec<String>) -> ServeArgs {
 
 fn print_banner(addr: &str, engines: &[EngineChild], real: bool) {
     for e in engines {
-        println!("engine {} (device rank {}) on {}", e.rank, e.rank, e.url);
+        match &e.kv_events {
+            Some(events) => println!(
+                "engine {} (device rank {}) on {}, KV events on {events}",
+                e.rank, e.rank, e.url
+            ),
+            None => println!("engine {} (device rank {}) on {}", e.rank, e.rank, e.url),
+        }
     }
     println!("switchyard router ready on http://{addr}");
     if real {
@@ -243,6 +263,9 @@ pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild
         }
         if args.prefix_cache {
             cmd.arg("--prefix-cache");
+            // Loopback, ports of the engine's choosing: its ready line says which.
+            cmd.args(["--kv-events", "tcp://127.0.0.1:0"])
+                .args(["--kv-events-replay", "tcp://127.0.0.1:0"]);
         }
         cmd.args(["--protocol", &args.protocol]);
         if args.protocol == "sglang" {
@@ -287,6 +310,8 @@ pub async fn spawn_engines(args: &UpArgs, model: &str) -> Result<Vec<EngineChild
             rank,
             url: ready.url(),
             bootstrap_port: ready.bootstrap_port,
+            kv_events: ready.kv_events_url(),
+            kv_events_replay: ready.kv_events_replay_url(),
             child,
         });
     }

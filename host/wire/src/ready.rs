@@ -19,15 +19,33 @@
 //!     .expect("a ready line");
 //! assert_eq!(prefill.bootstrap_port, Some(8998));
 //! assert_eq!(prefill.kv_addr, "tcp:127.0.0.1:9");
+//!
+//! // An engine publishing its prefix cache's KV events says where (`--kv-events`,
+//! // `--kv-events-replay`), with the ports it bound.
+//! let publishing: ReadyLine = "switchyard engine ready on http://127.0.0.1:4321 (device rank 0, kv tcp:127.0.0.1:9, kv-events tcp://127.0.0.1:5557, kv-events-replay tcp://127.0.0.1:5558)"
+//!     .parse()
+//!     .expect("a ready line");
+//! assert_eq!(publishing.kv_events_url().as_deref(), Some("tcp://127.0.0.1:5557"));
+//! assert_eq!(publishing.kv_events_replay_url().as_deref(), Some("tcp://127.0.0.1:5558"));
 //! ```
+//!
+//! Every field after the KV address is optional, written only when the engine has it, so a line
+//! without them reads as before; a reader skips fields it does not know.
 
 use std::fmt;
 use std::net::SocketAddr;
 use std::str::FromStr;
 
 const PREFIX: &str = "switchyard engine ready on http://";
-/// Comes after the KV address when the engine runs a bootstrap server.
-const BOOTSTRAP: &str = ", bootstrap ";
+/// Separates the fields in the parentheses; no KV address contains it.
+const SEPARATOR: &str = ", ";
+/// The optional fields' names, each followed by a space and its value.
+const BOOTSTRAP: &str = "bootstrap";
+const KV_EVENTS: &str = "kv-events";
+const KV_EVENTS_REPLAY: &str = "kv-events-replay";
+/// How the KV event sockets' addresses are written (as `--kv-events` and a router's
+/// `kv_events` take them).
+const TCP: &str = "tcp://";
 
 /// What an engine's ready line says.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,12 +58,26 @@ pub struct ReadyLine {
     /// --disaggregation-mode prefill`), which a router puts in every leg's `bootstrap_port`;
     /// `None` for every other engine, whose line ends after the KV address as before.
     pub bootstrap_port: Option<u16>,
+    /// Where the engine's KV event PUB socket is bound (`--kv-events`), if it publishes.
+    pub kv_events: Option<SocketAddr>,
+    /// Where its replay socket is bound (`--kv-events-replay`), if it has one.
+    pub kv_events_replay: Option<SocketAddr>,
 }
 
 impl ReadyLine {
     /// `http://ADDR`.
     pub fn url(&self) -> String {
         format!("http://{}", self.http_addr)
+    }
+
+    /// `tcp://ADDR` of the KV event socket, as a router endpoint's `kv_events` takes it.
+    pub fn kv_events_url(&self) -> Option<String> {
+        self.kv_events.map(|addr| format!("{TCP}{addr}"))
+    }
+
+    /// `tcp://ADDR` of the replay socket, as `kv_events_replay` takes it.
+    pub fn kv_events_replay_url(&self) -> Option<String> {
+        self.kv_events_replay.map(|addr| format!("{TCP}{addr}"))
     }
 }
 
@@ -57,7 +89,13 @@ impl fmt::Display for ReadyLine {
             self.http_addr, self.device_rank, self.kv_addr
         )?;
         if let Some(port) = self.bootstrap_port {
-            write!(f, "{BOOTSTRAP}{port}")?;
+            write!(f, "{SEPARATOR}{BOOTSTRAP} {port}")?;
+        }
+        if let Some(addr) = self.kv_events {
+            write!(f, "{SEPARATOR}{KV_EVENTS} {TCP}{addr}")?;
+        }
+        if let Some(addr) = self.kv_events_replay {
+            write!(f, "{SEPARATOR}{KV_EVENTS_REPLAY} {TCP}{addr}")?;
         }
         f.write_str(")")
     }
@@ -77,24 +115,34 @@ impl FromStr for ReadyLine {
             let (addr, rest) = rest.split_once(" (device rank ")?;
             let (rank, rest) = rest.split_once(", kv ")?;
             let rest = rest.strip_suffix(')')?;
-            // A KV address never ends in `, bootstrap <port>`: the tail is the optional field.
-            let (kv_addr, bootstrap_port) = match rest.rsplit_once(BOOTSTRAP) {
-                Some((kv, port))
-                    if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) =>
-                {
-                    (kv, Some(port.parse().ok()?))
-                }
-                _ => (rest, None),
-            };
-            Some(ReadyLine {
+            let mut fields = rest.split(SEPARATOR);
+            let kv_addr = fields.next()?;
+            let mut line = ReadyLine {
                 http_addr: addr.parse().ok()?,
                 device_rank: rank.parse().ok()?,
                 kv_addr: kv_addr.to_owned(),
-                bootstrap_port,
-            })
+                bootstrap_port: None,
+                kv_events: None,
+                kv_events_replay: None,
+            };
+            for field in fields {
+                match field.split_once(' ') {
+                    Some((BOOTSTRAP, port)) => line.bootstrap_port = Some(port.parse().ok()?),
+                    Some((KV_EVENTS, addr)) => line.kv_events = Some(tcp_addr(addr)?),
+                    Some((KV_EVENTS_REPLAY, addr)) => line.kv_events_replay = Some(tcp_addr(addr)?),
+                    // A newer engine's field: skipped, so its line still reads.
+                    _ => {}
+                }
+            }
+            Some(line)
         };
         parse().ok_or_else(|| ReadyLineError(line.to_owned()))
     }
+}
+
+/// `tcp://ADDR`, as the line writes a KV event socket.
+fn tcp_addr(field: &str) -> Option<SocketAddr> {
+    field.strip_prefix(TCP)?.parse().ok()
 }
 
 #[cfg(test)]
@@ -109,6 +157,8 @@ mod tests {
             "switchyard engine ready on http://nohost (device rank 0, kv tcp:1)",
             "switchyard engine ready on http://127.0.0.1:1 (device rank x, kv tcp:1)",
             "switchyard engine ready on http://127.0.0.1:1 (device rank 0, kv tcp:1, bootstrap 70000)",
+            "switchyard engine ready on http://127.0.0.1:1 (device rank 0, kv tcp:1, kv-events 127.0.0.1:2)",
+            "switchyard engine ready on http://127.0.0.1:1 (device rank 0, kv tcp:1, kv-events-replay tcp://x)",
         ] {
             assert!(line.parse::<ReadyLine>().is_err(), "{line}");
         }
@@ -122,6 +172,8 @@ mod tests {
                 device_rank: 3,
                 kv_addr: "unix:@kv-3".into(),
                 bootstrap_port: port,
+                kv_events: None,
+                kv_events_replay: None,
             };
             assert_eq!(line.to_string().parse::<ReadyLine>(), Ok(line));
         }
@@ -132,5 +184,31 @@ mod tests {
             .expect("the line without the field still parses");
         assert_eq!(parsed.bootstrap_port, None);
         assert_eq!(parsed.to_string(), old);
+    }
+
+    #[test]
+    fn the_kv_event_sockets_are_optional_and_unknown_fields_are_skipped() {
+        let events = Some("127.0.0.1:5557".parse().unwrap());
+        let replay = Some("127.0.0.1:5558".parse().unwrap());
+        for (kv_events, kv_events_replay, bootstrap_port) in [
+            (events, None, None),
+            (events, replay, None),
+            (events, replay, Some(8998)),
+        ] {
+            let line = ReadyLine {
+                http_addr: "127.0.0.1:4321".parse().unwrap(),
+                device_rank: 1,
+                kv_addr: "tcp:127.0.0.1:9".into(),
+                bootstrap_port,
+                kv_events,
+                kv_events_replay,
+            };
+            assert_eq!(line.to_string().parse::<ReadyLine>(), Ok(line));
+        }
+        let newer = "switchyard engine ready on http://127.0.0.1:1 (device rank 0, kv tcp:127.0.0.1:2, \
+                     kv-events tcp://127.0.0.1:3, gpu-direct yes)";
+        let parsed: ReadyLine = newer.parse().expect("an unknown field is skipped");
+        assert_eq!(parsed.kv_events_url().as_deref(), Some("tcp://127.0.0.1:3"));
+        assert_eq!(parsed.kv_events_replay, None);
     }
 }

@@ -202,6 +202,9 @@ impl Metrics {
         if let Some(predicted) = summary.predicted_prefix {
             self.kv.predictions.inc();
             self.kv.predicted_tokens.inc_by(u64::from(predicted));
+            if summary.prediction_hit {
+                self.kv.prediction_hits.inc();
+            }
         }
     }
 
@@ -255,6 +258,9 @@ struct KvMetrics {
     /// predicted for them.
     predictions: Counter,
     predicted_tokens: Counter,
+    /// Predictions the engine's reported `cached_tokens` confirmed: accuracy is
+    /// `prediction_hits / predictions`.
+    prediction_hits: Counter,
 }
 
 impl KvMetrics {
@@ -309,6 +315,11 @@ impl KvMetrics {
             "kv_predictions",
             "Requests whose generating endpoint's cached prefix was known from its KV events",
             m.predictions.clone(),
+        );
+        registry.register(
+            "kv_prediction_hits",
+            "Predictions equal to the generating engine's reported cached_tokens, rounded down to a block",
+            m.prediction_hits.clone(),
         );
         registry.register(
             "kv_predicted_prefix_tokens",
@@ -388,4 +399,43 @@ fn register_connections(registry: &mut Registry, m: &ConnectionMetrics) {
         "Failed accepts (out of file descriptors and the like)",
         m.accept_errors.clone(),
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::OutlierConfig;
+
+    fn value(rendered: &str, name: &str) -> f64 {
+        rendered
+            .lines()
+            .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} not in\n{rendered}"))
+    }
+
+    #[test]
+    fn prediction_accuracy_is_hits_over_predictions() {
+        let metrics = Metrics::new();
+        let summary = |predicted_prefix, prediction_hit| Summary {
+            predicted_prefix,
+            prediction_hit,
+            ..Summary::default()
+        };
+        for s in [
+            summary(Some(32), true),
+            summary(Some(16), false),
+            summary(Some(0), true),
+            summary(None, false),
+        ] {
+            metrics.finished(&s, Duration::ZERO);
+        }
+        let rendered = metrics.render(&Cluster::new(Vec::new(), OutlierConfig::default()));
+        assert_eq!(value(&rendered, "switchyard_kv_predictions_total"), 3.0);
+        assert_eq!(value(&rendered, "switchyard_kv_prediction_hits_total"), 2.0);
+        assert_eq!(
+            value(&rendered, "switchyard_kv_predicted_prefix_tokens_total"),
+            48.0
+        );
+    }
 }

@@ -525,11 +525,16 @@ struct Delta<'a> {
 }
 
 fn usage_json(usage: &Usage) -> Value {
-    json!({
+    let mut json = json!({
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-    })
+    });
+    // Only where the generating engine reported it: OpenAI clients read it as cache hits.
+    if let Some(cached) = usage.cached_tokens() {
+        json["prompt_tokens_details"] = json!({"cached_tokens": cached});
+    }
+    json
 }
 
 #[cfg(test)]
@@ -725,6 +730,19 @@ mod tests {
                     json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5})
                 ),
             ]
+        );
+    }
+
+    #[test]
+    fn cached_tokens_show_only_where_the_engine_reported_them() {
+        assert_eq!(
+            usage_json(&Usage::new(3, 2).with_cached_tokens(2)),
+            json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 2}})
+        );
+        assert_eq!(
+            usage_json(&Usage::new(3, 2)).get("prompt_tokens_details"),
+            None
         );
     }
 

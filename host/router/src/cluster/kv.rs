@@ -100,15 +100,35 @@ impl KvCache {
     /// The endpoint was sent a prompt of `prompt_len` tokens: from a block on, its engine must
     /// publish what it stored, or its index goes stale.
     pub(super) fn note_served(&self, handle: &SubscriberHandle, prompt_len: usize, now: Instant) {
-        let block_size = self
-            .index
-            .read()
-            .stats(handle.endpoint())
-            .and_then(|stats| stats.block_size)
-            .map_or(ASSUMED_BLOCK_SIZE, |size| size as usize);
-        if prompt_len >= block_size {
+        if prompt_len >= self.block_size(handle.endpoint()) {
             handle.note_served(now);
         }
+    }
+
+    /// Whether `predicted`, `id`'s cached prefix of an attempt's `prompt_len`-token prompt, is
+    /// what its engine then reported having cached: `cached` rounded down to a block (an
+    /// engine may count tokens of a partial block that no event announces). An engine computes
+    /// the last prompt token itself (vLLM, SGLang, the reference engine), so it reports at most
+    /// the whole blocks before it: a prediction of more counts as that much.
+    pub(super) fn prediction_hit(
+        &self,
+        id: EndpointId,
+        predicted: u32,
+        cached: u32,
+        prompt_len: u32,
+    ) -> bool {
+        let block_size = self.block_size(id);
+        let reportable = whole_blocks(prompt_len.saturating_sub(1), block_size);
+        predicted.min(reportable) == whole_blocks(cached, block_size)
+    }
+
+    /// `id`'s block size as its events say, or vLLM's default before it published a block.
+    fn block_size(&self, id: EndpointId) -> usize {
+        self.index
+            .read()
+            .stats(id)
+            .and_then(|stats| stats.block_size)
+            .map_or(ASSUMED_BLOCK_SIZE, |size| size as usize)
     }
 
     /// What `/admin/endpoints` and `/metrics` show of `id`'s subscriber.
@@ -150,6 +170,12 @@ impl KvCache {
     pub(super) fn heap_bytes(&self) -> usize {
         self.index.read().heap_bytes()
     }
+}
+
+/// `tokens` rounded down to a multiple of `block_size`.
+fn whole_blocks(tokens: u32, block_size: usize) -> u32 {
+    let block_size = u32::try_from(block_size.max(1)).unwrap_or(u32::MAX);
+    tokens - tokens % block_size
 }
 
 impl std::fmt::Debug for KvCache {

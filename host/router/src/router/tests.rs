@@ -600,6 +600,66 @@ async fn preemption_continues_from_the_delivered_text_with_one_usage() {
     );
 }
 
+/// The generating engine's `cached_tokens` reaches the client; over a continuation it is the
+/// last attempt's, bounded by the client's prompt (that engine's prompt was longer).
+#[tokio::test(start_paused = true)]
+async fn the_client_sees_the_last_engines_cached_tokens_within_its_prompt() {
+    let cached = |prompt_tokens, completion_tokens, cached| {
+        engine_usage(prompt_tokens, completion_tokens).map(|mut chunk| {
+            chunk.usage = chunk
+                .usage
+                .map(|u| u.counts.with_cached_tokens(cached).into());
+            chunk
+        })
+    };
+    let h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![Script::Stream(vec![
+            text("ab"),
+            finish("length"),
+            cached(5, 2, 4),
+        ])],
+    );
+    let (_, last) = h.route("hello", 2).await;
+    let (_, usage, summary) = expect_done(last);
+    assert_eq!(
+        (usage.cached_tokens(), summary.cached_tokens),
+        (Some(4), Some(4))
+    );
+    assert!(!summary.prediction_hit, "no KV events: nothing predicted");
+
+    let h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![
+            Script::Stream(vec![text("abc"), finish(PREEMPT), cached(5, 3, 0)]),
+            Script::Stream(vec![text("d"), finish("length"), cached(8, 1, 8)]),
+        ],
+    );
+    let (_, last) = h.route("hello", 4).await;
+    let (_, usage, summary) = expect_done(last);
+    assert_eq!(
+        (
+            usage.prompt_tokens,
+            usage.cached_tokens(),
+            summary.cached_tokens
+        ),
+        (5, Some(5), Some(8)),
+        "the engine held all of hello+abc; the client sent five tokens"
+    );
+
+    let h = Harness::new(
+        policy(3, ms(10), ms(100)),
+        vec![Script::Stream(vec![
+            text("ab"),
+            finish("length"),
+            engine_usage(5, 2),
+        ])],
+    );
+    let (_, last) = h.route("hello", 2).await;
+    let (_, usage, _) = expect_done(last);
+    assert_eq!(usage.cached_tokens(), None, "not reported, not invented");
+}
+
 /// With ids on the wire (the generating leg asks for `return_token_ids`), a preempted stream
 /// continues from the ids the engine generated, not from its text re-tokenized, and counts
 /// them: here the engine's ids for "abc" are two tokens that re-tokenizing "abc" (byte-level:

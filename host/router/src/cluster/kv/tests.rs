@@ -107,6 +107,36 @@ async fn a_trusted_index_gives_the_prompts_cached_prefix_and_zero_for_a_miss() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_prediction_hits_when_it_is_the_engines_cached_tokens_in_whole_blocks() {
+    let silent = silent_listener().await;
+    let cluster = cluster(&silent);
+    // No block published yet: vLLM's 16-token blocks are assumed.
+    assert!(cluster.kv_prediction_hit(0, 0, 15, 40));
+    assert!(!cluster.kv_prediction_hit(0, 0, 16, 40));
+    store_two_blocks(&cluster, 0);
+    // 4-token blocks now: an engine may count a partial block no event announced, and never
+    // counts the block holding the prompt's last token.
+    for (predicted, cached, prompt_len, hit) in [
+        (8, 8, 10, true),
+        (8, 11, 12, true),
+        (8, 12, 13, false),
+        (8, 7, 10, false),
+        (0, 3, 10, true),
+        (4, 0, 10, false),
+        (8, 4, 8, true),
+        (8, 8, 8, false),
+        (8, 0, 8, false),
+        (0, 0, 1, true),
+    ] {
+        assert_eq!(
+            cluster.kv_prediction_hit(0, predicted, cached, prompt_len),
+            hit,
+            "predicted {predicted} of {prompt_len}, engine cached {cached}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_endpoint_silent_after_serving_a_block_is_stale_until_it_publishes() {
     let silent = silent_listener().await;
     let cluster = cluster(&silent);
