@@ -28,10 +28,12 @@ model:
 # on a 2-core machine), `MODEL=synthetic` for the fast synthetic model on 1 + 2 engines, or a
 # llama-family GGUF path. More engines: `switchyard up --help` (--prefill, --decode, --threads).
 MODEL ?= smollm2
+# The engines run with their prefix cache and publish its KV events, which the router indexes:
+# every policy's snapshot says how much of each prompt each engine holds (`kv-aware` routes on it).
 ifeq ($(MODEL),synthetic)
-RUN_FLAGS :=
+RUN_FLAGS := --prefix-cache
 else
-RUN_FLAGS := --model $(MODEL) --prefill 1 --decode 1
+RUN_FLAGS := --model $(MODEL) --prefill 1 --decode 1 --prefix-cache
 endif
 
 ## run: build the router and the built-in policies, then start reference engines + router
