@@ -90,6 +90,7 @@ impl Core {
             self.counters.prefix_matched_tokens += matched as u64;
             seq.registered_pages = matched_pages.len();
             seq.computed = matched;
+            seq.cached = matched;
             seq.pages = matched_pages;
         }
         seq.pages.extend(fresh);

@@ -184,7 +184,7 @@ impl Core {
     fn accept_token(&mut self, i: usize, Sampled { token, logprob }: Sampled) -> Accepted {
         let preempt_every = self.cfg.preempt_every;
         let seq = &mut self.running[i];
-        let (id, prompt_len) = (seq.id, seq.prompt_len);
+        let (id, prompt_len, cached) = (seq.id, seq.prompt_len, seq.cached);
         let Work::Generate(g) = &mut seq.work else {
             return Accepted::Continue;
         };
@@ -225,6 +225,7 @@ impl Core {
             let usage = Usage {
                 prompt_tokens: prompt_len,
                 completion_tokens: g.generated,
+                cached_tokens: cached,
             };
             (f, usage)
         });

@@ -39,10 +39,15 @@ impl FinishReason {
     }
 }
 
+/// A finished generation's counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens this engine did not compute because its own prefix cache held them (whole
+    /// pages). A decode that started from a reservation counts what prep_recv matched here,
+    /// not the KV another engine pushed into it.
+    pub cached_tokens: usize,
 }
 
 /// One step's output for one generation: new text, the ids whose text it completes, and how
@@ -93,6 +98,8 @@ pub struct PrepRecvReply {
 pub struct Lease {
     pub id: RequestId,
     pub slots: Vec<u32>,
+    /// Positions of the prefill served from the prefix cache rather than computed.
+    pub cached_tokens: usize,
 }
 
 /// What the core tells its driver, each due at a time ([`Core::take_due`](super::Core::take_due)).

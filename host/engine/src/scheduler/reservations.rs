@@ -105,6 +105,8 @@ impl Core {
         seq.registered_pages = r.matched / self.pool.page_size();
         seq.cache_after_finish = true;
         seq.computed = begin;
+        // Served from this engine's own cache: what prep_recv matched, not what P pushed.
+        seq.cached = r.matched;
         self.waiting.push_back(seq);
         Ok(id)
     }

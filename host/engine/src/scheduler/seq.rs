@@ -20,6 +20,8 @@ pub(super) struct Seq {
     pub cache_after_finish: bool,
     /// Positions whose KV is in the pool.
     pub computed: usize,
+    /// Prompt positions this engine's prefix cache served when the sequence started.
+    pub cached: usize,
     pub work: Work,
 }
 
@@ -83,6 +85,7 @@ impl Seq {
             registered_pages: 0,
             cache_after_finish: false,
             computed: 0,
+            cached: 0,
             work,
         }
     }

@@ -120,6 +120,7 @@ mod tests {
         let usage = scheduler::Usage {
             prompt_tokens: 3,
             completion_tokens: 2,
+            cached_tokens: 0,
         };
         let json = serde_json::to_value(meta.body(vec![], Some(usage))).expect("serializes");
         assert_eq!(

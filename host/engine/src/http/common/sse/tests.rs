@@ -61,6 +61,7 @@ async fn a_finished_stream_ends_with_its_usage_then_done() {
     let usage = Usage {
         prompt_tokens: 3,
         completion_tokens: 2,
+        cached_tokens: 0,
     };
     tx.send(finish(usage)).unwrap();
     let (text, failed) = frames(stream(Spelled, true, rx)).await;
