@@ -88,7 +88,9 @@ test-build:
 
 # Golden files are blessed by a person (SWITCHYARD_BLESS, then a reviewed diff), never here.
 # The e2e suite runs Envoy and the Kubernetes Python client from the test venv, and kubectl.
-test-rust: model test-build venv kubectl
+# The example tests load target/examples/*.wasm, and `policy new`'s Python and JavaScript
+# tests build with the toolchains that `examples` installs: they fail without them.
+test-rust: model examples test-build venv kubectl
 	env -u SWITCHYARD_BLESS SWITCHYARD_VENV=$(CURDIR)/$(VENV) $(CARGO) test $(TEST_SELECTION)
 	scripts/check-crate-graph.py --self-test
 

@@ -14,11 +14,19 @@ normal and build dependencies (dev-dependencies are test scaffolding, not archit
 - that the router and the wire types reach no ML framework (candle is the engine's alone: the
   router builds its tokenizer from GGUF metadata through switchyard-wire).
 
-`--self-test` first proves the check fails on graphs that break each rule.
+Inside a crate, modules are walls too (MODULE_RULES): every `crate::…`, `super::…` and
+`self::…` path in a module's files (in `use` trees, braces expanded, and inline) is resolved to
+the module it names, and a module may not name the modules its rule forbids: the engine's
+protocol modules (`http::{mlc, openai, vllm, sglang}`) depend on the shared core
+(`http::common`), never on each other, and the core on none of them.
+
+`--self-test` first proves the check fails on graphs and sources that break each rule.
 Usage: scripts/check-crate-graph.py [--self-test] [--print]
 """
 import copy
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -93,6 +101,101 @@ def violations(metadata):
     return found
 
 
+
+# === module rules ===
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+ENGINE_PROTOCOLS = ["http::mlc", "http::openai", "http::vllm", "http::sglang"]
+# (crate source dir, rule name, {module: modules it may not name})
+MODULE_RULES = [
+    ("host/engine/src", "the engine's protocol modules depend on the shared core, not on each other",
+     {**{m: [o for o in ENGINE_PROTOCOLS if o != m] for m in ENGINE_PROTOCOLS},
+      "http::common": ENGINE_PROTOCOLS}),
+]
+
+
+def module_of(src_dir, path):
+    """The module path (`http::mlc`) of a source file relative to its crate's src dir."""
+    rel = os.path.relpath(path, src_dir)[:-len(".rs")].split(os.sep)
+    if rel in (["lib"], ["main"]):
+        return []
+    return rel
+
+
+def expand(tree):
+    """`a::{b, c::{d, e}}` -> ["a::b", "a::c::d", "a::c::e"] (globs and renames dropped)."""
+    tree = re.sub(r"\s+", "", tree)
+    depth, split = 0, None
+    for i, ch in enumerate(tree):
+        if ch == "{" and depth == 0:
+            split = i
+            break
+    if split is None:
+        return [re.sub(r"as\w+$", "", tree).rstrip(":*").rstrip(":")]
+    head, body = tree[:split], tree[split + 1:tree.rindex("}")]
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(body):
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(body[start:i])
+            start = i + 1
+    parts.append(body[start:])
+    return [p for part in parts if part for p in expand(head + part)]
+
+
+def named_paths(text):
+    """Every `crate::`/`super::`/`self::` path a source names, `use` trees expanded."""
+    text = re.sub(r"//[^\n]*", "", text)
+    paths = []
+    for tree in re.findall(r"\buse\s+([^;]+);", text):
+        paths.extend(expand(tree))
+    paths.extend(re.findall(r"\b(?:crate|super|self)(?:::\w+)+", text))
+    return [p for p in paths if re.match(r"(crate|super|self)\b", p)]
+
+
+def resolve(module, path):
+    """`path` as seen from `module` -> the absolute module path it names (a list)."""
+    parts = path.split("::")
+    # A file `a/b.rs` is module a::b; `super` from it is `a` (Rust 2018 non-mod.rs layout).
+    here = list(module)
+    if parts[0] == "crate":
+        here, parts = [], parts[1:]
+    while parts and parts[0] in ("super", "self"):
+        if parts[0] == "super":
+            here = here[:-1]
+        parts = parts[1:]
+    return here + parts
+
+
+def module_violations(sources=None):
+    """Breaches of MODULE_RULES; `sources` maps (crate dir, module path) -> text (self-test)."""
+    found = []
+    for src_dir, rule, forbidden in MODULE_RULES:
+        files = sources.get(src_dir) if sources is not None else None
+        if files is None:
+            files = {}
+            for dirpath, _, names in os.walk(os.path.join(ROOT, src_dir)):
+                for name in names:
+                    if name.endswith(".rs"):
+                        path = os.path.join(dirpath, name)
+                        with open(path, encoding="utf-8") as f:
+                            files[tuple(module_of(os.path.join(ROOT, src_dir), path))] = f.read()
+        for module, text in sorted(files.items()):
+            joined = "::".join(module)
+            owner = next((m for m in forbidden if joined == m or joined.startswith(m + "::")), None)
+            if owner is None:
+                continue
+            for path in named_paths(text):
+                target = "::".join(resolve(module, path))
+                for banned in forbidden[owner]:
+                    if target == banned or target.startswith(banned + "::"):
+                        found.append(f"{src_dir}: {joined} names {target} ({rule})")
+    return sorted(set(found))
+
 def with_edge(metadata, src, dst):
     """A copy of `metadata` where package `src` also depends (normally) on package `dst`."""
     m = copy.deepcopy(metadata)
@@ -116,6 +219,21 @@ def self_test(metadata):
         if not any(f"{src} -> {dst}" in v for v in violations(with_edge(metadata, src, dst))):
             sys.exit(f"self-test: an edge {src} -> {dst} went unnoticed")
     print(f"crate graph check: self-test caught all {len(cases)} forbidden edges")
+    breaches = {
+        ("http", "vllm"): "use super::{common::Body, openai::models};",
+        ("http", "sglang"): "fn f() { crate::http::vllm::decode_body(); }",
+        ("http", "common", "state"): "use super::super::mlc::X;",
+    }
+    fine = {("http", "mlc"): "use super::common::{Body, json};\nuse crate::scheduler::Event;"}
+    got = module_violations({"host/engine/src": {**breaches, **fine}})
+    want = ["http::vllm names http::openai::models", "http::sglang names http::vllm::decode_body",
+            "http::common::state names http::mlc::X"]
+    for w in want:
+        if not any(w in g for g in got):
+            sys.exit(f"self-test: `{w}` went unnoticed (found {got})")
+    if len(got) != len(want):
+        sys.exit(f"self-test: expected only {want}, found {got}")
+    print(f"module rules: self-test caught all {len(want)} breaches, and no false one")
 
 
 def main():
@@ -125,10 +243,11 @@ def main():
     if "--print" in sys.argv:
         for crate, deps in sorted(reachable(metadata).items()):
             print(f"{crate}: {', '.join(sorted(d for d in deps if d.startswith('switchyard'))) or '-'}")
-    found = violations(metadata)
+    found = violations(metadata) + module_violations()
     if found:
         sys.exit("the crate graph breaks the design (docs/src/architecture.md):\n  " + "\n  ".join(found))
-    print(f"crate graph check: {len(OURS_ALLOWED)} crates, no forbidden edge")
+    print(f"crate graph check: {len(OURS_ALLOWED)} crates, no forbidden edge; "
+          f"{len(MODULE_RULES)} module rules hold")
 
 
 if __name__ == "__main__":

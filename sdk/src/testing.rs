@@ -41,6 +41,7 @@ pub fn endpoints(n: u32) -> Cluster {
                 running: None,
                 waiting: None,
                 address_hash: 0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(id) + 1),
+                cached_prefix: None,
             })
             .collect(),
         attempt: 1,
@@ -121,6 +122,25 @@ impl Cluster {
         let e = self.endpoint_mut(id);
         e.running = Some(running);
         e.waiting = Some(waiting);
+        self
+    }
+
+    /// Endpoint `id`'s KV cache holds the request's first `tokens` prompt tokens, by its engine's
+    /// KV events (the others: `None`, no events).
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn cached_prefix(mut self, id: EndpointId, tokens: u32) -> Cluster {
+        self.endpoint_mut(id).cached_prefix = Some(tokens);
+        self
+    }
+
+    /// Set cached prefixes in id order, as [`Cluster::cached_prefix`] does for one; endpoints
+    /// beyond `tokens` keep theirs.
+    pub fn with_cached_prefixes(mut self, tokens: &[u32]) -> Cluster {
+        for (e, &n) in self.endpoints.iter_mut().zip(tokens) {
+            e.cached_prefix = Some(n);
+        }
         self
     }
 
@@ -396,6 +416,7 @@ mod tests {
             .unhealthy(1)
             .role(2, Role::Decode)
             .kv_usage(0, 0.5)
+            .cached_prefix(2, 512)
             .retry(3, FailureKind::Timeout, 0)
             .context();
         assert_eq!(ctx.attempt, 3);
@@ -414,6 +435,18 @@ mod tests {
         );
         assert_eq!(e[2].role, Role::Decode);
         assert_eq!(e[0].kv_usage, Some(0.5));
+        assert_eq!(
+            (e[0].cached_prefix, e[1].cached_prefix, e[2].cached_prefix),
+            (None, None, Some(512))
+        );
+        let e = endpoints(3)
+            .with_cached_prefixes(&[16, 0])
+            .context()
+            .endpoints;
+        assert_eq!(
+            (e[0].cached_prefix, e[1].cached_prefix, e[2].cached_prefix),
+            (Some(16), Some(0), None)
+        );
     }
 
     #[test]

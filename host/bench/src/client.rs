@@ -13,6 +13,7 @@ use tokio::time::Instant;
 use super::config::PromptFormat;
 use super::stats::Timing;
 use super::workload::RequestSpec;
+use switchyard_wire::completion::FinishReason;
 use switchyard_wire::error_chain;
 
 /// Bytes of an error body kept in the error message.
@@ -273,7 +274,7 @@ fn parse_chunk(call: &'static str, data: &str) -> Result<ChunkView, RequestError
     if chunk
         .choices
         .iter()
-        .any(|c| c.finish_reason.as_deref() == Some(switchyard_wire::completion::FINISH_PREEMPT))
+        .any(|c| c.finish_reason.as_deref() == Some(FinishReason::Preempt.as_str()))
     {
         return Err(RequestError::Preempted);
     }

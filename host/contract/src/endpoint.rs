@@ -108,9 +108,26 @@ pub struct EndpointSnapshot {
     pub waiting: Option<u32>,
     /// [`address_hash`] of the endpoint's base URL.
     pub address_hash: u64,
+    /// Leading tokens of this request's prompt the endpoint's KV cache holds, by the engine's
+    /// KV events; `None` without events or while its index is not trusted. Per request: the
+    /// cluster's snapshot leaves it `None`, the router fills it for each attempt's prompt.
+    pub cached_prefix: Option<u32>,
 }
 
 impl EndpointSnapshot {
+    /// Endpoint `id` of the synthetic cluster that `switchyard policy check`, tests and
+    /// benchmarks plan against: an idle, healthy, role-less MLC engine on device rank `id`, at
+    /// `http://127.0.0.1:{8000 + id}`, reporting no load. Set what a case is about on the result
+    /// (`EndpointSnapshot { role, ..EndpointSnapshot::synthetic(id) }`).
+    pub fn synthetic(id: EndpointId) -> Self {
+        EndpointSnapshot {
+            id,
+            device_rank: id,
+            address_hash: address_hash(&format!("http://127.0.0.1:{}", 8000 + u64::from(id))),
+            ..EndpointSnapshot::default()
+        }
+    }
+
     /// Whether a handoff may prefill on this endpoint. Roles bind on vLLM (a `decode` engine is
     /// not sent prefill legs) and SGLang (an engine's disaggregation mode is fixed at start);
     /// MLC engines are role-less.

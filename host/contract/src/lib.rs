@@ -12,9 +12,7 @@
 //!     EndpointSnapshot, Plan, SendBegin, Step, ValidPlan, validate,
 //! };
 //!
-//! let endpoints: Vec<EndpointSnapshot> = (0..2)
-//!     .map(|id| EndpointSnapshot { id, device_rank: id, ..EndpointSnapshot::default() })
-//!     .collect();
+//! let endpoints: Vec<EndpointSnapshot> = (0..2).map(EndpointSnapshot::synthetic).collect();
 //! let plan = Plan {
 //!     steps: vec![
 //!         Step::PrepRecv { decode: 1, end: -1 },

@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use switchyard_contract::{EndpointSnapshot, Health, Role};
+use switchyard_contract::EndpointSnapshot;
 use switchyard_contract::{PolicyContext, PolicyRequest};
 use switchyard_policy_host::{Policy, PolicyHost, PolicyLimits};
 
@@ -154,19 +154,10 @@ fn context(i: u32) -> PolicyContext {
         last_failure: None,
         endpoints: (0..4)
             .map(|id| EndpointSnapshot {
-                id,
-                protocol: switchyard_contract::Protocol::Mlc,
-                role: Role::Any,
-                device_rank: id,
-                health: Health::Healthy,
                 in_flight: (i + id * 3) % 5,
-                kv_usage: None,
                 running: Some(id % 3),
                 waiting: Some(id % 2),
-                address_hash: switchyard_contract::address_hash(&format!(
-                    "http://127.0.0.1:{}",
-                    8000 + id
-                )),
+                ..EndpointSnapshot::synthetic(id)
             })
             .collect(),
     }

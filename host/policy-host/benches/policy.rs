@@ -6,7 +6,7 @@
 use std::hint::black_box;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use switchyard_contract::{EndpointSnapshot, Health, Role};
+use switchyard_contract::{EndpointSnapshot, Role};
 use switchyard_contract::{PolicyContext, PolicyRequest};
 use switchyard_policy_host::{Policy, PolicyHost, PolicyLimits};
 
@@ -29,19 +29,12 @@ fn disagg() -> Policy {
 fn endpoints() -> Vec<EndpointSnapshot> {
     (0..8u32)
         .map(|id| EndpointSnapshot {
-            id,
-            protocol: switchyard_contract::Protocol::Mlc,
             role: if id < 4 { Role::Prefill } else { Role::Decode },
-            device_rank: id,
-            health: Health::Healthy,
             in_flight: (id * 7) % 5,
             kv_usage: Some(0.1 * id as f32),
             running: Some(id % 3),
             waiting: Some(id % 2),
-            address_hash: switchyard_contract::address_hash(&format!(
-                "http://127.0.0.1:{}",
-                8000 + id
-            )),
+            ..EndpointSnapshot::synthetic(id)
         })
         .collect()
 }

@@ -57,18 +57,44 @@ pub(super) fn allow_blocking<R>(f: impl FnOnce() -> R) -> R {
 /// Run `f`, which may call wasmtime-wasi's `in_tokio` (a `block_on`), where that may block: on
 /// a multi-thread worker as [`allow_blocking`] does; on a current-thread runtime on a thread of
 /// its own, which no runtime runs on (`in_tokio` then uses wasmtime-wasi's runtime), while the
-/// caller's thread waits for it.
-pub(super) fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+/// caller's thread waits for it. Without a thread for it `f` does not run; every caller
+/// returns the error to the guest as a trap (`?` converts it into both WASI error types), so
+/// the call faults and the request is planned by the fallback policy.
+pub(super) fn off_runtime<R: Send>(f: impl FnOnce() -> R + Send) -> Result<R, NoIoThread> {
     match Handle::try_current().map(|handle| handle.runtime_flavor()) {
-        Ok(RuntimeFlavor::CurrentThread) => std::thread::scope(|scope| {
-            std::thread::Builder::new()
-                .name("policy-wasi-io".to_owned())
-                .spawn_scoped(scope, f)
-                .map(|thread| thread.join())
-        })
-        .unwrap_or_else(|e| panic!("no thread for a policy's blocking I/O: {e}"))
-        .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
-        _ => allow_blocking(f),
+        Ok(RuntimeFlavor::CurrentThread) => on_thread_of_its_own(
+            std::thread::Builder::new().name("policy-wasi-io".to_owned()),
+            f,
+        ),
+        _ => Ok(allow_blocking(f)),
+    }
+}
+
+/// Run `f` on a thread that `thread` starts, and wait for it; a panic in `f` goes on in the
+/// caller.
+fn on_thread_of_its_own<R: Send>(
+    thread: std::thread::Builder,
+    f: impl FnOnce() -> R + Send,
+) -> Result<R, NoIoThread> {
+    std::thread::scope(|scope| {
+        let running = thread.spawn_scoped(scope, f).map_err(NoIoThread)?;
+        Ok(running
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic)))
+    })
+}
+
+/// No thread could be started for a guest's blocking I/O (the process is at its thread limit,
+/// or out of memory).
+#[derive(Debug, thiserror::Error)]
+#[error("no thread for the policy's blocking I/O: {0}")]
+pub(super) struct NoIoThread(std::io::Error);
+
+/// The stream functions' errors: a trap, as `wasmtime::Error`'s conversion makes it for the
+/// others.
+impl From<NoIoThread> for StreamError {
+    fn from(e: NoIoThread) -> Self {
+        StreamError::Trap(e.into())
     }
 }
 
@@ -104,7 +130,7 @@ impl<'a> BlockingIo<'a> {
         let waited =
             off_runtime(|| in_tokio(async { tokio::time::timeout(budget, wait(table)).await }));
         self.clock.charge_wait(started.elapsed());
-        match waited {
+        match waited? {
             Ok(result) => result,
             Err(_elapsed) => {
                 self.clock.overrun();
@@ -122,7 +148,7 @@ impl poll::Host for BlockingIo<'_> {
 
 impl poll::HostPollable for BlockingIo<'_> {
     fn ready(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<bool> {
-        off_runtime(|| poll::HostPollable::ready(self.table, pollable))
+        off_runtime(|| poll::HostPollable::ready(self.table, pollable))?
     }
 
     fn block(&mut self, pollable: Resource<Pollable>) -> wasmtime::Result<()> {
@@ -142,7 +168,7 @@ impl streams::Host for BlockingIo<'_> {
 
 impl streams::HostOutputStream for BlockingIo<'_> {
     fn drop(&mut self, stream: Resource<OutputStream>) -> wasmtime::Result<()> {
-        off_runtime(|| streams::HostOutputStream::drop(self.table, stream))
+        off_runtime(|| streams::HostOutputStream::drop(self.table, stream))?
     }
 
     fn check_write(&mut self, stream: Resource<OutputStream>) -> StreamResult<u64> {
@@ -160,7 +186,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
     ) -> StreamResult<()> {
         off_runtime(|| {
             streams::HostOutputStream::blocking_write_and_flush(self.table, stream, bytes)
-        })
+        })?
     }
 
     fn blocking_write_zeroes_and_flush(
@@ -170,7 +196,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
     ) -> StreamResult<()> {
         off_runtime(|| {
             streams::HostOutputStream::blocking_write_zeroes_and_flush(self.table, stream, len)
-        })
+        })?
     }
 
     fn subscribe(
@@ -189,7 +215,7 @@ impl streams::HostOutputStream for BlockingIo<'_> {
     }
 
     fn blocking_flush(&mut self, stream: Resource<OutputStream>) -> StreamResult<()> {
-        off_runtime(|| streams::HostOutputStream::blocking_flush(self.table, stream))
+        off_runtime(|| streams::HostOutputStream::blocking_flush(self.table, stream))?
     }
 
     fn splice(
@@ -207,13 +233,13 @@ impl streams::HostOutputStream for BlockingIo<'_> {
         src: Resource<InputStream>,
         len: u64,
     ) -> StreamResult<u64> {
-        off_runtime(|| streams::HostOutputStream::blocking_splice(self.table, dst, src, len))
+        off_runtime(|| streams::HostOutputStream::blocking_splice(self.table, dst, src, len))?
     }
 }
 
 impl streams::HostInputStream for BlockingIo<'_> {
     fn drop(&mut self, stream: Resource<InputStream>) -> wasmtime::Result<()> {
-        off_runtime(|| streams::HostInputStream::drop(self.table, stream))
+        off_runtime(|| streams::HostInputStream::drop(self.table, stream))?
     }
 
     fn read(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<Vec<u8>> {
@@ -221,7 +247,7 @@ impl streams::HostInputStream for BlockingIo<'_> {
     }
 
     fn blocking_read(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<Vec<u8>> {
-        off_runtime(|| streams::HostInputStream::blocking_read(self.table, stream, len))
+        off_runtime(|| streams::HostInputStream::blocking_read(self.table, stream, len))?
     }
 
     fn skip(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<u64> {
@@ -229,10 +255,43 @@ impl streams::HostInputStream for BlockingIo<'_> {
     }
 
     fn blocking_skip(&mut self, stream: Resource<InputStream>, len: u64) -> StreamResult<u64> {
-        off_runtime(|| streams::HostInputStream::blocking_skip(self.table, stream, len))
+        off_runtime(|| streams::HostInputStream::blocking_skip(self.table, stream, len))?
     }
 
     fn subscribe(&mut self, stream: Resource<InputStream>) -> wasmtime::Result<Resource<Pollable>> {
         streams::HostInputStream::subscribe(self.table, stream)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use super::*;
+
+    /// A thread whose stack cannot be mapped (an exbibyte) is never started, as when the
+    /// process is at its thread limit: the I/O does not run and the guest gets a trap.
+    #[test]
+    fn no_thread_for_the_io_is_a_trap_not_a_panic() {
+        let unstartable = std::thread::Builder::new().stack_size(1 << 60);
+        let ran = AtomicBool::new(false);
+        let e = on_thread_of_its_own(unstartable, || ran.store(true, Ordering::SeqCst))
+            .expect_err("no thread has an exbibyte of stack");
+        assert!(!ran.load(Ordering::SeqCst), "the I/O ran without a thread");
+        assert!(
+            e.to_string()
+                .starts_with("no thread for the policy's blocking I/O: "),
+            "{e}"
+        );
+        assert!(matches!(StreamError::from(e), StreamError::Trap(_)));
+    }
+
+    #[test]
+    fn the_io_runs_on_a_thread_of_its_own() {
+        let caller = std::thread::current().id();
+        let ran_on =
+            on_thread_of_its_own(std::thread::Builder::new(), || std::thread::current().id())
+                .expect("a thread starts");
+        assert_ne!(ran_on, caller);
     }
 }

@@ -259,31 +259,21 @@ pub fn split_roles(n: u32, unhealthy: &[u32], in_flight: &[u32]) -> Vec<Endpoint
     snapshot(&roles, unhealthy, in_flight)
 }
 
-/// A snapshot with the given roles; endpoint `i` has device rank `i`, the address hash of
-/// `http://127.0.0.1:{8000 + i}`, is unhealthy when listed and has `in_flight[i]` requests
-/// (0 when the list is shorter).
+/// A snapshot with the given roles; endpoint `i` is [`EndpointSnapshot::synthetic`]`(i)`,
+/// unhealthy when listed, with `in_flight[i]` requests (0 when the list is shorter).
 pub fn snapshot(roles: &[Role], unhealthy: &[u32], in_flight: &[u32]) -> Vec<EndpointSnapshot> {
     roles
         .iter()
         .zip(0u32..)
         .map(|(&role, id)| EndpointSnapshot {
-            id,
-            protocol: switchyard_contract::Protocol::Mlc,
             role,
-            device_rank: id,
             health: if unhealthy.contains(&id) {
                 Health::NotReady
             } else {
                 Health::Healthy
             },
             in_flight: in_flight.get(id as usize).copied().unwrap_or(0),
-            kv_usage: None,
-            running: None,
-            waiting: None,
-            address_hash: switchyard_contract::address_hash(&format!(
-                "http://127.0.0.1:{}",
-                8000 + id
-            )),
+            ..EndpointSnapshot::synthetic(id)
         })
         .collect()
 }

@@ -17,7 +17,9 @@
 //! wall-clock ticks, and when it is reached [`CallClock::on_epoch`] looks at the CPU time.
 //! A call that was starved has used less than its budget and is given the rest; a call that
 //! spent its budget computing is interrupted. So a runaway guest stops after its budget plus at
-//! most a tick, and a guest starved of CPU is never stopped for it.
+//! most a tick (two when it was starved before a check: the next check comes a tick after the
+//! rest of the budget could have been used, from the tick it is set on), more only when the
+//! ticker thread itself waits for a CPU; and a guest starved of CPU is never stopped for it.
 
 use std::cell::Cell;
 use std::time::{Duration, Instant};
@@ -103,7 +105,7 @@ fn ticks(budget: Duration) -> u64 {
 /// doc): at most this much of the thread's CPU time before a call is charged to it, against
 /// budgets of tens of milliseconds, and a busy worker reads its clock about once per
 /// millisecond instead of twice per request.
-const START_READING_REUSE: Duration = Duration::from_millis(1);
+pub(super) const START_READING_REUSE: Duration = Duration::from_millis(1);
 
 thread_local! {
     /// This thread's last reading of its CPU time, and when (wall clock) it was taken.

@@ -49,14 +49,8 @@ fn endpoints(loads: &[u32]) -> Vec<EndpointSnapshot> {
     (0u32..)
         .zip(loads)
         .map(|(id, &in_flight)| EndpointSnapshot {
-            id,
-            protocol: switchyard_contract::Protocol::Mlc,
-            role: Role::Any,
-            device_rank: id,
-            health: Health::Healthy,
             in_flight,
-            kv_usage: None,
-            ..EndpointSnapshot::default()
+            ..EndpointSnapshot::synthetic(id)
         })
         .collect()
 }

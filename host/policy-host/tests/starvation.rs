@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use switchyard_contract::{
-    EndpointSnapshot, Health, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, Role,
+    EndpointSnapshot, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, Role,
 };
 use switchyard_policy_host::{PolicyHost, PolicyLimits};
 
@@ -187,14 +187,10 @@ fn serve(
 fn endpoints(id: u64) -> Vec<EndpointSnapshot> {
     (0..4u32)
         .map(|e| EndpointSnapshot {
-            id: e,
-            protocol: switchyard_contract::Protocol::Mlc,
             role: if e == 0 { Role::Prefill } else { Role::Decode },
-            device_rank: e,
-            health: Health::Healthy,
             in_flight: ((id + u64::from(e) * 3) % 5) as u32,
             kv_usage: Some(0.5),
-            ..EndpointSnapshot::default()
+            ..EndpointSnapshot::synthetic(e)
         })
         .collect()
 }

@@ -69,7 +69,7 @@ pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, Tokenize
 use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
 use switchyard_wire::client::ClientBody;
 
-use crate::plan::Event;
+use crate::Event;
 use crate::{RouteRequest, Router, Routing};
 
 /// Every response body the router writes.
@@ -653,7 +653,7 @@ async fn collect_events(
             }) => {
                 state.metrics.finished(&summary, arrived.elapsed());
                 state.metrics.request(responder.shape.route(), 200);
-                let body = responder.full_response(text, &finish_reason, &usage);
+                let body = responder.full_response(text, finish_reason.as_str(), &usage);
                 return respond::json_response(StatusCode::OK, &body);
             }
             Some(Event::Failed { error, summary }) => {

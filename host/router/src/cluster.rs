@@ -33,7 +33,7 @@ use switchyard_contract::{EndpointSnapshot, Health, Protocol, Role};
 use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
-use crate::microserving::Upstream;
+use crate::engine_client::Upstream;
 use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
@@ -569,6 +569,8 @@ impl Cluster {
                     running: load.running,
                     waiting: load.waiting,
                     address_hash: e.address_hash,
+                    // Per request: the router fills it from the KV index for each prompt.
+                    cached_prefix: None,
                 }
             })
             .collect()

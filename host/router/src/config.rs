@@ -95,7 +95,7 @@ use std::path::PathBuf;
 
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig};
-use crate::microserving::Timeouts;
+use crate::engine_client::Timeouts;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
 pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery};

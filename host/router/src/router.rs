@@ -8,9 +8,12 @@
 //!   the attempt (the policy registry's fallback policy); with none, it ends the request.
 //!   The policy's own answers `unavailable` and `rejected` end the request (no retry): the
 //!   policy is deterministic enough that asking again gives the same answer.
-//! - **An engine failure** (unreachable, timeout, 5xx/429, a broken stream) re-invokes the
-//!   policy with `attempt + 1` and the failure in its context, after an exponential backoff
-//!   with jitter. A 4xx answer is the request's fault and ends it.
+//! - **A failed attempt** re-invokes the policy with `attempt + 1` and the failure in its
+//!   context, after an exponential backoff with jitter, when its [`ExecError`] says another
+//!   attempt may help (the engine unreachable, slow, 5xx/429, a broken stream; or ours: an
+//!   endpoint gone since the plan was validated, a misconfigured one). The loop reads that
+//!   classification, made where the failure was detected, and never a message. A 4xx answer
+//!   is the request's fault and ends it.
 //! - **Preemption** (`finish_reason == "preempt"`) and a stream that broke after text reached
 //!   the client both **continue**: the next attempt's prompt is the original prompt plus the
 //!   token ids of the text already delivered (re-tokenized with the serving tokenizer), its
@@ -18,7 +21,9 @@
 //!   counts the original prompt and every delivered token.
 //! - **The attempt cap** counts attempts that made no progress; an attempt that delivered text
 //!   resets the backoff and does not count, so the loop is bounded by
-//!   `max_attempts + max_tokens` attempts.
+//!   `max_attempts + max_tokens` attempts. Reached by failures, it ends the request with the
+//!   last one ([`RouteError::Exhausted`]); by preemptions alone, with
+//!   [`RouteError::Preempted`].
 //! - **The retry budget** ([`budget`]) is the router's, not the request's: every attempt after
 //!   an engine failure (with or without progress) draws on it, and a request that finds it
 //!   spent fails at once. Continuations after a preemption never draw on it.
@@ -39,17 +44,15 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use switchyard_contract::{
-    Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError, PolicyContext,
-    PolicyRequest, TranslateError, ValidPlan, validate,
+    EndpointId, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError,
+    PolicyContext, PolicyRequest, TranslateError, ValidPlan, validate,
 };
 use switchyard_wire::client::ClientBody;
-use switchyard_wire::completion::{CompletionRequest, Prompt, Usage};
-use switchyard_wire::sse::SseError;
+use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
 
-use crate::microserving::CallError;
 use crate::plan::{
-    AttemptBody, AttemptId, Delivered, Event, ExecError, Execute, Executor, RelayEnd, StepKind,
-    relay,
+    AttemptBody, AttemptId, ClientGone, Delivered, ExecError, Execute, Executor, Origin, RelayEnd,
+    TextSink, relay,
 };
 
 mod budget;
@@ -156,6 +159,11 @@ pub enum RouteError {
     InvalidPlan(PlanError),
     #[error("gave up after {attempts} failed attempts; last: {last}")]
     Exhausted { attempts: u32, last: ExecError },
+    /// Every attempt the cap allows was preempted before it delivered anything.
+    #[error(
+        "gave up after {attempts} attempts preempted before delivering any text; last on endpoint {endpoint}"
+    )]
+    Preempted { attempts: u32, endpoint: EndpointId },
     #[error(
         "not retried: the router's retry budget is spent (too many engine failures); last: {last}"
     )]
@@ -183,7 +191,7 @@ impl RouteError {
     pub fn is_clients(&self) -> bool {
         match self {
             RouteError::Policy(TranslateError::Rejected { .. }) => true,
-            RouteError::Engine(e) => e.is_clients(),
+            RouteError::Engine(e) => e.origin() == Origin::Downstream,
             _ => false,
         }
     }
@@ -214,6 +222,29 @@ pub struct Summary {
     pub completion_tokens: u32,
     /// Arrival to first text handed to the client.
     pub ttft: Option<Duration>,
+}
+
+/// What the client side of a request receives, in order: text deltas, then exactly one
+/// `Done` or `Failed`.
+#[derive(Debug)]
+pub enum Event {
+    /// New text for the client.
+    Text(String),
+    /// The response is complete.
+    Done {
+        finish_reason: FinishReason,
+        usage: Usage,
+        summary: Summary,
+    },
+    /// The router gave up; whatever text was sent stays sent.
+    Failed { error: RouteError, summary: Summary },
+}
+
+/// The relay's text goes to the client as [`Event::Text`]s.
+impl TextSink for mpsc::Sender<Event> {
+    async fn text(&self, text: String) -> Result<(), ClientGone> {
+        self.send(Event::Text(text)).await.map_err(|_| ClientGone)
+    }
 }
 
 /// One client request, tokenized, as the router routes it.
@@ -457,18 +488,11 @@ impl<E: Execute> Router<E> {
                         st.summary.retries += 1;
                     } else if failures >= retry.max_attempts {
                         // Preempted again and again without delivering anything.
-                        let last = ExecError {
+                        let e = RouteError::Preempted {
+                            attempts: st.summary.attempts,
                             endpoint: failure.endpoint,
-                            step: StepKind::Relay,
-                            attempt: st.summary.attempts,
-                            source: CallError::Stream(SseError::Transport(
-                                "preempted without progress".into(),
-                            )),
                         };
-                        let attempts = st.summary.attempts;
-                        return self
-                            .fail(req, tx, st, RouteError::Exhausted { attempts, last })
-                            .await;
+                        return self.fail(req, tx, st, e).await;
                     }
                     last_failure = Some(failure);
                     if let Some(delay) = backoff.next() {
@@ -503,7 +527,7 @@ impl<E: Execute> Router<E> {
         if remaining == 0 {
             // Preempted right after the last token: the response is complete.
             let usage = final_usage(req, already, None);
-            self.finish(req, tx, st, "length".into(), usage).await;
+            self.finish(req, tx, st, FinishReason::Length, usage).await;
             return Ok(AttemptEnd::Over);
         }
         let mut prompt = req.prompt.clone();
@@ -651,7 +675,7 @@ impl<E: Execute> Router<E> {
         req: &RouteRequest,
         tx: &mpsc::Sender<Event>,
         st: &mut State,
-        finish_reason: String,
+        finish_reason: FinishReason,
         usage: Usage,
     ) {
         st.summary.completion_tokens = usage.completion_tokens;

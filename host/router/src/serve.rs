@@ -28,7 +28,7 @@ use crate::Router;
 use crate::api::{self, AdminAccess, AppState, DrainConfig, PromptTokenizer, TokenizerError};
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::{Config, ModelSource};
-use crate::microserving::{CallError, EngineClient};
+use crate::engine_client::{CallError, EngineClient};
 use crate::plan::Executor;
 
 /// Why the router could not start.

@@ -60,6 +60,10 @@ pub enum PolicyCommand {
         /// Ids of endpoints to mark unhealthy, e.g. `0,2`.
         #[arg(long, value_delimiter = ',')]
         unhealthy: Vec<u32>,
+        /// Prompt tokens each endpoint's KV cache holds by its KV events, by endpoint id, e.g.
+        /// `512,0,1024` (endpoint.cached-prefix; endpoints beyond the list publish no events).
+        #[arg(long, value_delimiter = ',')]
+        cached_prefix: Vec<u32>,
     },
     /// Write a new policy project (Rust, Python or JavaScript) that builds as is.
     New(NewArgs),
@@ -114,6 +118,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             model,
             in_flight,
             unhealthy,
+            cached_prefix,
         } => {
             let mut endpoints = if roles.is_empty() {
                 split_roles(endpoints, &unhealthy, &in_flight)
@@ -134,6 +139,16 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             }
             for (endpoint, protocol) in endpoints.iter_mut().zip(protocols) {
                 endpoint.protocol = protocol;
+            }
+            if cached_prefix.len() > endpoints.len() {
+                return Err(CliError::Usage(format!(
+                    "--cached-prefix names {} endpoints but --endpoints is {}",
+                    cached_prefix.len(),
+                    endpoints.len()
+                )));
+            }
+            for (endpoint, tokens) in endpoints.iter_mut().zip(cached_prefix) {
+                endpoint.cached_prefix = Some(tokens);
             }
             let last_failure = failure.or((attempt > 1).then_some(Failure {
                 kind: FailureKind::EndpointError,

@@ -3,9 +3,10 @@
 //! Rust one also runs its native tests), and that component passes `switchyard policy check`
 //! and plans MLC's default flow.
 //!
-//! Rust always runs (it reuses the workspace's target directory, so only the new crate
-//! compiles). Python and JavaScript need the toolchains `make examples-toolchains` installs
-//! (`.venv-guests`, `examples/slo-js/node_modules`); without them those tests say so and pass.
+//! Rust reuses the workspace's target directory, so only the new crate compiles. Python and
+//! JavaScript need the toolchains `make examples-toolchains` installs (`.venv-guests`,
+//! `examples/slo-js/node_modules`; `make test` installs them first): without them those tests
+//! fail and say so, since passing would claim a build that never ran.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -34,6 +35,15 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| checkout().join("target"))
+}
+
+/// Fail the test unless `marker`, which `make examples-toolchains` installs, is there.
+fn assert_installed(marker: &Path) {
+    assert!(
+        marker.is_file(),
+        "{} is missing: run `make examples-toolchains` first",
+        marker.display()
+    );
 }
 
 /// Run `command`, failing the test with its output when it does not succeed.
@@ -141,10 +151,7 @@ fn a_new_rust_policy_builds_into_a_component_that_passes_policy_check() {
 fn a_new_python_policy_builds_into_a_component_that_passes_policy_check() {
     let _turn = take_turn();
     let componentize_py = checkout().join(".venv-guests/bin/componentize-py");
-    if !componentize_py.is_file() {
-        eprintln!("skipped: no componentize-py (run `make examples-toolchains`)");
-        return;
-    }
+    assert_installed(&componentize_py);
     let dir = tempfile::tempdir().expect("temp dir");
     let project = scaffold("python", "scaffolded-python", dir.path());
     run(Command::new(componentize_py)
@@ -158,10 +165,7 @@ fn a_new_python_policy_builds_into_a_component_that_passes_policy_check() {
 fn a_new_js_policy_builds_into_a_component_that_passes_policy_check() {
     let _turn = take_turn();
     let node_modules = checkout().join("examples/slo-js/node_modules");
-    if !node_modules.join(".installed").is_file() {
-        eprintln!("skipped: no componentize-js (run `make examples-toolchains`)");
-        return;
-    }
+    assert_installed(&node_modules.join(".installed"));
     let dir = tempfile::tempdir().expect("temp dir");
     let project = scaffold("js", "scaffolded-js", dir.path());
     // The example's installed packages stand in for `npm install` (same pinned versions), so

@@ -9,12 +9,100 @@
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
-/// The finish reason an engine reports when it aborted a request to free KV pages.
-pub const FINISH_PREEMPT: &str = "preempt";
-/// The finish reason of a generation that hit EOS or a stop string.
-pub const FINISH_STOP: &str = "stop";
-/// The finish reason of a generation that hit `max_tokens`.
-pub const FINISH_LENGTH: &str = "length";
+/// Why a generation ended (`finish_reason`), as OpenAI and the engines spell it. Read and
+/// written as the same strings; a reason this enum does not name passes through unchanged
+/// ([`FinishReason::Other`]), so a router relays whatever its engine said.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FinishReason {
+    /// EOS or a stop string: `"stop"`.
+    Stop,
+    /// `max_tokens` reached: `"length"`.
+    Length,
+    /// The engine aborted the request to free KV pages (MLC's engines, the reference
+    /// engine): `"preempt"`. The generation may be continued elsewhere.
+    Preempt,
+    /// The engine aborted the request (vLLM, SGLang): `"abort"`.
+    Abort,
+    /// The model called tools: `"tool_calls"`.
+    ToolCalls,
+    /// Output withheld by a content filter: `"content_filter"`.
+    ContentFilter,
+    /// Any other reason, verbatim.
+    Other(String),
+}
+
+impl FinishReason {
+    /// The reason as the wire spells it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Preempt => "preempt",
+            FinishReason::Abort => "abort",
+            FinishReason::ToolCalls => "tool_calls",
+            FinishReason::ContentFilter => "content_filter",
+            FinishReason::Other(reason) => reason,
+        }
+    }
+
+    /// The named reason `reason` spells, if any.
+    fn named(reason: &str) -> Option<FinishReason> {
+        Some(match reason {
+            "stop" => FinishReason::Stop,
+            "length" => FinishReason::Length,
+            "preempt" => FinishReason::Preempt,
+            "abort" => FinishReason::Abort,
+            "tool_calls" => FinishReason::ToolCalls,
+            "content_filter" => FinishReason::ContentFilter,
+            _ => return None,
+        })
+    }
+}
+
+impl From<&str> for FinishReason {
+    fn from(reason: &str) -> Self {
+        FinishReason::named(reason).unwrap_or_else(|| FinishReason::Other(reason.to_owned()))
+    }
+}
+
+impl From<String> for FinishReason {
+    fn from(reason: String) -> Self {
+        FinishReason::named(&reason).unwrap_or(FinishReason::Other(reason))
+    }
+}
+
+impl std::fmt::Display for FinishReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for FinishReason {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for FinishReason {
+    /// From a borrowed string when the input allows: a named reason (every chunk's last one)
+    /// costs no allocation.
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct ReasonVisitor;
+        impl Visitor<'_> for ReasonVisitor {
+            type Value = FinishReason;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a finish reason string")
+            }
+            fn visit_str<E: de::Error>(self, reason: &str) -> Result<FinishReason, E> {
+                Ok(reason.into())
+            }
+            fn visit_string<E: de::Error>(self, reason: String) -> Result<FinishReason, E> {
+                Ok(reason.into())
+            }
+        }
+        deserializer.deserialize_str(ReasonVisitor)
+    }
+}
 
 /// An OpenAI `CompletionRequest` as microserving calls carry it. On a microserving call the
 /// prompt is token ids and `user` is the upstream request id.
@@ -227,7 +315,7 @@ pub struct Choice {
     #[serde(default)]
     pub text: String,
     #[serde(default)]
-    pub finish_reason: Option<String>,
+    pub finish_reason: Option<FinishReason>,
     #[serde(default)]
     pub logprobs: Option<Logprobs>,
     /// The generated token ids this choice's text completes, when the request asked for them
@@ -464,15 +552,37 @@ mod tests {
                 "usage":null}"#,
         )
         .expect("parses");
-        assert_eq!(
-            chunk.choices[0].finish_reason.as_deref(),
-            Some(FINISH_PREEMPT)
-        );
+        assert_eq!(chunk.choices[0].finish_reason, Some(FinishReason::Preempt));
         let usage_only: CompletionResponse = serde_json::from_str(
             r#"{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"extra":null}}"#,
         )
         .expect("parses");
         assert_eq!(usage_only.usage.map(|u| u.counts.total_tokens), Some(5));
+    }
+
+    /// Every reason reads as its variant and writes back as the same string; one this crate
+    /// does not name passes through unchanged.
+    #[test]
+    fn finish_reasons_read_and_write_as_the_same_strings() {
+        for (wire, reason) in [
+            ("stop", FinishReason::Stop),
+            ("length", FinishReason::Length),
+            ("preempt", FinishReason::Preempt),
+            ("abort", FinishReason::Abort),
+            ("tool_calls", FinishReason::ToolCalls),
+            ("content_filter", FinishReason::ContentFilter),
+            ("eos_token", FinishReason::Other("eos_token".into())),
+        ] {
+            let json = format!(r#"{{"text":"","finish_reason":"{wire}"}}"#);
+            let choice: Choice = serde_json::from_str(&json).expect("parses");
+            assert_eq!(choice.finish_reason.as_ref(), Some(&reason), "{wire}");
+            let written = serde_json::to_value(&choice).expect("serializes");
+            assert_eq!(written["finish_reason"], wire);
+        }
+        let open: Choice =
+            serde_json::from_str(r#"{"text":"a","finish_reason":null}"#).expect("parses");
+        assert_eq!(open.finish_reason, None);
+        assert!(serde_json::from_str::<Choice>(r#"{"text":"a","finish_reason":3}"#).is_err());
     }
 
     /// Reading counts `logprobs` entries (what a router needs), in MLC's shape; other shapes

@@ -28,18 +28,14 @@ fn snapshot(case: &Case) -> Vec<EndpointSnapshot> {
     let (count, unhealthy) = (case.endpoints, &case.unhealthy);
     (0..count)
         .map(|id| EndpointSnapshot {
-            id,
             protocol: case.protocols.get(id as usize).copied().unwrap_or_default(),
             role: case.roles.get(id as usize).copied().unwrap_or_default(),
-            device_rank: id,
             health: if unhealthy.contains(&id) {
                 Health::NotReady
             } else {
                 Health::Healthy
             },
-            in_flight: 0,
-            kv_usage: None,
-            ..EndpointSnapshot::default()
+            ..EndpointSnapshot::synthetic(id)
         })
         .collect()
 }

@@ -2,7 +2,6 @@
 //! answer them, refusals, and the counts and gauges a driver publishes.
 
 use switchyard_kv::KvAddrInfo;
-use switchyard_wire::completion::{FINISH_LENGTH, FINISH_PREEMPT, FINISH_STOP};
 
 use crate::model::Sampling;
 
@@ -29,12 +28,12 @@ pub enum FinishReason {
     Preempt,
 }
 
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => FINISH_STOP,
-            FinishReason::Length => FINISH_LENGTH,
-            FinishReason::Preempt => FINISH_PREEMPT,
+impl From<FinishReason> for switchyard_wire::completion::FinishReason {
+    fn from(reason: FinishReason) -> Self {
+        match reason {
+            FinishReason::Stop => Self::Stop,
+            FinishReason::Length => Self::Length,
+            FinishReason::Preempt => Self::Preempt,
         }
     }
 }

@@ -34,9 +34,8 @@ fn removed_endpoints_reach_0_1_0_guests_only() {
         endpoints: (0u32..)
             .zip(health)
             .map(|(id, health)| EndpointSnapshot {
-                id,
                 health,
-                ..EndpointSnapshot::default()
+                ..EndpointSnapshot::synthetic(id)
             })
             .collect(),
     };
@@ -65,9 +64,8 @@ fn protocols_reach_0_2_0_guests_and_0_1_0_guests_see_only_mlc_endpoints() {
         endpoints: (0u32..)
             .zip(Protocol::ALL)
             .map(|(id, protocol)| EndpointSnapshot {
-                id,
                 protocol,
-                ..EndpointSnapshot::default()
+                ..EndpointSnapshot::synthetic(id)
             })
             .collect(),
     };

@@ -1,7 +1,8 @@
 //! `switchyard:policy@0.2.0` (`wit/policy.wit`), the newest contract: 0.1.0 plus a policy's
 //! declaration of whether it keeps state between calls (`policy-info.state`), why an endpoint
 //! is down (`endpoint.down-reason`), the load each engine reports (`endpoint.running`,
-//! `endpoint.waiting`), a key every router replica agrees on (`endpoint.address-hash`), and
+//! `endpoint.waiting`), a key every router replica agrees on (`endpoint.address-hash`), the
+//! prompt's cached prefix on each endpoint (`endpoint.cached-prefix`), and
 //! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any.
 
 mod generated {
@@ -54,5 +55,6 @@ fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> 
         running: e.running,
         waiting: e.waiting,
         address_hash: e.address_hash,
+        cached_prefix: e.cached_prefix,
     })
 }

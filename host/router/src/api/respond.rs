@@ -14,8 +14,7 @@ use super::admission::Refusal;
 use super::{Body, full};
 use crate::RouteError;
 use crate::cluster::EndpointError;
-use crate::microserving::CallError;
-use crate::plan::StepKind;
+use crate::plan::Origin;
 
 /// Everything a client request can fail with.
 #[derive(Debug, thiserror::Error)]
@@ -137,9 +136,9 @@ impl ApiError {
             }
             ApiError::Route(RouteError::Policy(_)) => "policy_error",
             ApiError::Route(RouteError::InvalidPlan(_)) => "invalid_plan",
-            ApiError::Route(RouteError::Exhausted { .. } | RouteError::Engine(_)) => {
-                "upstream_error"
-            }
+            ApiError::Route(
+                RouteError::Exhausted { .. } | RouteError::Preempted { .. } | RouteError::Engine(_),
+            ) => "upstream_error",
             ApiError::Route(RouteError::RetryBudget { .. }) => "retry_budget_exhausted",
             ApiError::Route(RouteError::Deadline(_)) => "request_timeout",
             ApiError::Route(RouteError::Tokenize(_)) => "internal_error",
@@ -181,22 +180,14 @@ fn route_status(error: &RouteError) -> StatusCode {
         RouteError::Policy(_) | RouteError::InvalidPlan(_) | RouteError::Tokenize(_) => {
             StatusCode::INTERNAL_SERVER_ERROR
         }
-        RouteError::Exhausted { last, .. } if last.source.is_timeout() => {
-            StatusCode::GATEWAY_TIMEOUT
-        }
-        RouteError::Exhausted { .. } => StatusCode::BAD_GATEWAY,
+        RouteError::Exhausted { last, .. } if last.timed_out() => StatusCode::GATEWAY_TIMEOUT,
+        RouteError::Exhausted { .. } | RouteError::Preempted { .. } => StatusCode::BAD_GATEWAY,
         // Retrying now would add load where engines are already failing: come back later.
         RouteError::RetryBudget { .. } => StatusCode::SERVICE_UNAVAILABLE,
         RouteError::Deadline(_) => StatusCode::GATEWAY_TIMEOUT,
         // The engine refused the request itself (e.g. a prompt longer than its context).
-        RouteError::Engine(e) => match &e.source {
-            CallError::Status { status, .. }
-                if (400..500).contains(status) && e.step != StepKind::Relay =>
-            {
-                StatusCode::BAD_REQUEST
-            }
-            _ => StatusCode::BAD_GATEWAY,
-        },
+        RouteError::Engine(e) if e.origin() == Origin::Downstream => StatusCode::BAD_REQUEST,
+        RouteError::Engine(_) => StatusCode::BAD_GATEWAY,
     }
 }
 

@@ -25,8 +25,8 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::openai::Responder;
 use super::respond::ApiError;
 use super::{AppState, Body};
+use crate::Event;
 use crate::Routing;
-use crate::plan::Event;
 
 /// Stream `routing`'s events (starting with `first`, already received) to the client.
 pub fn stream_response(
@@ -196,7 +196,7 @@ impl StreamRelay {
                 self.state
                     .metrics
                     .finished(&summary, self.arrived.elapsed());
-                self.responder.finish_frame(out, &finish_reason);
+                self.responder.finish_frame(out, finish_reason.as_str());
                 self.responder.usage_frame(out, &usage);
                 out.extend_from_slice(switchyard_wire::sse::DONE_EVENT);
             }

@@ -21,7 +21,7 @@ use std::time::Duration;
 use switchyard_wire::metrics::EngineLoad;
 
 use super::Cluster;
-use crate::microserving::EngineClient;
+use crate::engine_client::EngineClient;
 
 /// Probe timing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -16,7 +16,7 @@ use super::table::{at_least_one, longer_than_zero, not_empty, settings};
 use crate::RetryBudgetConfig;
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig};
 use crate::cluster::OutlierConfig;
-use crate::microserving::Timeouts;
+use crate::engine_client::Timeouts;
 
 /// `switchyard serve` flags: where the engines are, and how the router runs.
 #[derive(Debug, Clone, Default, clap::Args)]

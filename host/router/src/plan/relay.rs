@@ -1,33 +1,29 @@
 //! Relays a generation to the client chunk by chunk and keeps count of what was delivered, so
 //! a preempted or broken generation can be continued exactly where the client's copy ends.
+//!
+//! The relay knows nothing of the client's side: text goes out through a [`TextSink`] the
+//! caller provides, and how the generation ended comes back as a [`RelayEnd`], for the caller
+//! to act on (finish, continue, retry or stop).
 
 use futures::StreamExt;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use switchyard_wire::completion::{FINISH_PREEMPT, Usage};
+use switchyard_wire::completion::{CompletionResponse, FinishReason, Usage};
 use switchyard_wire::sse::SseError;
 
-use super::execute::{ExecError, Generation, StepKind};
-use crate::RouteError;
-use crate::Summary;
-use crate::microserving::CallError;
+use super::attempt::Generation;
+use super::error::{Cause, ExecError, StepKind};
+use crate::engine_client::CallError;
 
-/// What the client side of a request receives, in order: text deltas, then exactly one
-/// `Done` or `Failed`.
-#[derive(Debug)]
-pub enum Event {
-    /// New text for the client.
-    Text(String),
-    /// The response is complete.
-    Done {
-        finish_reason: String,
-        usage: Usage,
-        summary: Summary,
-    },
-    /// The router gave up; whatever text was sent stays sent.
-    Failed { error: RouteError, summary: Summary },
+/// Where the relay sends the client's text.
+pub trait TextSink {
+    /// Hand `text` to the client; `Err` once the client is gone.
+    fn text(&self, text: String) -> impl Future<Output = Result<(), ClientGone>> + Send;
 }
+
+/// The client went away: nobody reads the text any more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientGone;
 
 /// What the client has received so far, over every attempt.
 #[derive(Debug)]
@@ -65,12 +61,14 @@ impl Default for Delivered {
 pub enum RelayEnd {
     /// The engine finished; `usage` is the engine's own count for this attempt, if it sent one.
     Finished {
-        finish_reason: String,
+        finish_reason: FinishReason,
         usage: Option<Usage>,
     },
-    /// The engine aborted the request to free KV (`finish_reason: "preempt"`).
+    /// The engine aborted the request to free KV ([`FinishReason::Preempt`]); what it
+    /// delivered before is in [`Delivered`].
     Preempted,
-    /// The stream broke or went quiet.
+    /// The stream broke, went quiet or ended unfinished, or the generation's partner leg
+    /// failed (blamed on the partner).
     Failed(ExecError),
     /// The client went away: stop everything.
     ClientGone,
@@ -79,25 +77,19 @@ pub enum RelayEnd {
 /// Forward `generation`'s text to `sink` until it ends.
 pub async fn relay(
     generation: &mut Generation,
-    sink: &mpsc::Sender<Event>,
+    sink: &impl TextSink,
     attempt: u32,
     delivered: &mut Delivered,
 ) -> RelayEnd {
-    let mut finish_reason: Option<String> = None;
+    let mut finish_reason: Option<FinishReason> = None;
     let mut usage = None;
-    while let Some(item) = generation.chunks.next().await {
+    while let Some(item) = next_chunk(generation, attempt).await {
         let chunk = match item {
             Ok(chunk) => chunk,
-            // The engine said it finished; a broken tail (e.g. a lost [DONE]) loses nothing.
+            // The engine said it finished; a broken tail (e.g. a lost [DONE], or a partner
+            // failing after the last token) loses nothing.
             Err(_) if finish_reason.is_some() => break,
-            Err(source) => {
-                return RelayEnd::Failed(ExecError {
-                    endpoint: generation.generator,
-                    step: StepKind::Relay,
-                    attempt,
-                    source: CallError::Stream(source),
-                });
-            }
+            Err(error) => return RelayEnd::Failed(error),
         };
         if let Some(u) = chunk.usage {
             usage = Some(u.counts);
@@ -105,7 +97,7 @@ pub async fn relay(
         let Some(choice) = chunk.choices.into_iter().next() else {
             continue;
         };
-        if choice.finish_reason.as_deref() == Some(FINISH_PREEMPT) {
+        if choice.finish_reason == Some(FinishReason::Preempt) {
             return RelayEnd::Preempted;
         }
         match (&mut delivered.generated, choice.generated()) {
@@ -121,7 +113,7 @@ pub async fn relay(
         if !choice.text.is_empty() {
             delivered.text.push_str(&choice.text);
             delivered.first_at.get_or_insert_with(Instant::now);
-            if sink.send(Event::Text(choice.text)).await.is_err() {
+            if sink.text(choice.text).await.is_err() {
                 return RelayEnd::ClientGone;
             }
         }
@@ -134,13 +126,50 @@ pub async fn relay(
             finish_reason,
             usage,
         },
-        None => RelayEnd::Failed(ExecError {
-            endpoint: generation.generator,
-            step: StepKind::Relay,
+        None => RelayEnd::Failed(ExecError::new(
+            Cause::Unfinished,
+            generation.generator,
+            StepKind::Relay,
             attempt,
-            source: CallError::Stream(SseError::Transport(
-                "the stream ended without a finish_reason".into(),
-            )),
-        }),
+        )),
+    }
+}
+
+/// The generator's next chunk, its failure classified: its own stream's, or its partner's if
+/// the partner fails first. When the generator's stream ends, the partner is left to finish on
+/// its own.
+async fn next_chunk(
+    generation: &mut Generation,
+    attempt: u32,
+) -> Option<Result<CompletionResponse, ExecError>> {
+    let generator = generation.generator;
+    let broken =
+        |e: SseError| ExecError::new(CallError::Stream(e), generator, StepKind::Relay, attempt);
+    loop {
+        let Some(partner) = generation.partner.as_mut() else {
+            let item = generation.chunks.next().await?;
+            return Some(item.map_err(broken));
+        };
+        let (endpoint, step) = (partner.endpoint, partner.step);
+        // The generator's chunks first: text that is ready reaches the client before a
+        // partner's failure ends the stream.
+        tokio::select! {
+            biased;
+            item = generation.chunks.next() => match item {
+                Some(item) => return Some(item.map_err(broken)),
+                None => {
+                    if let Some(partner) = generation.partner.take() {
+                        partner.detach();
+                    }
+                    return None;
+                }
+            },
+            answer = &mut partner.answer => {
+                generation.partner = None;
+                if let Err(e) = answer {
+                    return Some(Err(ExecError::new(e, endpoint, step, attempt)));
+                }
+            }
+        }
     }
 }

@@ -12,13 +12,17 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use switchyard_contract::{EndpointId, Plan, Role, Step};
-use switchyard_wire::completion::{Choice, CompletionResponse, FINISH_PREEMPT, Logprobs};
-use switchyard_wire::sse::ChunkStream;
+use switchyard_contract::{Plan, Role, Step};
+use switchyard_wire::completion::{Choice, CompletionResponse, Logprobs};
+use switchyard_wire::sse::{ChunkStream, SseError};
 
 use super::*;
 use crate::cluster::{Cluster, EndpointSpec, OutlierConfig};
-use crate::plan::{AttemptBody, Generation};
+use crate::engine_client::CallError;
+use crate::plan::{AttemptBody, Generation, StepKind};
+
+/// How an engine says it preempted a request.
+const PREEMPT: &str = "preempt";
 
 const REQUEST_ID: &str = "cmpl-0123456789abcdef0123456789abcdef";
 
@@ -121,12 +125,12 @@ impl Execute for FakeExecutor {
         let script = self.script.lock().pop_front();
         let chunks: ChunkStream = match script {
             Some(Script::Fail(source)) => {
-                return Err(ExecError {
-                    endpoint,
-                    step: StepKind::Forward,
-                    attempt: id.attempt,
+                return Err(ExecError::new(
                     source,
-                });
+                    endpoint,
+                    StepKind::Forward,
+                    id.attempt,
+                ));
             }
             Some(Script::Stream(chunks)) => Box::pin(futures::stream::iter(chunks)),
             Some(Script::Hang(dropped)) => hanging_stream(dropped),
@@ -175,7 +179,7 @@ fn chunk(text: &str, finish_reason: Option<&str>) -> Result<CompletionResponse, 
         choices: vec![Choice {
             index: 0,
             text: text.into(),
-            finish_reason: finish_reason.map(str::to_owned),
+            finish_reason: finish_reason.map(FinishReason::from),
             logprobs: None,
             token_ids: None,
             delta: None,
@@ -362,7 +366,7 @@ fn tokens(s: &str) -> Vec<u32> {
     s.bytes().map(u32::from).collect()
 }
 
-fn expect_done(event: Event) -> (String, Usage, Summary) {
+fn expect_done(event: Event) -> (FinishReason, Usage, Summary) {
     match event {
         Event::Done {
             finish_reason,
@@ -433,7 +437,7 @@ async fn engine_failures_re_plan_with_backoff_and_the_failure_in_context() {
     let (delivered, last) = h.route("hello", 10).await;
     assert_eq!(delivered, "hi");
     let (finish_reason, usage, summary) = expect_done(last);
-    assert_eq!(finish_reason, "stop");
+    assert_eq!(finish_reason, FinishReason::Stop);
     assert_eq!(
         (
             usage.prompt_tokens,
@@ -507,7 +511,7 @@ async fn the_attempt_cap_ends_the_request_with_the_last_failure() {
         RouteError::Exhausted { attempts, last } => {
             assert_eq!(attempts, 3);
             assert_eq!((last.attempt, last.endpoint), (3, 0));
-            assert!(last.source.is_timeout(), "{last}");
+            assert!(last.timed_out(), "{last}");
         }
         other => panic!("expected Exhausted, got {other}"),
     }
@@ -547,14 +551,14 @@ async fn preemption_continues_from_the_delivered_text_with_one_usage() {
     let mut h = Harness::new(
         policy(3, ms(10), ms(100)),
         vec![
-            Script::Stream(vec![text("ab"), text("c"), finish(FINISH_PREEMPT)]),
+            Script::Stream(vec![text("ab"), text("c"), finish(PREEMPT)]),
             Script::Stream(vec![text("defg"), finish("length"), engine_usage(8, 4)]),
         ],
     );
     let (delivered, last) = h.route("hello", 7).await;
     assert_eq!(delivered, "abcdefg", "no repeated text, no gap");
     let (finish_reason, usage, summary) = expect_done(last);
-    assert_eq!(finish_reason, "length");
+    assert_eq!(finish_reason, FinishReason::Length);
     assert_eq!(
         (
             usage.prompt_tokens,
@@ -605,7 +609,7 @@ async fn preemption_continues_from_the_engines_token_ids() {
             Script::Stream(vec![
                 text_with_ids("ab", &[300], None),
                 text_with_ids("c", &[301], None),
-                finish(FINISH_PREEMPT),
+                finish(PREEMPT),
             ]),
             Script::Stream(vec![
                 text_with_ids("de", &[302], None),
@@ -616,7 +620,7 @@ async fn preemption_continues_from_the_engines_token_ids() {
     let (delivered, last) = h.route("hello", 4).await;
     assert_eq!(delivered, "abcde");
     let (finish_reason, usage, _) = expect_done(last);
-    assert_eq!(finish_reason, "length");
+    assert_eq!(finish_reason, FinishReason::Length);
     assert_eq!(
         usage.completion_tokens, 4,
         "the engine's ids, not the text re-tokenized"
@@ -643,7 +647,7 @@ async fn without_ids_a_preempted_stream_counts_the_engines_tokens_not_the_retoke
             Script::Stream(vec![
                 text_with_logprobs("ab", 1, None),
                 text_with_logprobs("c", 1, None),
-                finish(FINISH_PREEMPT),
+                finish(PREEMPT),
             ]),
             Script::Stream(vec![
                 text_with_logprobs("de", 1, None),
@@ -654,7 +658,7 @@ async fn without_ids_a_preempted_stream_counts_the_engines_tokens_not_the_retoke
     let (delivered, last) = h.route("hello", 4).await;
     assert_eq!(delivered, "abcdef");
     let (finish_reason, usage, _) = expect_done(last);
-    assert_eq!(finish_reason, "length");
+    assert_eq!(finish_reason, FinishReason::Length);
     assert_eq!(
         usage.completion_tokens, 4,
         "the engine's count, not the text re-tokenized (6)"
@@ -679,7 +683,7 @@ async fn a_chunk_without_ids_or_logprobs_falls_back_to_the_retokenized_text() {
             Script::Stream(vec![
                 text_with_logprobs("ab", 1, None),
                 text("c"),
-                finish(FINISH_PREEMPT),
+                finish(PREEMPT),
             ]),
             Script::Stream(vec![text("d"), finish("length")]),
         ],
@@ -695,12 +699,12 @@ async fn a_chunk_without_ids_or_logprobs_falls_back_to_the_retokenized_text() {
 async fn preempted_after_the_last_token_finishes_without_another_attempt() {
     let h = Harness::new(
         policy(3, ms(10), ms(100)),
-        vec![Script::Stream(vec![text("abc"), finish(FINISH_PREEMPT)])],
+        vec![Script::Stream(vec![text("abc"), finish(PREEMPT)])],
     );
     let (delivered, last) = h.route("hello", 3).await;
     assert_eq!(delivered, "abc");
     let (finish_reason, usage, _) = expect_done(last);
-    assert_eq!(finish_reason, "length");
+    assert_eq!(finish_reason, FinishReason::Length);
     assert_eq!((usage.completion_tokens, usage.total_tokens), (3, 8));
     assert_eq!(h.ran().len(), 1);
 }
@@ -710,14 +714,20 @@ async fn preemptions_without_progress_count_toward_the_attempt_cap() {
     let h = Harness::new(
         policy(2, ms(10), ms(100)),
         vec![
-            Script::Stream(vec![finish(FINISH_PREEMPT)]),
-            Script::Stream(vec![finish(FINISH_PREEMPT)]),
+            Script::Stream(vec![finish(PREEMPT)]),
+            Script::Stream(vec![finish(PREEMPT)]),
         ],
     );
     let (_, last) = h.route("hello", 5).await;
     let (error, summary) = expect_failed(last);
     assert!(
-        matches!(error, RouteError::Exhausted { attempts: 2, .. }),
+        matches!(
+            error,
+            RouteError::Preempted {
+                attempts: 2,
+                endpoint: 1
+            }
+        ),
         "{error}"
     );
     assert_eq!(summary.preemptions, 2);
@@ -809,7 +819,7 @@ async fn retries_after_progress_draw_on_the_budget_but_preemptions_do_not() {
         min_per_sec: 0,
     };
     let broken = || Script::Stream(vec![text("a"), Err(SseError::Truncated)]);
-    let preempted = || Script::Stream(vec![text("p"), finish(FINISH_PREEMPT)]);
+    let preempted = || Script::Stream(vec![text("p"), finish(PREEMPT)]);
     let h = Harness::with_config(
         config(half, ms(60_000)),
         vec![preempted(), preempted(), broken(), broken(), broken()],

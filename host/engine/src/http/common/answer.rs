@@ -12,6 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use http::{Response, StatusCode};
 use serde_json::{Map, Value, json};
+use switchyard_wire::completion::FinishReason as WireFinish;
 use tokio::sync::mpsc;
 
 use super::error::HttpError;
@@ -147,7 +148,7 @@ impl Meta {
 
     /// The one JSON answer; `extra` adds a top-level field (vLLM's `kv_transfer_params`).
     pub(crate) fn full(&self, done: &Collected, extra: Option<(&str, Value)>) -> Value {
-        let finish = done.finish.as_str();
+        let finish = WireFinish::from(done.finish);
         let choice = match self.shape {
             Shape::Completion => json!({"index": 0, "text": done.text, "logprobs": null,
                 "finish_reason": finish, "stop_reason": null}),
@@ -165,7 +166,7 @@ impl Meta {
 
     /// One streamed chunk; the first chat chunk also says the role.
     fn chunk(&self, event: &Event, first: bool) -> Value {
-        let finish = event.finish.map(|(f, _)| f.as_str());
+        let finish = event.finish.map(|(f, _)| WireFinish::from(f));
         let choice = match self.shape {
             Shape::Completion => json!({"index": 0, "text": event.text, "logprobs": null,
                 "finish_reason": finish}),

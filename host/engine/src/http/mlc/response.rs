@@ -56,7 +56,7 @@ impl ResponseMeta {
         Choice {
             index: 0,
             text,
-            finish_reason: finish.map(|f| f.as_str().to_owned()),
+            finish_reason: finish.map(Into::into),
             logprobs: self.logprobs.as_ref().map(|t| logprobs(t, &tokens)),
             token_ids: self.token_ids.then_some(tokens.ids),
             delta: None,

@@ -1,19 +1,16 @@
-//! The HTTP client for every engine: MLC-LLM's microserving calls (`/microserving/*`,
-//! `/v1/completions`), the legs of vLLM's and SGLang's handoffs and forwards to any
-//! OpenAI-compatible engine (`generate_leg`, `answer_leg`), and the probes.
+//! The HTTP client for every engine, one module per kind of call:
 //!
 //! ```text
-//! EngineClient::new(Timeouts)                         one pooled keep-alive client for all engines
-//!   prep_recv(&Upstream, &PrepRecvRequest)   -> PrepRecvResponse
-//!   remote_send(&Upstream, &RemoteSendRequest) -> ()
-//!   start_generate(&Upstream, &StartGenerateRequest) -> ChunkStream (SSE, or one JSON as one chunk)
-//!   forward(&Upstream, &CompletionRequest)   -> ChunkStream
-//!   release(&Upstream, &StartGenerateRequest) -> Release        (frees a prep_recv reservation)
-//!   generate_leg(&Upstream, path, body, request id) -> ChunkStream  (vLLM, SGLang, OpenAI)
-//!   answer_leg(&Upstream, path, body, request id)   -> Answer       (vLLM's prefill answer)
-//!   ready(&Upstream, Protocol)               -> Option<models>  (GET [/health,] /v1/models)
-//!   metrics(&Upstream)                       -> Option<String>  (GET /metrics, Prometheus text)
+//! EngineClient::new(Timeouts)     one pooled keep-alive HTTP/1 client per thread, for all engines
+//!   microserving   MLC-LLM's calls: prep_recv, remote_send, start_generate, forward, and
+//!                  release (frees a prep_recv reservation)
+//!   openai         the OpenAI routes as vLLM, SGLang and OpenAI-compatible engines take them:
+//!                  generate_leg (streamed or whole), answer_leg (vLLM's prefill answer)
+//!   probe          ready (GET [/health,] /v1/models), metrics (GET /metrics)
 //! ```
+//!
+//! Every call fails with a [`CallError`] that says what went wrong on the wire; what that means
+//! for the attempt (retry, blame, the policy's view) is the plan executor's decision.
 //!
 //! An [`Upstream`] is an engine's base URL and, for an engine that wants an API key, its
 //! `Authorization: Bearer …` header, sent on every call, probes included.
@@ -23,6 +20,11 @@
 //! engines get the client's own `stream` (their protocols define each leg's body), and a whole
 //! answer is relayed as one chunk.
 
+mod microserving;
+mod openai;
+mod probe;
+#[cfg(test)]
+pub(crate) mod scripted;
 #[cfg(test)]
 mod tests;
 
@@ -37,29 +39,25 @@ use futures::{StreamExt, TryStreamExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use switchyard_contract::Protocol;
-use switchyard_wire::completion::{CompletionRequest, CompletionResponse};
+use switchyard_wire::completion::CompletionResponse;
 use switchyard_wire::error_chain;
-use switchyard_wire::microserving::{
-    DEFAULT_CALL_TIMEOUT, PrepRecvRequest, PrepRecvResponse, RemoteSendRequest,
-    StartGenerateRequest,
-};
+use switchyard_wire::microserving::DEFAULT_CALL_TIMEOUT;
 use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
 use switchyard_wire::vllm::REQUEST_ID_HEADER;
 use thread_local::ThreadLocal;
+
+pub use microserving::Release;
+pub use openai::Answer;
 
 /// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
 /// without bound.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
-
-/// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
-const MAX_PROBE_BYTES: usize = 256 << 10;
 
 /// How long an idle pooled connection to an engine is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
@@ -97,6 +95,10 @@ pub enum CallError {
     /// The request could not be written (its body does not serialize).
     #[error("cannot build the request: {reason}")]
     Build { reason: String },
+    /// The endpoint's URL makes no request URI: the endpoint is misconfigured, and the call
+    /// never left.
+    #[error("the endpoint's URL is unusable: {reason}")]
+    Url { reason: &'static str },
     /// Refused: nothing listens there (a sign the engine is down).
     #[error("cannot connect: {reason}")]
     Connect { reason: String },
@@ -126,28 +128,13 @@ impl CallError {
     }
 }
 
-/// How one try to free a decode engine's prep_recv reservation ended (see
-/// [`EngineClient::release`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Release {
-    /// The engine took the reservation over and saw the connection close: it is freed.
-    Freed,
-    /// Nothing left to do: the engine no longer holds it (it said so, or its process is gone
-    /// and with it the reservation), or the release was sent and the engine frees it when it
-    /// runs it.
-    Gone(String),
-    /// Refused for now, or never sent: the engine is busy with the reservation (a transfer is
-    /// still writing it), failing, or could not be connected to; try again later.
-    Later(String),
-}
-
 /// One engine as every call to it needs it: its base URL and, when it wants one, the
 /// `Authorization` header (marked sensitive: never logged, and shown as redacted).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Upstream {
     base: Arc<str>,
     /// `base` split once (`None` if it is no `http://HOST[:PORT][/PREFIX]` URI: every call
-    /// then fails to connect), so a call's URI is assembled, not parsed.
+    /// then fails with [`CallError::Url`]), so a call's URI is assembled, not parsed.
     target: Option<Target>,
     auth: Option<http::HeaderValue>,
 }
@@ -213,16 +200,12 @@ impl Upstream {
         method: http::Method,
         path: &str,
     ) -> Result<http::request::Builder, CallError> {
-        let uri = self
-            .target
-            .as_ref()
-            .ok_or("the endpoint's URL is no http://HOST:PORT")
-            .and_then(|target| {
-                target
-                    .with_path(path)
-                    .map_err(|_| "the path does not make a URI")
-            })
-            .map_err(|why| CallError::Connect { reason: why.into() })?;
+        let target = self.target.as_ref().ok_or(CallError::Url {
+            reason: "it is no http://HOST:PORT",
+        })?;
+        let uri = target.with_path(path).map_err(|_| CallError::Url {
+            reason: "followed by the call's path, it makes no URI",
+        })?;
         let request = http::Request::builder().method(method).uri(uri);
         Ok(match &self.auth {
             Some(auth) => request.header(http::header::AUTHORIZATION, auth.clone()),
@@ -252,8 +235,27 @@ impl std::fmt::Debug for Upstream {
 /// its own thread drives and wakes no other thread. Clones share the pools.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
-    http: Arc<ThreadLocal<Client<HttpConnector, CallBody>>>,
+    pools: Arc<Pools>,
     timeouts: Timeouts,
+}
+
+/// Where the client's connections come from. An enum rather than a type parameter, so the
+/// executor and everything holding a client stay one concrete type; outside tests it has one
+/// variant, and the match costs nothing.
+#[derive(Debug)]
+#[cfg_attr(
+    test,
+    expect(
+        clippy::large_enum_variant,
+        reason = "one per client, made once and shared behind an Arc"
+    )
+)]
+enum Pools {
+    /// TCP, one pool per thread (see [`EngineClient`]).
+    Tcp(ThreadLocal<Client<HttpConnector, CallBody>>),
+    /// In-process engines over in-memory pipes ([`scripted`]).
+    #[cfg(test)]
+    Scripted(Client<scripted::Connector, CallBody>),
 }
 
 /// An engine's answer, its body still to read.
@@ -262,24 +264,34 @@ type EngineResponse = http::Response<Incoming>;
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
         EngineClient {
-            http: Arc::default(),
+            pools: Arc::new(Pools::Tcp(ThreadLocal::new())),
             timeouts,
         }
     }
 
-    /// This thread's pooled client.
-    fn http(&self) -> &Client<HttpConnector, CallBody> {
-        self.http.get_or(|| {
-            let mut connector = HttpConnector::new();
-            connector.set_connect_timeout(Some(self.timeouts.connect));
-            connector.set_nodelay(true);
-            Client::builder(TokioExecutor::new())
-                // Below common engine keep-alive timeouts (uvicorn closes idle connections
-                // after 5 s), so a request is not sent on a connection the engine is closing.
-                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-                .pool_timer(TokioTimer::new())
-                .build(connector)
-        })
+    /// A client whose connections reach the in-process engines behind `connector`.
+    #[cfg(test)]
+    pub(crate) fn scripted(timeouts: Timeouts, connector: scripted::Connector) -> Self {
+        EngineClient {
+            pools: Arc::new(Pools::Scripted(pooled(connector))),
+            timeouts,
+        }
+    }
+
+    /// Send `request` on this thread's pool.
+    fn request(&self, request: http::Request<CallBody>) -> ResponseFuture {
+        match &*self.pools {
+            Pools::Tcp(per_thread) => per_thread
+                .get_or(|| {
+                    let mut connector = HttpConnector::new();
+                    connector.set_connect_timeout(Some(self.timeouts.connect));
+                    connector.set_nodelay(true);
+                    pooled(connector)
+                })
+                .request(request),
+            #[cfg(test)]
+            Pools::Scripted(client) => client.request(request),
+        }
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -289,178 +301,6 @@ impl EngineClient {
     /// When a call (or the rest of an answer) started now is due: the call timeout from now.
     fn call_deadline(&self) -> tokio::time::Instant {
         tokio::time::Instant::now() + self.timeouts.call
-    }
-
-    /// Ask the decode engine to reserve KV slots for `[0, end)`.
-    pub async fn prep_recv(
-        &self,
-        engine: &Upstream,
-        body: &PrepRecvRequest,
-    ) -> Result<PrepRecvResponse, CallError> {
-        self.call_json(engine, "/microserving/prep_recv", body)
-            .await
-    }
-
-    /// Ask the prefill engine to compute the prompt and push KV into the decode engine.
-    pub async fn remote_send(
-        &self,
-        engine: &Upstream,
-        body: &RemoteSendRequest,
-    ) -> Result<(), CallError> {
-        let _: serde_json::Value = self
-            .call_json(engine, "/microserving/remote_send", body)
-            .await?;
-        Ok(())
-    }
-
-    /// Start generating on the decode engine; the answer is streamed.
-    pub async fn start_generate(
-        &self,
-        engine: &Upstream,
-        body: &StartGenerateRequest,
-    ) -> Result<ChunkStream, CallError> {
-        self.generate(engine, "/microserving/start_generate", body)
-            .await
-    }
-
-    /// Send the whole request to one engine's `/v1/completions`.
-    pub async fn forward(
-        &self,
-        engine: &Upstream,
-        body: &CompletionRequest,
-    ) -> Result<ChunkStream, CallError> {
-        self.generate(engine, "/v1/completions", body).await
-    }
-
-    /// Free the reservation a successful prep_recv made for `body.common.user`, the one way
-    /// the microserving protocol offers: start generating from it and hang up at once. Both
-    /// an MLC engine and the reference engine abort a generation whose client is gone, and
-    /// aborting frees its KV. Only for an id whose prep_recv answered: an MLC engine crashes on
-    /// a start_generate for an id it never prepared.
-    pub async fn release(&self, engine: &Upstream, body: &StartGenerateRequest) -> Release {
-        let request = engine
-            .request(http::Method::POST, "/microserving/start_generate")
-            .and_then(|request| json_request(request, to_json(body)?, None));
-        let request = match request {
-            Ok(request) => request,
-            Err(e) => return Release::Later(e.to_string()),
-        };
-        let within = self.timeouts.call;
-        let Ok(sent) = tokio::time::timeout(within, self.http().request(request)).await else {
-            // Sent, but no answer came (a frozen engine): see below.
-            return Release::Gone(format!("sent, answer lost: no answer within {within:?}"));
-        };
-        match sent {
-            // Dropping the response closes the connection before the generation ends.
-            Ok(response) if response.status().is_success() => Release::Freed,
-            // A transfer into the reservation is still being written (reference engine).
-            Ok(response) if response.status() == http::StatusCode::CONFLICT => {
-                Release::Later("a KV transfer into it is still under way".into())
-            }
-            Ok(response) if response.status().is_client_error() => {
-                Release::Gone(format!("the engine answered HTTP {}", response.status()))
-            }
-            Ok(response) => {
-                Release::Later(format!("the engine answered HTTP {}", response.status()))
-            }
-            // Not even connected: the request never left, so it is safe to send again.
-            Err(e) if e.is_connect() && connect_timed_out(&e) => Release::Later(error_chain(&e)),
-            // Refused: the engine process is gone, and its reservations with it.
-            Err(e) if e.is_connect() => Release::Gone(error_chain(&e)),
-            // Sent, but no answer came (a frozen engine): the engine runs it when it can, sees
-            // the connection gone and aborts, which frees the pages. Sending it again could
-            // reach an MLC engine for an id it no longer holds, which it does not survive.
-            Err(e) => Release::Gone(format!("sent, answer lost: {}", error_chain(&e))),
-        }
-    }
-
-    /// Readiness, as each protocol's engines report it: vLLM and SGLang answer `GET /health`
-    /// with 200 once they serve, and every engine lists its models on `GET /v1/models`; `Some`
-    /// with the ids of the models it serves (none when the list does not parse).
-    pub async fn ready(&self, engine: &Upstream, protocol: Protocol) -> Option<Vec<String>> {
-        if matches!(protocol, Protocol::Vllm | Protocol::Sglang) {
-            self.probe(engine, "/health").await?;
-        }
-        #[derive(serde::Deserialize)]
-        struct Models {
-            data: Vec<Model>,
-        }
-        #[derive(serde::Deserialize)]
-        struct Model {
-            id: String,
-        }
-        let body = self.probe(engine, "/v1/models").await?;
-        let ids = serde_json::from_slice::<Models>(&body)
-            .map(|m| m.data.into_iter().map(|m| m.id).collect())
-            .unwrap_or_default();
-        Some(ids)
-    }
-
-    /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
-    /// answer within the probe timeout.
-    pub async fn metrics(&self, engine: &Upstream) -> Option<String> {
-        let body = self.probe(engine, "/metrics").await?;
-        String::from_utf8(body.to_vec()).ok()
-    }
-
-    /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
-    /// probe timeout.
-    async fn probe(&self, engine: &Upstream, path: &str) -> Option<Bytes> {
-        let deadline = tokio::time::Instant::now() + self.timeouts.probe;
-        let request = engine
-            .request(http::Method::GET, path)
-            .ok()?
-            .body(CallBody::empty())
-            .ok()?;
-        let response = tokio::time::timeout_at(deadline, self.http().request(request))
-            .await
-            .ok()?
-            .ok()?;
-        if response.status() != http::StatusCode::OK {
-            return None;
-        }
-        read_capped(response, deadline, MAX_PROBE_BYTES).await.ok()
-    }
-
-    /// One leg of a vLLM or SGLang handoff, or a forward to a non-MLC engine: `body` to
-    /// `path`, tagged with the attempt's `request_id` (`X-Request-Id`, which vLLM bases its own
-    /// ids on); the answer is streamed or whole, as `body` asked (`streamed`), chat read as
-    /// completion. A whole answer comes with its head once the generation is over, however long
-    /// that takes: its wait is bounded by the request's own deadline (`--request-timeout`),
-    /// not by the call timeout a stream's head gets.
-    ///
-    /// With `delivery`, it says when the body has all been handed to the connection (see
-    /// [`Delivery`]).
-    pub async fn generate_leg(
-        &self,
-        engine: &Upstream,
-        path: &str,
-        body: &impl Serialize,
-        request_id: &str,
-        streamed: bool,
-        delivery: Option<&Delivery>,
-    ) -> Result<ChunkStream, CallError> {
-        let head_within = streamed.then_some(self.timeouts.call);
-        self.generate_with(engine, path, body, Some(request_id), head_within, delivery)
-            .await
-    }
-
-    /// A leg whose whole answer the router reads itself (vLLM's prefill leg), in two steps: the
-    /// head of a 2xx answer (an error status is read and returned as the error), within the call
-    /// timeout ([`Answer::read`] then reads the body). The head is its own step because it is
-    /// when the engine has committed to the answer.
-    pub async fn answer_leg(
-        &self,
-        engine: &Upstream,
-        path: &str,
-        body: &impl Serialize,
-        request_id: &str,
-    ) -> Result<Answer, CallError> {
-        let deadline = self.call_deadline();
-        let response = self
-            .send(engine, path, body, Some(deadline), Some(request_id), None)
-            .await?;
-        Ok(Answer { response, deadline })
     }
 
     /// `body` to `path`, its answer's head by `deadline` when given: a 2xx answer, or the
@@ -481,7 +321,7 @@ impl EngineClient {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
             let request = json_request(request, json.clone(), delivery.cloned())?;
-            let sent = self.http().request(request);
+            let sent = self.request(request);
             match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
                     CallError::Timeout {
@@ -518,6 +358,7 @@ impl EngineClient {
         })
     }
 
+    /// `body` to `path`, its whole JSON answer read by the call's deadline.
     async fn call_json<B: Serialize, R: DeserializeOwned>(
         &self,
         engine: &Upstream,
@@ -534,17 +375,9 @@ impl EngineClient {
         })
     }
 
+    /// `body` to `path`, answered by a generation: an SSE stream, or one JSON answer relayed
+    /// as one chunk (chat read as completion).
     async fn generate<B: Serialize>(
-        &self,
-        engine: &Upstream,
-        path: &str,
-        body: &B,
-    ) -> Result<ChunkStream, CallError> {
-        self.generate_with(engine, path, body, None, Some(self.timeouts.call), None)
-            .await
-    }
-
-    async fn generate_with<B: Serialize>(
         &self,
         engine: &Upstream,
         path: &str,
@@ -588,19 +421,17 @@ impl EngineClient {
     }
 }
 
-/// A 2xx answer whose body is still to be read; see [`EngineClient::answer_leg`].
-#[derive(Debug)]
-pub struct Answer {
-    response: EngineResponse,
-    /// The call's: the whole answer is due within the call timeout of its sending.
-    deadline: tokio::time::Instant,
-}
-
-impl Answer {
-    /// The whole body, at most [`MAX_ANSWER_BYTES`], by the call's deadline.
-    pub async fn read(self) -> Result<Bytes, CallError> {
-        read_capped(self.response, self.deadline, MAX_ANSWER_BYTES).await
-    }
+/// hyper-util's pooled HTTP/1 client over `connector`.
+fn pooled<C>(connector: C) -> Client<C, CallBody>
+where
+    C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
+{
+    Client::builder(TokioExecutor::new())
+        // Below common engine keep-alive timeouts (uvicorn closes idle connections after 5 s),
+        // so a request is not sent on a connection the engine is closing.
+        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+        .pool_timer(TokioTimer::new())
+        .build(connector)
 }
 
 /// Says when a request's body has all been handed to its connection: its receiver resolves
@@ -731,20 +562,6 @@ async fn read_capped(
 /// failed call to retry, not a sign the endpoint is down, and not a malformed answer either.
 fn broken_answer(e: hyper::Error) -> CallError {
     CallError::Stream(SseError::Transport(error_chain(&e)))
-}
-
-/// Whether a connect failed by timing out (the request never left), not by being refused.
-fn connect_timed_out(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut cause = std::error::Error::source(e);
-    while let Some(e) = cause {
-        if e.downcast_ref::<std::io::Error>()
-            .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
-        {
-            return true;
-        }
-        cause = e.source();
-    }
-    false
 }
 
 /// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:

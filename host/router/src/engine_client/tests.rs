@@ -6,6 +6,9 @@ use std::time::Duration;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpListener;
 
+use switchyard_wire::completion::CompletionRequest;
+use switchyard_wire::microserving::PrepRecvRequest;
+
 use super::*;
 
 /// Serves one connection: reads the request, writes `answer`, then closes, or with `hold` keeps

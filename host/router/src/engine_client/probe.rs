@@ -1,0 +1,60 @@
+//! The calls the cluster's probes make (`cluster::health`): readiness and the engine's own
+//! load, each a `GET` bounded by the probe timeout and a size cap.
+
+use bytes::Bytes;
+use switchyard_contract::Protocol;
+
+use super::{CallBody, EngineClient, Upstream, read_capped};
+
+/// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
+const MAX_PROBE_BYTES: usize = 256 << 10;
+
+impl EngineClient {
+    /// Readiness, as each protocol's engines report it: vLLM and SGLang answer `GET /health`
+    /// with 200 once they serve, and every engine lists its models on `GET /v1/models`; `Some`
+    /// with the ids of the models it serves (none when the list does not parse).
+    pub async fn ready(&self, engine: &Upstream, protocol: Protocol) -> Option<Vec<String>> {
+        if matches!(protocol, Protocol::Vllm | Protocol::Sglang) {
+            self.probe(engine, "/health").await?;
+        }
+        #[derive(serde::Deserialize)]
+        struct Models {
+            data: Vec<Model>,
+        }
+        #[derive(serde::Deserialize)]
+        struct Model {
+            id: String,
+        }
+        let body = self.probe(engine, "/v1/models").await?;
+        let ids = serde_json::from_slice::<Models>(&body)
+            .map(|m| m.data.into_iter().map(|m| m.id).collect())
+            .unwrap_or_default();
+        Some(ids)
+    }
+
+    /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
+    /// answer within the probe timeout.
+    pub async fn metrics(&self, engine: &Upstream) -> Option<String> {
+        let body = self.probe(engine, "/metrics").await?;
+        String::from_utf8(body.to_vec()).ok()
+    }
+
+    /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
+    /// probe timeout.
+    async fn probe(&self, engine: &Upstream, path: &str) -> Option<Bytes> {
+        let deadline = tokio::time::Instant::now() + self.timeouts.probe;
+        let request = engine
+            .request(http::Method::GET, path)
+            .ok()?
+            .body(CallBody::empty())
+            .ok()?;
+        let response = tokio::time::timeout_at(deadline, self.request(request))
+            .await
+            .ok()?
+            .ok()?;
+        if response.status() != http::StatusCode::OK {
+            return None;
+        }
+        read_capped(response, deadline, MAX_PROBE_BYTES).await.ok()
+    }
+}

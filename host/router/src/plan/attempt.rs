@@ -1,0 +1,169 @@
+//! What one attempt sends ([`AttemptId`], [`AttemptBody`]) and what it starts ([`Generation`]).
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use serde_json::{Map, Value};
+use switchyard_contract::{EndpointId, Protocol};
+use switchyard_wire::client::{ClientBody, Route};
+use switchyard_wire::completion::CompletionRequest;
+use switchyard_wire::sse::ChunkStream;
+
+use super::error::StepKind;
+use crate::cluster::InFlight;
+use crate::engine_client::CallError;
+
+/// The upstream identity of one attempt: every leg carries `upstream_id` in `user`.
+#[derive(Debug, Clone)]
+pub struct AttemptId {
+    pub upstream_id: String,
+    pub attempt: u32,
+}
+
+impl AttemptId {
+    /// `<request id>-<attempt>`: engines reject an id that is already in flight, and an
+    /// abandoned attempt may still be in flight on its engine.
+    pub fn new(request_id: &str, attempt: u32) -> Self {
+        AttemptId {
+            upstream_id: format!("{request_id}-{attempt}"),
+            attempt,
+        }
+    }
+}
+
+/// What one attempt sends.
+#[derive(Debug, Clone)]
+pub struct AttemptBody {
+    /// The request as token ids, with the router's sampling fields: what MLC engines get, and
+    /// what every engine gets once a stream is continued (prompt plus the tokens delivered).
+    pub tokens: CompletionRequest,
+    /// The client's own body, until the client has seen a token: what vLLM, SGLang and OpenAI
+    /// engines get (their protocols change it per leg; chat stays chat).
+    pub client: Option<Arc<ClientBody>>,
+}
+
+impl AttemptBody {
+    /// The body of every MLC call of attempt `id`: the token-id request with the upstream id
+    /// in `user`, asking for the generated ids (`return_token_ids`) and, since MLC's engines
+    /// ignore that field, for `logprobs`, which they answer with one entry per generated
+    /// token: a broken or preempted stream is continued from exactly what was delivered (see
+    /// [`super::relay::Delivered`]). Every call of a disaggregated request carries both: MLC's
+    /// engines keep the parameters prep_recv brought.
+    pub(super) fn mlc(self, id: &AttemptId) -> CompletionRequest {
+        let mut tokens = self.tokens;
+        tokens.user = Some(id.upstream_id.clone());
+        tokens.return_token_ids = true;
+        tokens.logprobs = true;
+        tokens
+    }
+
+    /// The route and body of a leg to an engine speaking `protocol` (not MLC): the client's
+    /// body, or, for a continuation, the token-id prompt on `/v1/completions`. A streaming leg
+    /// asks for the generated ids (`return_token_ids`, on every leg of the handoff: the specs
+    /// want both legs' bodies alike) so that a broken stream is continued from exactly what
+    /// was delivered; SGLang refuses the field on streamed chat, and a plain OpenAI server may
+    /// refuse any field it does not know, so those are continued from the re-tokenized text.
+    pub(super) fn leg(&self, protocol: Protocol) -> (&'static str, Map<String, Value>) {
+        let (route, mut fields) = match &self.client {
+            Some(client) => (client.route, client.fields().clone()),
+            None => (Route::Completions, continuation_fields(&self.tokens)),
+        };
+        let streamed = streams(&fields);
+        let wants_ids = match protocol {
+            Protocol::Vllm => true,
+            Protocol::Sglang => route == Route::Completions,
+            Protocol::Mlc | Protocol::Openai => false,
+        };
+        if streamed && wants_ids {
+            fields.insert("return_token_ids".into(), Value::Bool(true));
+        }
+        (route.path(), fields)
+    }
+}
+
+/// Whether a leg's body asks for a stream.
+pub(super) fn streams(fields: &Map<String, Value>) -> bool {
+    fields.get("stream").and_then(Value::as_bool) == Some(true)
+}
+
+/// A continuation's body for a non-MLC engine: the token-id prompt and the router's sampling
+/// fields, without the nulls and MLC-only fields an MLC body spells out.
+fn continuation_fields(tokens: &CompletionRequest) -> Map<String, Value> {
+    let Ok(Value::Object(mut fields)) = serde_json::to_value(tokens) else {
+        unreachable!("a CompletionRequest serializes to an object");
+    };
+    fields.retain(|name, value| !value.is_null() && name != "debug_config" && name != "user");
+    fields
+}
+
+/// A generation in progress: the engine's chunks plus what the relay and metrics need.
+pub struct Generation {
+    pub chunks: ChunkStream,
+    /// The endpoint producing the tokens.
+    pub generator: EndpointId,
+    /// Prompt tokens the decode endpoint already held (0 for forward).
+    pub prefix_matched: u32,
+    /// True when the plan had a remote-send and the decode endpoint's prefix cache made it
+    /// unnecessary.
+    pub remote_send_skipped: bool,
+    /// The other leg of a pair, still answering while this one streams (see [`Partner`]).
+    pub(super) partner: Option<Partner>,
+    /// Counts the generation on its endpoint until the stream is dropped.
+    _in_flight: InFlight,
+}
+
+impl Generation {
+    /// `in_flight` must count `generator`: it is released when the generation is dropped.
+    pub fn new(
+        chunks: ChunkStream,
+        generator: EndpointId,
+        prefix_matched: u32,
+        remote_send_skipped: bool,
+        in_flight: InFlight,
+    ) -> Self {
+        Generation {
+            chunks,
+            generator,
+            prefix_matched,
+            remote_send_skipped,
+            partner: None,
+            _in_flight: in_flight,
+        }
+    }
+
+    /// This generation, ended by `partner`'s failure if it fails first.
+    pub(super) fn with_partner(mut self, partner: Partner) -> Self {
+        self.partner = Some(partner);
+        self
+    }
+}
+
+impl std::fmt::Debug for Generation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Generation")
+            .field("generator", &self.generator)
+            .field("prefix_matched", &self.prefix_matched)
+            .field("remote_send_skipped", &self.remote_send_skipped)
+            .field("partner", &self.partner.as_ref().map(|p| p.endpoint))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The other leg of a pair whose answer is still due while the generation streams (SGLang's
+/// prefill leg: P answers once its KV push is done). If it fails first, the generation fails
+/// with it, blamed on the partner: the decode engine would otherwise wait for KV that never
+/// comes. Dropped with the generation, it hangs up on the partner.
+pub(super) struct Partner {
+    pub(super) endpoint: EndpointId,
+    pub(super) step: StepKind,
+    /// The rest of the partner's answer, read to its end.
+    pub(super) answer: BoxFuture<'static, Result<(), CallError>>,
+}
+
+impl Partner {
+    /// The generation ended first: what is left of the partner's answer is read on a task of
+    /// its own (it is due at once), so the partner is not hung up on.
+    pub(super) fn detach(self) {
+        tokio::spawn(self.answer);
+    }
+}

@@ -1,0 +1,91 @@
+//! What every protocol's legs share: looking an endpoint up, counting it in flight, turning a
+//! call's result into the attempt's (telling the cluster how the endpoint did), and running a
+//! call on a task of its own.
+
+use std::sync::Arc;
+
+use switchyard_contract::EndpointId;
+
+use super::attempt::AttemptId;
+use super::error::{Cause, ExecError, StepKind};
+use crate::cluster::{Cluster, InFlight};
+use crate::engine_client::{CallError, EngineClient, Upstream};
+
+/// One attempt's view of the engines: the cluster, the client, and the attempt's identity.
+pub(super) struct Legs<'a> {
+    pub(super) cluster: &'a Arc<Cluster>,
+    pub(super) client: &'a EngineClient,
+    pub(super) id: &'a AttemptId,
+}
+
+impl Legs<'_> {
+    /// `endpoint`, counted in flight until the returned guard is dropped.
+    pub(super) fn in_flight(
+        &self,
+        endpoint: EndpointId,
+        step: StepKind,
+    ) -> Result<InFlight, ExecError> {
+        self.cluster
+            .in_flight(endpoint)
+            .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))
+    }
+
+    /// How to call `endpoint`.
+    pub(super) fn upstream(
+        &self,
+        endpoint: EndpointId,
+        step: StepKind,
+    ) -> Result<Upstream, ExecError> {
+        self.cluster
+            .upstream(endpoint)
+            .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))
+    }
+
+    /// A call's result as the attempt's, the cluster told how the endpoint did.
+    pub(super) fn check<T>(
+        &self,
+        result: Result<T, CallError>,
+        endpoint: EndpointId,
+        step: StepKind,
+    ) -> Result<T, ExecError> {
+        match result {
+            Ok(value) => {
+                self.cluster.record_success(endpoint);
+                Ok(value)
+            }
+            Err(e) => Err(self.fail(e, endpoint, step)),
+        }
+    }
+
+    /// `endpoint` did its part.
+    pub(super) fn succeeded(&self, endpoint: EndpointId) {
+        self.cluster.record_success(endpoint);
+    }
+
+    /// `cause`, in `step` on `endpoint`: classified once, here, and told to the cluster.
+    pub(super) fn fail(
+        &self,
+        cause: impl Into<Cause>,
+        endpoint: EndpointId,
+        step: StepKind,
+    ) -> ExecError {
+        let error = ExecError::new(cause, endpoint, step, self.id.attempt);
+        error.record(self.cluster);
+        error
+    }
+}
+
+/// Runs `call` on a task of its own, so it runs to its answer even if the caller is dropped.
+/// An answer nobody reads is dropped: answers clean up after themselves when dropped (an armed
+/// reservation frees its pages, a stream hangs up). `None`: the task ended without an answer
+/// ([`Cause::Lost`]).
+pub(super) async fn detached<T: Send + 'static>(
+    call: impl Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(async move {
+        // Nobody listening: the answer is dropped here.
+        let _ = tx.send(call.await);
+    });
+    rx.await.ok()
+}

@@ -1,0 +1,82 @@
+//! SGLang's bootstrap handoff (`shared/spec/sglang-pd.md`): the same body to P and D at once,
+//! joined by a fresh bootstrap room on P.
+//!
+//! Each engine waits for the other (300 s by default), so a leg that fails must take the other
+//! down at once: both heads are awaited together and the first failure drops the other leg
+//! (closing its connection is how the engine learns of it), and once both answered, a P that
+//! fails while D streams ends D's stream too, blamed on P ([`Partner`]).
+//!
+//! One upstream id per attempt (`X-Request-Id` on both legs) and a fresh room per attempt, so a
+//! retry never meets a failed attempt's leftovers.
+
+use futures::{FutureExt, StreamExt};
+use tracing::Instrument;
+
+use switchyard_contract::{EndpointId, Protocol};
+use switchyard_wire::sglang;
+use switchyard_wire::sse::ChunkStream;
+
+use super::attempt::{AttemptBody, Generation, Partner, streams};
+use super::error::{Cause, ExecError, StepKind};
+use super::leg::Legs;
+use crate::cluster::InFlight;
+use crate::engine_client::CallError;
+
+/// Both legs at once (see the module docs).
+pub(super) async fn handoff(
+    legs: &Legs<'_>,
+    prefill: EndpointId,
+    decode: EndpointId,
+    body: &AttemptBody,
+) -> Result<Generation, ExecError> {
+    let id = legs.id;
+    let span = tracing::debug_span!("sglang_handoff", request = %id.upstream_id, attempt = id.attempt, prefill, decode);
+    let in_flight = legs.in_flight(decode, StepKind::DecodeLeg)?;
+    let prefill_in_flight = legs.in_flight(prefill, StepKind::PrefillLeg)?;
+    let p_engine = legs.upstream(prefill, StepKind::PrefillLeg)?;
+    let d_engine = legs.upstream(decode, StepKind::DecodeLeg)?;
+    // A misconfigured endpoint, not a failing one: the cluster hears nothing of it.
+    let (host, port) = legs
+        .cluster
+        .bootstrap(prefill)
+        .ok_or_else(|| legs.fail(Cause::NoBootstrapPort, prefill, StepKind::PrefillLeg))?;
+    let room = sglang::room(rand::random());
+    let (path, fields) = body.leg(Protocol::Sglang);
+    let paired = sglang::paired_body(&fields, &host, port, room);
+    tracing::debug!(parent: &span, room, "bootstrap room");
+    let leg = |engine, endpoint, step| {
+        let paired = &paired;
+        async move {
+            legs.client
+                .generate_leg(engine, path, paired, &id.upstream_id, streams(paired), None)
+                .await
+                .map_err(|e| (endpoint, step, e))
+        }
+    };
+    let p_leg = leg(&p_engine, prefill, StepKind::PrefillLeg);
+    let d_leg = leg(&d_engine, decode, StepKind::DecodeLeg);
+    // The first leg to fail drops the other, mid-call: its engine sees the connection
+    // close and stops waiting for its partner.
+    let (p_chunks, d_chunks) = futures::future::try_join(p_leg, d_leg)
+        .instrument(span)
+        .await
+        .map_err(|(endpoint, step, e): (_, _, CallError)| legs.fail(e, endpoint, step))?;
+    legs.succeeded(prefill);
+    legs.succeeded(decode);
+    let partner = Partner {
+        endpoint: prefill,
+        step: StepKind::PrefillLeg,
+        answer: drain(p_chunks, prefill_in_flight).boxed(),
+    };
+    Ok(Generation::new(d_chunks, decode, 0, false, in_flight).with_partner(partner))
+}
+
+/// Read P's answer to its end (nobody shows it: the client's answer is D's), counting P's leg
+/// in flight until then. An error event, a broken stream or an idle one is P's failure.
+async fn drain(mut chunks: ChunkStream, in_flight: InFlight) -> Result<(), CallError> {
+    while let Some(chunk) = chunks.next().await {
+        chunk?;
+    }
+    drop(in_flight);
+    Ok(())
+}
