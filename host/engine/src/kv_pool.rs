@@ -120,6 +120,16 @@ impl PagePool {
         pages
     }
 
+    /// How many of `keys` (one per full page, from the start) the prefix cache holds in a
+    /// row: a read that takes no reference and leaves the eviction order as it was.
+    pub fn cached_pages(&self, keys: &[u64]) -> usize {
+        self.cache.as_ref().map_or(0, |cache| {
+            keys.iter()
+                .take_while(|key| cache.page_by_key.contains_key(key))
+                .count()
+        })
+    }
+
     /// Records that `page` now holds the full page whose prefix key is `key`. A no-op without a
     /// prefix cache, or when the key or the page is already cached.
     pub fn register(&mut self, page: u32, key: u64) {

@@ -242,6 +242,14 @@ impl Core {
         }
     }
 
+    /// Leading positions of a prompt whose page keys are `keys`
+    /// ([`extend_page_keys`](crate::kv_pool::extend_page_keys)) that the prefix cache holds,
+    /// in whole pages; what a router learns from the engine's KV events, read without changing
+    /// anything (a simulator's view of its engines' caches).
+    pub fn cached_prefix(&self, keys: &[u64]) -> usize {
+        self.pool.cached_pages(keys) * self.pool.page_size()
+    }
+
     /// What the core counted since it started.
     pub fn counters(&self) -> Counters {
         self.counters
