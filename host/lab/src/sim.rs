@@ -37,6 +37,7 @@ use rand::rngs::StdRng;
 use switchyard_bench::RequestOutcome;
 use switchyard_bench::trace::ScheduledRequest;
 use switchyard_contract::{EndpointSnapshot, Health, address_hash};
+use switchyard_engine::kv_pool::extend_page_keys;
 use switchyard_engine::scheduler::{Backend, Core, Counters, Output, Time};
 
 use crate::config::ClusterSpec;
@@ -411,8 +412,16 @@ impl<'a> Simulation<'a> {
             .is_some_and(|a| a.number == waiter.attempt)
     }
 
-    /// The endpoints as the router would show them now.
-    fn snapshot(&self) -> Vec<EndpointSnapshot> {
+    /// The endpoints as the router would show them now to an attempt sending `prompt`:
+    /// in-flight counts exact, the engines' load as last probed, and with prefix caches on,
+    /// how much of `prompt` each engine's cache holds (what the router's KV index learns
+    /// from the engines' events; here read from the caches themselves, so never stale).
+    fn snapshot(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
+        let keys = self.cluster.prefix_cache.then(|| {
+            let mut keys = Vec::new();
+            extend_page_keys(&mut keys, prompt, self.cluster.page_size);
+            keys
+        });
         self.endpoints
             .iter()
             .zip(&self.engines)
@@ -421,6 +430,9 @@ impl<'a> Simulation<'a> {
                 kv_usage: Some(engine.probed.kv_usage),
                 running: Some(engine.probed.running),
                 waiting: Some(engine.probed.waiting),
+                cached_prefix: keys
+                    .as_ref()
+                    .map(|keys| u32::try_from(engine.core.cached_prefix(keys)).unwrap_or(u32::MAX)),
                 ..endpoint.clone()
             })
             .collect()

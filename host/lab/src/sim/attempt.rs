@@ -128,7 +128,7 @@ impl Simulation<'_> {
         let context = PolicyContext {
             attempt,
             last_failure,
-            endpoints: self.snapshot(),
+            endpoints: self.snapshot(prompt),
         };
         let planned = match ask(self.planners.policy.as_ref(), &request, &context) {
             Err(error) if error.is_fault() => {

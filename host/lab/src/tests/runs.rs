@@ -204,3 +204,60 @@ fn a_missing_policy_is_named_before_anything_runs() {
     .expect_err("no such policy");
     assert!(error.to_string().contains("nope.wasm"), "{error}");
 }
+
+/// Forwards every request to endpoint 0, recording the `cached-prefix` each endpoint showed
+/// and the prompt's length.
+#[derive(Debug, Default)]
+struct Sticky {
+    seen: Mutex<Vec<(usize, Vec<Option<u32>>)>>,
+}
+
+impl Planner for Sticky {
+    fn translate(
+        &self,
+        request: &PolicyRequest<'_>,
+        context: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        let cached = context.endpoints.iter().map(|e| e.cached_prefix).collect();
+        self.seen
+            .lock()
+            .unwrap()
+            .push((request.prompt.len(), cached));
+        Ok(Plan {
+            steps: vec![Step::Forward { endpoint: 0 }],
+        })
+    }
+
+    // It learns nothing.
+    fn on_complete(&self, _: &Outcome) {}
+}
+
+/// Policies see how much of each prompt every engine's cache holds: the engine that served a
+/// conversation's earlier turns holds some of its later prompts, the idle one nothing; without
+/// prefix caches, nobody knows.
+#[test]
+fn snapshots_carry_each_engines_cached_prefix_of_the_prompt() {
+    let trace = synthetic(7, 30, 3.0);
+    for prefix_cache in [true, false] {
+        let cluster = ClusterSpec {
+            prefix_cache,
+            ..cluster(Protocol::Mlc, vec![Role::Any; 2], 2048)
+        };
+        let planner = Arc::new(Sticky::default());
+        let result = run(&cluster, &trace, planner.clone(), 7);
+        assert!(result.violations.is_empty(), "{:?}", result.violations);
+        let seen = planner.seen.lock().unwrap();
+        assert_eq!(seen.len(), 30);
+        if !prefix_cache {
+            assert!(seen.iter().all(|(_, c)| c == &[None, None]), "{seen:?}");
+            continue;
+        }
+        for (len, cached) in seen.iter() {
+            assert_eq!(cached[1], Some(0), "endpoint 1 never served");
+            let on_0 = cached[0].expect("known") as usize;
+            assert!(on_0 <= *len && on_0 % 16 == 0, "{on_0} of {len}");
+        }
+        let hits = seen.iter().filter(|(_, c)| c[0] > Some(0)).count();
+        assert!(hits > 0, "later turns find their earlier ones: {seen:?}");
+    }
+}
