@@ -144,15 +144,20 @@ impl Simulation<'_> {
     }
 
     /// prep_recv on `decode` for `[0, end)` of the attempt's `prompt`, under the attempt's
-    /// upstream id.
+    /// upstream id; the reservation carries the whole request, which start_generate
+    /// generates (every token still owed to the client).
     fn reserve(&mut self, r: usize, decode: usize, prompt: Vec<u32>, end: usize) {
+        let Some(request) = self.requests[r].as_ref() else {
+            return;
+        };
+        let remaining = request.remaining();
         let Some(attempt) = self.attempt(r) else {
             return;
         };
         let (number, user) = (attempt.number, attempt.user.clone());
         match self.engines[decode]
             .core
-            .prep_recv(user, gen_request(prompt, 1), end)
+            .prep_recv(user, gen_request(prompt, remaining), end)
         {
             Ok(id) => {
                 let id = self.wait(decode, id, r, number, Leg::Reservation);
@@ -345,8 +350,13 @@ impl Simulation<'_> {
         };
         attempt.prefill = None;
         attempt.lease = Some(lease.id);
-        // P computed the prompt: what its cache served is the request's reuse.
-        attempt.cached_tokens = Some(lease.cached_tokens);
+        // P computed the prompt: what its cache served is the request's reuse, and for MLC's
+        // remote_send the prefix D matched too (P computes from there, at the earliest).
+        let from_decode = match attempt.route {
+            Route::Mlc { .. } => attempt.matched.unwrap_or(0),
+            _ => 0,
+        };
+        attempt.cached_tokens = Some(lease.cached_tokens.max(from_decode));
         let (route, prompt_len, matched) = (attempt.route, attempt.prompt_len, attempt.matched);
         match route {
             Route::Mlc {

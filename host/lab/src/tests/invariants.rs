@@ -24,8 +24,10 @@ fn scenarios() -> Vec<(&'static str, Protocol, Vec<Role>, bool)> {
 
 const SEEDS: [u64; 4] = [1, 2, 3, 4];
 
-/// What every run must show, whatever its scenario.
-fn check_run(what: &str, result: &SimResult, requests: usize, heard: (usize, usize)) {
+/// What every run of `trace` must show, whatever its scenario: a completed request got every
+/// token it asked for, however its attempts and legs split it.
+fn check_run(what: &str, result: &SimResult, trace: &Trace, heard: (usize, usize)) {
+    let requests = trace.requests().len();
     assert!(
         result.violations.is_empty(),
         "{what}: {:?}",
@@ -62,7 +64,8 @@ fn check_run(what: &str, result: &SimResult, requests: usize, heard: (usize, usi
         assert!(arrived <= at, "{what}: {outcome:?}");
         if let Ok(timing) = &outcome.result {
             assert!(timing.ttft <= timing.e2e, "{what}: {outcome:?}");
-            assert!(timing.output_tokens >= 1, "{what}: {outcome:?}");
+            let asked = trace.requests()[outcome.index as usize].output_length;
+            assert_eq!(timing.output_tokens, asked, "{what}: {outcome:?}");
         }
     }
     assert_eq!(
@@ -80,7 +83,7 @@ fn every_request_completes_once_on_a_roomy_cluster() {
             let trace = synthetic(seed, 60, 6.0);
             let cluster = cluster(protocol, roles.clone(), 2048);
             let (result, heard) = run_with(&cluster, &trace, split, seed);
-            check_run(&what, &result, trace.requests().len(), heard);
+            check_run(&what, &result, &trace, heard);
             assert!(
                 result.outcomes.iter().all(|o| o.result.is_ok()),
                 "{what}: {:?}",
@@ -113,7 +116,7 @@ fn under_kv_pressure_preempted_requests_continue_and_nothing_leaks() {
             // 400 positions more than the longest prompt: a few requests at a time.
             let cluster = cluster(protocol, roles.clone(), 340);
             let (result, heard) = run_with(&cluster, &trace, split, seed);
-            check_run(&what, &result, trace.requests().len(), heard);
+            check_run(&what, &result, &trace, heard);
             preempted += result
                 .engines
                 .iter()
@@ -156,7 +159,7 @@ fn a_prompt_larger_than_any_pool_fails_and_the_rest_complete() {
     let pages = longest / 16;
     let cluster = cluster(Protocol::Mlc, vec![Role::Any; 2], pages);
     let (result, heard) = run_with(&cluster, &trace, false, 9);
-    check_run("tiny pools", &result, trace.requests().len(), heard);
+    check_run("tiny pools", &result, &trace, heard);
     let failed: Vec<_> = result
         .outcomes
         .iter()
