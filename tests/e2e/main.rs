@@ -10,6 +10,7 @@ mod http;
 mod interop;
 #[cfg(feature = "k8s")]
 mod k8s;
+mod lab;
 mod protocols;
 mod replicas;
 mod router;

@@ -255,7 +255,7 @@ fn snapshots_carry_each_engines_cached_prefix_of_the_prompt() {
         for (len, cached) in seen.iter() {
             assert_eq!(cached[1], Some(0), "endpoint 1 never served");
             let on_0 = cached[0].expect("known") as usize;
-            assert!(on_0 <= *len && on_0 % 16 == 0, "{on_0} of {len}");
+            assert!(on_0 <= *len && on_0.is_multiple_of(16), "{on_0} of {len}");
         }
         let hits = seen.iter().filter(|(_, c)| c[0] > Some(0)).count();
         assert!(hits > 0, "later turns find their earlier ones: {seen:?}");
