@@ -174,8 +174,19 @@ fn chunked_prefill_and_prefix_cache_do_not_change_tokens() {
         prefix_cache: true,
         ..config(64)
     });
-    assert_eq!(generate(&cached, request(&prompt, 30)), plain);
-    assert_eq!(generate(&cached, request(&prompt, 30)), plain);
+    // The same tokens; only the usage's cached count tells the runs apart.
+    let tokens = |(text, reason, usage): (String, FinishReason, Usage)| {
+        (text, reason, usage.prompt_tokens, usage.completion_tokens)
+    };
+    let cold = generate(&cached, request(&prompt, 30));
+    assert_eq!(cold.2.cached_tokens, 0);
+    assert_eq!(tokens(cold), tokens(plain.clone()));
+    let warm = generate(&cached, request(&prompt, 30));
+    assert_eq!(
+        warm.2.cached_tokens, 148,
+        "every whole page before the last token"
+    );
+    assert_eq!(tokens(warm), tokens(plain));
     assert!(
         cached.metrics.prefix_matched_tokens.get() >= 140,
         "the second run reused the prefix"
