@@ -18,7 +18,9 @@ Inside a crate, modules are walls too (MODULE_RULES): every `crate::…`, `super
 `self::…` path in a module's files (in `use` trees, braces expanded, and inline) is resolved to
 the module it names, and a module may not name the modules its rule forbids: the engine's
 protocol modules (`http::{mlc, openai, vllm, sglang}`) depend on the shared core
-(`http::common`), never on each other, and the core on none of them.
+(`http::common`), never on each other, and the core on none of them; in the router a request
+flows one way (api -> Router -> plan -> engine_client): `plan` never names the Router, the API or
+their re-exports, and the engine client and the KV-event subscribers know nothing of requests.
 
 `--self-test` first proves the check fails on graphs and sources that break each rule.
 Usage: scripts/check-crate-graph.py [--self-test] [--print]
@@ -108,10 +110,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 ENGINE_PROTOCOLS = ["http::mlc", "http::openai", "http::vllm", "http::sglang"]
 # (crate source dir, rule name, {module: modules it may not name})
+
+
+def router_reexports():
+    """The names lib.rs re-exports from `router` (`crate::RouteError` names the router too)."""
+    with open(os.path.join(ROOT, "host/router/src/lib.rs"), encoding="utf-8") as f:
+        m = re.search(r"pub use router::\{([^}]*)\}", f.read())
+    return [n.strip() for n in m.group(1).split(",") if n.strip()] if m else []
+
+
+# The request flows one way (host/router/src/lib.rs): api -> Router -> plan -> engine_client.
+# What runs a plan never looks back up at the Router or the API, and the engine client and the
+# KV-event subscribers know nothing of requests at all.
+UPSTREAM_OF_PLAN = ["router", "api", "serve", "config", "discovery"] + router_reexports()
 MODULE_RULES = [
     ("host/engine/src", "the engine's protocol modules depend on the shared core, not on each other",
      {**{m: [o for o in ENGINE_PROTOCOLS if o != m] for m in ENGINE_PROTOCOLS},
       "http::common": ENGINE_PROTOCOLS}),
+    ("host/router/src", "a request flows one way: api -> Router -> plan -> engine_client",
+     {"plan": UPSTREAM_OF_PLAN,
+      "engine_client": UPSTREAM_OF_PLAN + ["plan", "cluster", "kv_events"],
+      "kv_events": UPSTREAM_OF_PLAN + ["plan", "engine_client"]}),
 ]
 
 
@@ -225,9 +244,16 @@ def self_test(metadata):
         ("http", "common", "state"): "use super::super::mlc::X;",
     }
     fine = {("http", "mlc"): "use super::common::{Body, json};\nuse crate::scheduler::Event;"}
-    got = module_violations({"host/engine/src": {**breaches, **fine}})
+    router_breaches = {
+        ("plan", "relay"): "use crate::{RouteError, cluster::Cluster};",
+        ("engine_client", "openai"): "fn f() { super::super::plan::execute(); }",
+    }
+    router_fine = {("plan", "mlc"): "use crate::engine_client::Client;\nuse super::leg::Guard;"}
+    got = module_violations({"host/engine/src": {**breaches, **fine},
+                             "host/router/src": {**router_breaches, **router_fine}})
     want = ["http::vllm names http::openai::models", "http::sglang names http::vllm::decode_body",
-            "http::common::state names http::mlc::X"]
+            "http::common::state names http::mlc::X", "plan::relay names RouteError",
+            "engine_client::openai names plan::execute"]
     for w in want:
         if not any(w in g for g in got):
             sys.exit(f"self-test: `{w}` went unnoticed (found {got})")

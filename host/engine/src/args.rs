@@ -1,6 +1,6 @@
 //! `switchyard engine`'s flags, and the checks that need more than one of them.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
 use switchyard_kv::{KvDevice, KvShape, PeerAddr, TransportKind, parse_rank_addr};
 
@@ -49,6 +49,18 @@ pub enum DisaggregationMode {
     Prefill,
     /// Serves only D legs.
     Decode,
+}
+
+/// How the engine writes its KV events (`--kv-events-encoding`), and with them which replay
+/// answer it gives: each is one era of vLLM's publisher.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvEventsEncoding {
+    /// Events as maps tagged by `"type"`, replay answers with the topic frame (vLLM >= 0.26).
+    #[default]
+    Map,
+    /// Events as positional arrays tagged by name, replay answers without the topic frame
+    /// (vLLM < 0.26, older SGLang).
+    Array,
 }
 
 /// `switchyard engine` flags.
@@ -166,6 +178,25 @@ pub struct EngineArgs {
     /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).
     #[arg(long, default_value_t = 300_000, value_parser = clap::value_parser!(u64).range(1..))]
     pub bootstrap_timeout_ms: u64,
+    /// Publish the prefix cache's changes as vLLM's KV events on a ZeroMQ PUB socket bound here
+    /// (`tcp://*:PORT` or `tcp://IP:PORT`; port 0 picks a free one): one batch per step that
+    /// stored or evicted pages, `[topic "", seq, payload]` with seq from 0. Needs
+    /// --prefix-cache.
+    #[arg(long, value_name = "ENDPOINT", value_parser = parse_kv_events_endpoint)]
+    pub kv_events: Option<SocketAddr>,
+    /// Answer replay requests on a ZeroMQ ROUTER socket bound here (`tcp://*:PORT` or
+    /// `tcp://IP:PORT`): every buffered batch from the sequence number asked for, then the end
+    /// marker. Needs --kv-events.
+    #[arg(long, value_name = "ENDPOINT", value_parser = parse_kv_events_endpoint)]
+    pub kv_events_replay: Option<SocketAddr>,
+    /// How events are written: `map` (vLLM >= 0.26) or `array` (older vLLM and SGLang); the
+    /// replay answers take the same era's shape.
+    #[arg(long, value_enum, default_value = "map")]
+    pub kv_events_encoding: KvEventsEncoding,
+    /// How many of the latest batches the replay socket can send again (vLLM's
+    /// `buffer_steps`).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
+    pub kv_events_buffer_steps: usize,
 }
 
 impl EngineArgs {
@@ -191,6 +222,23 @@ fn parse_fail_rate(s: &str) -> Result<f64, String> {
         .ok()
         .filter(|r| (0.0..=1.0).contains(r))
         .ok_or_else(|| format!("{s:?} is not a number from 0 to 1"))
+}
+
+/// A ZeroMQ endpoint the engine binds: `tcp://*:PORT` (every interface, as ZeroMQ spells it)
+/// or `tcp://IP:PORT`.
+fn parse_kv_events_endpoint(s: &str) -> Result<SocketAddr, String> {
+    let address = s
+        .strip_prefix("tcp://")
+        .ok_or_else(|| format!("{s:?} is not a tcp:// endpoint (the engine binds it)"))?;
+    if let Some(port) = address.strip_prefix("*:") {
+        let port = port
+            .parse::<u16>()
+            .map_err(|_| format!("{s:?}: {port:?} is not a port"))?;
+        return Ok(SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), port));
+    }
+    address
+        .parse()
+        .map_err(|_| format!("{s:?} is not tcp://*:PORT or tcp://IP:PORT"))
 }
 
 fn parse_time_scale(s: &str) -> Result<f64, String> {
@@ -262,6 +310,26 @@ impl EngineArgs {
             }),
             _ => Ok(()),
         }
+    }
+
+    /// KV events come from the prefix cache, and a replay socket serves what the PUB socket
+    /// published.
+    pub(crate) fn check_kv_events(&self) -> Result<(), EngineError> {
+        if self.kv_events.is_some() && !self.prefix_cache {
+            return Err(EngineError::BadArg {
+                flag: "kv-events",
+                reason:
+                    "needs --prefix-cache: KV events report what the prefix cache stores and evicts"
+                        .into(),
+            });
+        }
+        if self.kv_events.is_none() && self.kv_events_replay.is_some() {
+            return Err(EngineError::BadArg {
+                flag: "kv-events-replay",
+                reason: "needs --kv-events: it replays what that socket published".into(),
+            });
+        }
+        Ok(())
     }
 
     /// Slots in the KV pool: `--kv-pages` × `--page-size`.

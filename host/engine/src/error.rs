@@ -18,6 +18,12 @@ pub enum EngineError {
     },
     #[error("cannot load the model {model}: {reason}")]
     Model { model: String, reason: String },
+    #[error("cannot bind the KV-events {what} socket on tcp://{addr}: {source}")]
+    KvEvents {
+        what: &'static str,
+        addr: SocketAddr,
+        source: zeromq::ZmqError,
+    },
     #[error("cannot start the engine's {what}: {source}")]
     Start {
         what: &'static str,

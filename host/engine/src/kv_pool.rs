@@ -3,14 +3,32 @@
 //! Pages hold `page_size` consecutive positions of one sequence; slot `page * page_size + offset`
 //! is where position `offset` of that page lives in the [`switchyard_kv::KvStore`]. A page is
 //! reference-counted: sequences sharing a cached prefix share its pages. With the prefix cache on,
-//! a full page is registered under a key that hashes every token up to its end; when its last
-//! reference goes it stays cached (evictable, LRU) instead of returning to the free list, so a
-//! later request with the same prefix reuses it without recomputing or receiving its KV.
+//! a full page is registered under a key chained from its parent's key and its own tokens (so it
+//! stands for every token up to its end); when its last reference goes it stays cached
+//! (evictable, LRU) instead of returning to the free list, so a later request with the same prefix
+//! reuses it without recomputing or receiving its KV.
 //!
 //! Only whole pages are ever shared, and a sequence writes only at positions past its matched
 //! prefix, so a shared page is never written while shared.
+//!
+//! The cache changes in two places only: [`PagePool::register`] stores pages and
+//! [`PagePool::alloc`] evicts them. With [`PagePool::record_events`] both write what they did
+//! to a journal as vLLM's KV-cache events ([`switchyard_wire::kv_events`]), the keys being the
+//! block hashes, which a driver takes with [`PagePool::take_events`]. A page is stored only
+//! when its parent's key is cached, so every `BlockStored` names a parent its subscribers know
+//! and an index fed from the journal holds exactly the keys the cache holds.
+
+mod journal;
 
 use std::collections::{BTreeMap, HashMap};
+
+use switchyard_wire::kv_events::Event;
+
+use journal::Journal;
+
+/// The key before a sequence's first page when nobody chose one ([`PagePool::record_events`]
+/// does): a fixed value, so a core is deterministic.
+const DEFAULT_ROOT: u64 = 0x6A09_E667_F3BC_C908;
 
 /// Page bookkeeping for one engine. Owned by the step loop; not thread-safe by design.
 #[derive(Debug)]
@@ -20,6 +38,8 @@ pub struct PagePool {
     free: Vec<u32>,
     refcount: Vec<u32>,
     cache: Option<PrefixCache>,
+    /// What the first page's key chains from: vLLM's `NONE_HASH`.
+    root: u64,
 }
 
 /// Full pages by prefix key, and the unreferenced ones in least-recently-used order.
@@ -30,6 +50,9 @@ struct PrefixCache {
     evictable: BTreeMap<u64, u32>,
     evictable_tick: HashMap<u32, u64>,
     tick: u64,
+    /// What the cache did since the driver last took it; `None` while nobody listens, which
+    /// costs nothing.
+    journal: Option<Journal>,
 }
 
 impl PagePool {
@@ -41,7 +64,26 @@ impl PagePool {
             free: (0..num_pages).rev().collect(),
             refcount: vec![0; num_pages as usize],
             cache: prefix_cache.then(PrefixCache::default),
+            root: DEFAULT_ROOT,
         }
+    }
+
+    /// From now on, journal every page the prefix cache stores or evicts as KV events (a no-op
+    /// without a prefix cache), with keys chained from `root`: an engine draws it at random
+    /// once per process, as vLLM draws its `NONE_HASH`, so its block hashes name its own blocks
+    /// and nothing else's. Call it before the first key is computed: keys from another root
+    /// never match again.
+    pub fn record_events(&mut self, root: u64) {
+        self.root = root;
+        if let Some(cache) = self.cache.as_mut() {
+            cache.journal = Some(Journal::default());
+        }
+    }
+
+    /// What the prefix cache did since the last call, in order; `None` when nothing happened
+    /// (or nobody records).
+    pub fn take_events(&mut self) -> Option<Vec<Event>> {
+        self.cache.as_mut()?.journal.as_mut()?.take()
     }
 
     pub fn page_size(&self) -> usize {
@@ -96,6 +138,9 @@ impl PagePool {
         cache.evictable_tick.remove(&page);
         if let Some(key) = cache.key_by_page.remove(&page) {
             cache.page_by_key.remove(&key);
+            if let Some(journal) = cache.journal.as_mut() {
+                journal.removed(key);
+            }
         }
         Some(page)
     }
@@ -120,27 +165,47 @@ impl PagePool {
         pages
     }
 
-    /// How many of `keys` (one per full page, from the start) the prefix cache holds in a
-    /// row: a read that takes no reference and leaves the eviction order as it was.
-    pub fn cached_pages(&self, keys: &[u64]) -> usize {
-        self.cache.as_ref().map_or(0, |cache| {
-            keys.iter()
-                .take_while(|key| cache.page_by_key.contains_key(key))
-                .count()
-        })
+    /// How many leading full pages of `tokens` the prefix cache holds in a row: a read that
+    /// takes no reference and leaves the eviction order as it was. Keys are chained as
+    /// [`extend_keys`](Self::extend_keys) chains them, and none past the first page missing.
+    pub fn cached_pages(&self, tokens: &[u32]) -> usize {
+        let Some(cache) = self.cache.as_ref() else {
+            return 0;
+        };
+        let mut key = self.root;
+        tokens
+            .chunks_exact(self.page_size)
+            .take_while(|page| {
+                key = chain(key, page);
+                cache.page_by_key.contains_key(&key)
+            })
+            .count()
     }
 
-    /// Records that `page` now holds the full page whose prefix key is `key`. A no-op without a
-    /// prefix cache, or when the key or the page is already cached.
-    pub fn register(&mut self, page: u32, key: u64) {
+    /// Offers full pages `from..keys.len()` of one sequence to the prefix cache: page `p` is
+    /// `pages[p]`, holds `tokens[p * page_size..][..page_size]` and has the prefix key
+    /// `keys[p]`. A page is skipped when its key or the page is cached already, or when its
+    /// parent's key is not cached (it went while the sequence ran): a key whose parent is
+    /// missing is one no prefix reaches, and its event would name a parent nobody knows.
+    /// A no-op without a prefix cache.
+    pub fn register(&mut self, pages: &[u32], keys: &[u64], tokens: &[u32], from: usize) {
+        let page_size = self.page_size;
         let Some(cache) = self.cache.as_mut() else {
             return;
         };
-        if cache.page_by_key.contains_key(&key) || cache.key_by_page.contains_key(&page) {
-            return;
+        // Consecutive pages stored are one event, as vLLM publishes a request's new blocks.
+        let mut run = None;
+        for p in from..keys.len() {
+            let parent = p.checked_sub(1).map(|q| keys[q]);
+            if cache.store(pages[p], keys[p], parent) {
+                run.get_or_insert(p);
+            } else if let Some(start) = run.take() {
+                cache.journal_stored(keys, start..p, tokens, page_size);
+            }
         }
-        cache.page_by_key.insert(key, page);
-        cache.key_by_page.insert(page, key);
+        if let Some(start) = run {
+            cache.journal_stored(keys, start..keys.len(), tokens, page_size);
+        }
     }
 
     /// Drops one reference to each page; a page nobody references becomes idle-cached if it is
@@ -169,93 +234,59 @@ impl PagePool {
         pages[position / self.page_size] * self.page_size as u32
             + (position % self.page_size) as u32
     }
+
+    /// Prefix keys of the full pages of `tokens`: key `p` chains key `p - 1` (the root for the
+    /// first page) with the tokens of page `p`, so it stands for every token up to its end.
+    /// Keys already computed in `keys` are kept; only new full pages are hashed.
+    pub fn extend_keys(&self, keys: &mut Vec<u64>, tokens: &[u32]) {
+        let page_size = self.page_size;
+        let full_pages = tokens.len() / page_size;
+        while keys.len() < full_pages {
+            let p = keys.len();
+            let parent = keys.last().copied().unwrap_or(self.root);
+            keys.push(chain(parent, &tokens[p * page_size..(p + 1) * page_size]));
+        }
+    }
 }
 
-/// Prefix keys of the full pages of `tokens`: key `p` hashes every token of pages `0..=p`.
-/// Keys already computed in `keys` are kept; only new full pages are hashed.
-pub fn extend_page_keys(keys: &mut Vec<u64>, tokens: &[u32], page_size: usize) {
-    let full_pages = tokens.len() / page_size;
-    while keys.len() < full_pages {
-        let p = keys.len();
-        let prev = keys.last().copied().unwrap_or(0x6A09_E667_F3BC_C908);
-        let key = tokens[p * page_size..(p + 1) * page_size]
-            .iter()
-            .fold(prev, |h, &t| {
-                (h ^ u64::from(t))
-                    .wrapping_mul(0x0000_0100_0000_01B3)
-                    .rotate_left(23)
-                    ^ (h >> 17)
-            });
-        keys.push(key);
+// === impl PrefixCache ===
+
+impl PrefixCache {
+    /// Caches `page` under `key` if neither is cached and its parent is; whether it did.
+    fn store(&mut self, page: u32, key: u64, parent: Option<u64>) -> bool {
+        if self.page_by_key.contains_key(&key)
+            || self.key_by_page.contains_key(&page)
+            || parent.is_some_and(|parent| !self.page_by_key.contains_key(&parent))
+        {
+            return false;
+        }
+        self.page_by_key.insert(key, page);
+        self.key_by_page.insert(page, key);
+        true
     }
+
+    fn journal_stored(
+        &mut self,
+        keys: &[u64],
+        pages: std::ops::Range<usize>,
+        tokens: &[u32],
+        page_size: usize,
+    ) {
+        if let Some(journal) = self.journal.as_mut() {
+            journal.stored(keys, pages, tokens, page_size);
+        }
+    }
+}
+
+/// One page's key: its parent's key mixed with each of its tokens.
+fn chain(parent: u64, tokens: &[u32]) -> u64 {
+    tokens.iter().fold(parent, |h, &t| {
+        (h ^ u64::from(t))
+            .wrapping_mul(0x0000_0100_0000_01B3)
+            .rotate_left(23)
+            ^ (h >> 17)
+    })
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn alloc_and_release_without_cache() {
-        let mut pool = PagePool::new(4, 16, false);
-        let a = pool.alloc(3).unwrap();
-        assert_eq!(a, vec![0, 1, 2]);
-        assert_eq!(pool.available(), 1);
-        assert!(pool.alloc(2).is_none());
-        assert_eq!(pool.available(), 1, "a failed alloc takes nothing");
-        pool.release(&a);
-        assert_eq!(pool.available(), 4);
-        assert_eq!(pool.used(), 0);
-        assert_eq!(pool.slot(&[2, 0], 17), 1);
-        assert_eq!(pool.slot(&[2, 0], 3), 35);
-    }
-
-    #[test]
-    fn prefix_cache_shares_and_evicts_lru() {
-        let mut pool = PagePool::new(3, 2, true);
-        let tokens = [1, 2, 3, 4, 5];
-        let mut keys = Vec::new();
-        extend_page_keys(&mut keys, &tokens, 2);
-        assert_eq!(keys.len(), 2);
-
-        let pages = pool.alloc(3).unwrap();
-        pool.register(pages[0], keys[0]);
-        pool.register(pages[1], keys[1]);
-        // A second sequence with the same prefix shares the two full pages.
-        let shared = pool.match_prefix(&keys, 8);
-        assert_eq!(shared, pages[..2]);
-        pool.release(&pages);
-        assert_eq!(pool.used(), 2, "the sharer still holds two pages");
-        assert_eq!(pool.cached_idle(), 0);
-        pool.release(&shared);
-        assert_eq!(pool.cached_idle(), 2);
-        assert_eq!(pool.available(), 3);
-
-        // The match is capped, and a different prefix does not match.
-        assert_eq!(pool.match_prefix(&keys, 1).len(), 1);
-        let mut other = Vec::new();
-        extend_page_keys(&mut other, &[9, 9, 3, 4], 2);
-        assert!(pool.match_prefix(&other, 8).is_empty());
-
-        // Allocation evicts idle cached pages once the free list is empty.
-        let all = pool.alloc(2).unwrap();
-        assert_eq!(pool.available(), 0);
-        pool.release(&all);
-        assert_eq!(
-            pool.match_prefix(&keys[1..], 8).len(),
-            0,
-            "evicted keys are gone"
-        );
-    }
-
-    #[test]
-    fn page_keys_depend_on_everything_before() {
-        let (mut a, mut b) = (Vec::new(), Vec::new());
-        extend_page_keys(&mut a, &[1, 2, 3, 4], 2);
-        extend_page_keys(&mut b, &[0, 2, 3, 4], 2);
-        assert_ne!(a[1], b[1]);
-        let mut c = a[..1].to_vec();
-        extend_page_keys(&mut c, &[1, 2, 3, 4, 5, 6], 2);
-        assert_eq!(&c[..2], a.as_slice());
-        assert_eq!(c.len(), 3);
-    }
-}
+mod tests;

@@ -45,6 +45,7 @@
 mod args;
 mod error;
 mod http;
+mod kv_events;
 pub mod kv_pool;
 pub mod latency;
 pub mod llama;
@@ -55,7 +56,7 @@ pub mod scheduler;
 mod start;
 mod step_loop;
 
-pub use args::{DisaggregationMode, EngineArgs, ModelShape, Protocol};
+pub use args::{DisaggregationMode, EngineArgs, KvEventsEncoding, ModelShape, Protocol};
 pub use error::EngineError;
 pub use load::{fetch_hint, model_path};
 pub use start::{RunningEngine, run, start};

@@ -79,13 +79,33 @@ async fn wait_metric(engine: &RunningEngine, name: &str, want: f64) {
     }
 }
 
-/// What a client sees of an answer: text, generated ids, finish reason, usage.
-#[derive(Debug, PartialEq)]
+/// What a client sees of an answer: text, generated ids, finish reason, usage counts, and
+/// how many prompt tokens the answering engine's prefix cache served (which depends on that
+/// engine's history, not on the answer: equal answers may differ in it).
+#[derive(Debug)]
 struct Output {
     text: String,
     ids: Vec<u64>,
     finish: String,
     usage: Value,
+    cached_tokens: u64,
+}
+
+impl PartialEq for Output {
+    fn eq(&self, other: &Output) -> bool {
+        (&self.text, &self.ids, &self.finish, &self.usage)
+            == (&other.text, &other.ids, &other.finish, &other.usage)
+    }
+}
+
+/// Usage without its `prompt_tokens_details`, and the cached tokens they report.
+fn split_usage(mut usage: Value) -> (Value, u64) {
+    let details = usage
+        .as_object_mut()
+        .and_then(|u| u.remove("prompt_tokens_details"))
+        .expect("every answer says what its prefix cache served");
+    let cached = details["cached_tokens"].as_u64().expect("cached_tokens");
+    (usage, cached)
 }
 
 fn choice_text(choice: &Value) -> &str {
@@ -99,11 +119,13 @@ fn choice_text(choice: &Value) -> &str {
 fn output(body: &Value) -> Output {
     let Value::String(sse) = body else {
         let choice = &body["choices"][0];
+        let (usage, cached_tokens) = split_usage(body["usage"].clone());
         return Output {
             text: choice_text(choice).to_owned(),
             ids: ids(choice),
             finish: choice["finish_reason"].as_str().unwrap_or("").to_owned(),
-            usage: body["usage"].clone(),
+            usage,
+            cached_tokens,
         };
     };
     assert!(sse.ends_with("data: [DONE]\n\n"), "{sse}");
@@ -112,6 +134,7 @@ fn output(body: &Value) -> Output {
         ids: Vec::new(),
         finish: String::new(),
         usage: Value::Null,
+        cached_tokens: 0,
     };
     for event in sse.split("\n\n").filter(|e| !e.is_empty()) {
         let data = event.strip_prefix("data: ").expect("a data event");
@@ -127,10 +150,19 @@ fn output(body: &Value) -> Output {
                 out.finish = f.to_owned();
             }
         } else {
-            out.usage = chunk["usage"].clone();
+            (out.usage, out.cached_tokens) = split_usage(chunk["usage"].clone());
         }
     }
     out
+}
+
+/// What a decode engine's prefix cache can serve of a prompt it has seen whole: the pages
+/// before its last token, which D computes itself (prep_recv's `end = -1`).
+fn whole_pages_before_last(output: &Output, page_size: u64) -> u64 {
+    let prompt = output.usage["prompt_tokens"]
+        .as_u64()
+        .expect("prompt_tokens");
+    (prompt - 1) / page_size * page_size
 }
 
 fn ids(choice: &Value) -> Vec<u64> {
@@ -270,7 +302,15 @@ async fn vllm_pair_matches_single_engine(transport: &str, seed: u64) {
                 let (status, decoded) =
                     call(&d, path, &with_params(&client, &params), Some(&id)).await;
                 assert_eq!(status, 200, "{decoded}");
-                assert_eq!(output(&decoded), output(&direct), "{path} stream={stream}");
+                let (decoded, direct) = (output(&decoded), output(&direct));
+                assert_eq!(decoded, direct, "{path} stream={stream}");
+                assert_eq!(direct.cached_tokens, 0, "the single engine caches nothing");
+                // The streamed request repeats the one before it: D's own cache serves every
+                // whole page of it, however much of it P pushed.
+                if stream {
+                    let served = whole_pages_before_last(&decoded, 16);
+                    assert_eq!(decoded.cached_tokens, served, "{path}");
+                }
                 pulled += 1.0;
                 assert_eq!(metric(&p, "switchyard_engine_vllm_leases_held").await, 0.0);
                 assert_eq!(
@@ -584,11 +624,12 @@ async fn sglang_pair_matches_single_engine(transport: &str, seed: u64) {
                     ("length", 1),
                     "{one:?}"
                 );
-                assert_eq!(
-                    output(&decoded.1),
-                    output(&direct),
-                    "{path} stream={stream}"
-                );
+                let (decoded, direct) = (output(&decoded.1), output(&direct));
+                assert_eq!(decoded, direct, "{path} stream={stream}");
+                if stream {
+                    let served = whole_pages_before_last(&decoded, 16);
+                    assert_eq!(decoded.cached_tokens, served, "{path}");
+                }
                 transferred += 1.0;
                 assert_eq!(
                     metric(&p, "switchyard_engine_sglang_rooms_transferred_total").await,

@@ -31,7 +31,9 @@
 //! push cannot overwrite another request's KV.
 //!
 //! The prefix cache stores and evicts pages in one place each, [`PagePool::register`] and
-//! [`PagePool::alloc`], where cache events can be observed.
+//! [`PagePool::alloc`]. A core built [`with_kv_events`](Core::with_kv_events) reports both,
+//! one [`Output::KvEvents`] per step that changed the cache, due with the step's other
+//! outputs: what an engine publishes on its KV-events socket and a simulator feeds its index.
 //!
 //! ```
 //! use std::sync::Arc;
@@ -166,6 +168,17 @@ impl Core {
         }
     }
 
+    /// Reports the prefix cache's changes from now on ([`Output::KvEvents`]), its block hashes
+    /// being page keys chained from `hash_seed`: an engine draws the seed at random once per
+    /// process, as vLLM draws its `NONE_HASH`, so its hashes name its own blocks and nothing
+    /// else's; a simulator passes its own seed. Call it on a new core, before any command:
+    /// keys computed from another seed never match again. Without a prefix cache there is
+    /// nothing to report.
+    pub fn with_kv_events(mut self, hash_seed: u64) -> Core {
+        self.pool.record_events(hash_seed);
+        self
+    }
+
     /// One step at `now` (see the module docs). What admission answers is due at `now`, what
     /// the batch produces at the returned [`Step::end`]. `now` must not be before the last
     /// step's end: the engine runs one step at a time.
@@ -182,6 +195,11 @@ impl Core {
         let work = self.run_batch();
         let cost = self.cfg.timing.step(&work);
         let end = now + cost;
+        // The cache's changes go first: an answer the step made possible never reaches its
+        // caller before the news of the pages it left cached.
+        if let Some(events) = self.pool.take_events() {
+            self.outbox.push_back((end, Output::KvEvents(events)));
+        }
         self.post(end);
         Step { work, cost, end }
     }
@@ -242,12 +260,11 @@ impl Core {
         }
     }
 
-    /// Leading positions of a prompt whose page keys are `keys`
-    /// ([`extend_page_keys`](crate::kv_pool::extend_page_keys)) that the prefix cache holds,
-    /// in whole pages; what a router learns from the engine's KV events, read without changing
-    /// anything (a simulator's view of its engines' caches).
-    pub fn cached_prefix(&self, keys: &[u64]) -> usize {
-        self.pool.cached_pages(keys) * self.pool.page_size()
+    /// Leading positions of `prompt` that the prefix cache holds, in whole pages; what a
+    /// router learns from the engine's KV events, read without changing anything (a
+    /// simulator's view of its engines' caches).
+    pub fn cached_prefix(&self, prompt: &[u32]) -> usize {
+        self.pool.cached_pages(prompt) * self.pool.page_size()
     }
 
     /// What the core counted since it started.

@@ -14,6 +14,7 @@ use switchyard_wire::ReadyLine;
 use crate::args::{DisaggregationMode, EngineArgs, Protocol};
 use crate::error::EngineError;
 use crate::http;
+use crate::kv_events::{Publisher, PublisherConfig};
 use crate::latency::TimingModel;
 use crate::load::load_model;
 use crate::metrics::Metrics;
@@ -33,6 +34,8 @@ pub struct RunningEngine {
     server: tokio::task::JoinHandle<()>,
     /// The side channel's or bootstrap server's accept loop, stopped with the engine.
     aux_server: Option<tokio::task::JoinHandle<()>>,
+    /// `--kv-events`: the publisher, stopped with the engine.
+    kv_events: Option<Publisher>,
 }
 
 impl RunningEngine {
@@ -57,6 +60,16 @@ impl RunningEngine {
     /// `bootstrap_port`).
     pub fn bootstrap_addr(&self) -> Option<SocketAddr> {
         self.bootstrap_addr
+    }
+
+    /// `--kv-events`: where the PUB socket is bound (the port chosen if the flag said 0).
+    pub fn kv_events_addr(&self) -> Option<SocketAddr> {
+        self.kv_events.as_ref().map(Publisher::events_addr)
+    }
+
+    /// `--kv-events-replay`: where the replay socket is bound.
+    pub fn kv_events_replay_addr(&self) -> Option<SocketAddr> {
+        self.kv_events.as_ref().and_then(Publisher::replay_addr)
     }
 
     /// The line `switchyard engine` prints once it accepts requests.
@@ -85,6 +98,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
     let num_slots = args.pool_slots()?;
     args.check_reservation_ttl()?;
     args.check_protocol()?;
+    args.check_kv_events()?;
     let model = load_model(&args.model).await?;
     let store = KvStore::new_on(args.kv_device, model.kv_shape(args.model_shape), num_slots)?;
     let store = Arc::new(store.with_guarded_slots());
@@ -105,7 +119,22 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
         timing: timing.clone(),
     };
     let core = Core::new(config, Backend::new(&model.spec, store));
-    let step_loop = StepLoop::new(core, metrics.clone());
+    let (step_loop, kv_events) = match args.kv_events {
+        Some(events) => {
+            let config = PublisherConfig {
+                events,
+                replay: args.kv_events_replay,
+                encoding: args.kv_events_encoding,
+                buffer_steps: args.kv_events_buffer_steps,
+            };
+            let (publisher, batches) = Publisher::start(config).await?;
+            // A seed per process, as vLLM's NONE_HASH: this engine's hashes are its own.
+            let core = core.with_kv_events(rand::random());
+            let step_loop = StepLoop::new(core, metrics.clone()).publishing(batches);
+            (step_loop, Some(publisher))
+        }
+        None => (StepLoop::new(core, metrics.clone()), None),
+    };
     let (commands, queue) = std::sync::mpsc::channel();
     let alive = Arc::new(AtomicBool::new(true));
     let alive_while = StepLoopAlive(alive.clone());
@@ -180,6 +209,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
             .flatten(),
         server,
         aux_server,
+        kv_events,
     })
 }
 
@@ -225,7 +255,13 @@ pub fn run(args: EngineArgs, shutdown: impl Future<Output = ()>) -> Result<(), E
         println!("{}", engine.ready_line());
         use std::io::Write as _;
         let _ = std::io::stdout().flush();
-        tracing::info!(http = %engine.http_addr(), kv = %engine.kv_addr(), "engine ready");
+        tracing::info!(
+            http = %engine.http_addr(),
+            kv = %engine.kv_addr(),
+            kv_events = ?engine.kv_events_addr(),
+            kv_events_replay = ?engine.kv_events_replay_addr(),
+            "engine ready"
+        );
         shutdown.await;
         Ok(())
     })

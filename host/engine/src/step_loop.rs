@@ -12,7 +12,8 @@
 //! A request whose client went away (its channel closed) is cancelled in the core before the
 //! next step, which frees its pages; a dropped [`SendLease`] hands its pages back the same way.
 //! Metrics are published before every delivery, so a caller that reads them right after an
-//! answer sees what the answer did (a reservation's pages, a lease held).
+//! answer sees what the answer did (a reservation's pages, a lease held). A step's KV events go
+//! to the publisher (`kv_events`) in the same delivery, before its answers.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, TryRecvError};
@@ -20,6 +21,7 @@ use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot};
 
+use crate::kv_events::Batches;
 use crate::metrics::Metrics;
 use crate::scheduler::{
     Core, CoreError, Counters, Event, FinishReason, GenRequest, Lease, Output, PrepRecvReply,
@@ -114,6 +116,8 @@ pub(crate) struct StepLoop {
     waiters: HashMap<RequestId, Waiter>,
     /// Where dropped [`SendLease`]s send their id, and the receiving end the loop drains.
     lease_returns: (Sender<RequestId>, Receiver<RequestId>),
+    /// The KV-event publisher, with `--kv-events`.
+    kv_events: Option<Batches>,
 }
 
 impl StepLoop {
@@ -124,7 +128,14 @@ impl StepLoop {
             published: Counters::default(),
             waiters: HashMap::new(),
             lease_returns: std::sync::mpsc::channel(),
+            kv_events: None,
         }
+    }
+
+    /// Hands the core's KV events ([`Output::KvEvents`]) to the publisher as they fall due.
+    pub(crate) fn publishing(mut self, batches: Batches) -> Self {
+        self.kv_events = Some(batches);
+        self
     }
 
     /// Runs steps until every command sender is gone, each step's outputs delivered when its
@@ -299,6 +310,11 @@ impl StepLoop {
                 // A caller that went away drops the lease right here, which returns the pages.
                 if let Some(Waiter::Lease(reply)) = self.waiters.remove(&id) {
                     let _ = reply.send(lease);
+                }
+            }
+            Output::KvEvents(events) => {
+                if let Some(publisher) = &self.kv_events {
+                    publisher.send(events);
                 }
             }
         }

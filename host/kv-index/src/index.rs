@@ -2,12 +2,14 @@
 
 mod endpoint;
 mod holders;
+mod table;
 #[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
+use foldhash::fast::FixedState;
 use switchyard_contract::EndpointId;
 use switchyard_wire::kv_events::{BlockHash, BlockRemoved, BlockStored, Event, EventBatch, Value};
 use xxhash_rust::xxh3::xxh3_64;
@@ -22,13 +24,18 @@ use holders::Holders;
 /// more than the KV pool of any one engine we front.
 pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 100_000;
 
-/// Blocks whose keys a lookup computes before probing them.
-const KEYS_AHEAD: usize = 32;
+/// Blocks whose keys a lookup computes before probing them: at first, then at most. Each
+/// stretch ends waiting on the last of its probes' misses, so the stretches grow; but a short
+/// first one keeps a walk that stops early (a new prompt past its system prompt) short, and
+/// a bounded one keeps its lines in the L1 cache until probed.
+const FIRST_STRETCH: usize = 32;
+const LONGEST_STRETCH: usize = 256;
 
 /// Which prompt prefixes each endpoint's KV cache holds.
 pub struct KvIndex {
     holders: Holders,
-    endpoints: HashMap<EndpointId, EndpointBlocks>,
+    /// Found once per event: foldhash, not SipHash (ids are ours, not an attacker's).
+    endpoints: HashMap<EndpointId, EndpointBlocks, FixedState>,
     /// Slot → endpoint; a removed endpoint's slot is reused.
     slots: Vec<Option<EndpointId>>,
     blocks_per_endpoint: usize,
@@ -53,7 +60,7 @@ impl KvIndex {
     pub fn new(blocks_per_endpoint: usize) -> Self {
         Self {
             holders: Holders::default(),
-            endpoints: HashMap::new(),
+            endpoints: HashMap::default(),
             slots: Vec::new(),
             blocks_per_endpoint,
         }
@@ -183,19 +190,26 @@ impl KvIndex {
     ) {
         let mut chain = KeyChain::from(BlockKey::root(adapter));
         let blocks = tokens.len() / block_size;
-        // A stretch of keys, then their probes, then the narrowing: the probes do not depend
-        // on each other, so their cache misses (the map is far larger than any cache) overlap.
-        let mut keys = Vec::with_capacity(KEYS_AHEAD);
-        let mut held = Vec::with_capacity(KEYS_AHEAD * walking.len());
-        for (stretch, stretch_tokens) in tokens.chunks(KEYS_AHEAD * block_size).enumerate() {
+        // A stretch of keys (a chain of hashes, no memory), then their lines read into the
+        // cache together, then their probes, then the narrowing: reads that wait on nothing
+        // else overlap their cache misses (the map is far larger than any cache).
+        let mut keys = Vec::with_capacity(LONGEST_STRETCH);
+        let mut held = Vec::with_capacity(LONGEST_STRETCH * walking.len());
+        let (mut walked, mut stretch) = (0, FIRST_STRETCH);
+        while walked < blocks {
+            let stretch_tokens = &tokens[walked * block_size..];
             keys.clear();
             keys.extend(
                 stretch_tokens
                     .chunks_exact(block_size)
+                    .take(stretch)
                     .map(|b| chain.next(b)),
             );
-            // All the stretch's probes first, for the words still walking: independent
-            // loads the CPU overlaps, where probing between narrowings would wait on each.
+            for (word, &slots) in walking.iter().enumerate() {
+                if slots != 0 {
+                    self.holders.touch(keys.iter().copied(), word, media);
+                }
+            }
             held.clear();
             for (word, &slots) in walking.iter().enumerate() {
                 held.extend(keys.iter().map(|&key| match slots {
@@ -204,7 +218,7 @@ impl KvIndex {
                 }));
             }
             for i in 0..keys.len() {
-                let depth = stretch * KEYS_AHEAD + i;
+                let depth = walked + i;
                 let mut any = false;
                 for (word, slots) in walking.iter_mut().enumerate() {
                     let held = held[word * keys.len() + i];
@@ -216,6 +230,8 @@ impl KvIndex {
                     return;
                 }
             }
+            walked += keys.len();
+            stretch = (stretch * 2).min(LONGEST_STRETCH);
         }
         for (word, slots) in walking.iter().enumerate() {
             for_each_slot(*slots, word, |slot| matched_blocks[slot] = blocks);

@@ -33,6 +33,7 @@ impl MediumSet {
     /// The default: only what the engine can reuse without a load.
     pub const GPU: Self = Self::of(Medium::Gpu);
     pub const ALL: Self = Self(0b111);
+    pub(crate) const NONE: Self = Self(0);
 
     pub const fn of(medium: Medium) -> Self {
         Self(1 << medium as u8)

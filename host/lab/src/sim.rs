@@ -37,7 +37,6 @@ use rand::rngs::StdRng;
 use switchyard_bench::RequestOutcome;
 use switchyard_bench::trace::ScheduledRequest;
 use switchyard_contract::{EndpointSnapshot, Health, address_hash};
-use switchyard_engine::kv_pool::extend_page_keys;
 use switchyard_engine::scheduler::{Backend, Core, Counters, Output, Time};
 
 use crate::config::ClusterSpec;
@@ -401,6 +400,8 @@ impl<'a> Simulation<'a> {
                         self.poke(e);
                     }
                 },
+                // The lab's cores are not built with_kv_events: snapshots read the caches.
+                Output::KvEvents(_) => {}
             }
         }
     }
@@ -417,11 +418,6 @@ impl<'a> Simulation<'a> {
     /// how much of `prompt` each engine's cache holds (what the router's KV index learns
     /// from the engines' events; here read from the caches themselves, so never stale).
     fn snapshot(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
-        let keys = self.cluster.prefix_cache.then(|| {
-            let mut keys = Vec::new();
-            extend_page_keys(&mut keys, prompt, self.cluster.page_size);
-            keys
-        });
         self.endpoints
             .iter()
             .zip(&self.engines)
@@ -430,9 +426,10 @@ impl<'a> Simulation<'a> {
                 kv_usage: Some(engine.probed.kv_usage),
                 running: Some(engine.probed.running),
                 waiting: Some(engine.probed.waiting),
-                cached_prefix: keys
-                    .as_ref()
-                    .map(|keys| u32::try_from(engine.core.cached_prefix(keys)).unwrap_or(u32::MAX)),
+                cached_prefix: self
+                    .cluster
+                    .prefix_cache
+                    .then(|| u32::try_from(engine.core.cached_prefix(prompt)).unwrap_or(u32::MAX)),
                 ..endpoint.clone()
             })
             .collect()

@@ -121,6 +121,9 @@ fn endpoints() -> Vec<EndpointSnapshot> {
             api_key: None,
             protocol: switchyard_contract::Protocol::Mlc,
             bootstrap_port: None,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: None,
         })
         .collect();
     let cluster = Cluster::new(specs, OutlierConfig::default());

@@ -4,6 +4,8 @@
 //! ```text
 //! Cluster::new(Vec<EndpointSpec>, OutlierConfig)   ids in order, device ranks = prefix sums of GPUs (as MLC)
 //!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
+//!   snapshot_for(prompt)                 the same with each endpoint's cached prefix (see `kv`)
+//!   subscribe_kv_events(id) / note_served(ids, len) / resync_kv_events(id, why)   KV events
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
 //!   mark_unhealthy(id) / set_health(id, ok) / set_engine_load(id, load)
@@ -22,6 +24,7 @@
 
 mod health;
 mod inflight;
+mod kv;
 mod outlier;
 
 use std::fmt::Display;
@@ -34,10 +37,13 @@ use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
 use crate::engine_client::Upstream;
+use crate::kv_events::{KvEventsSource, ResyncReason, SubscriberConfig};
+use kv::{EndpointKv, KvCache};
 use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
 pub use inflight::InFlight;
+pub use kv::{IndexCounts, KvEventsStatus};
 pub use outlier::{OutlierConfig, OutlierView};
 
 /// An endpoint as the operator configured it.
@@ -68,10 +74,35 @@ pub struct EndpointSpec {
     /// host is the URL's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bootstrap_port: Option<u16>,
+    /// The engine's KV-cache event socket (ZeroMQ PUB, `tcp://HOST:PORT`): the router keeps
+    /// an index of what its prefix cache holds and tells policies each request's cached
+    /// prefix. Without it the endpoint's `cached_prefix` is unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<String>,
+    /// The engine's replay socket (ZeroMQ ROUTER, `tcp://HOST:PORT`), asked for the batches a
+    /// gap lost; without it a gap clears the endpoint's index until new events rebuild it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_replay: Option<String>,
+    /// The topic subscribed to (a prefix); absent: every topic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_topic: Option<String>,
 }
 
 fn one() -> u32 {
     1
+}
+
+/// `tcp://HOST:PORT`, the only ZeroMQ transport engines publish KV events on.
+fn check_tcp_url(key: &str, url: &str) -> Result<(), String> {
+    let bad = || format!("{key} {url:?} is not a tcp://HOST:PORT address");
+    let (host, port) = url
+        .strip_prefix("tcp://")
+        .and_then(|address| address.rsplit_once(':'))
+        .ok_or_else(bad)?;
+    match port.parse::<u16>() {
+        Ok(port) if port != 0 && !host.is_empty() => Ok(()),
+        _ => Err(bad()),
+    }
 }
 
 /// An engine's API key, as the `Authorization` header it becomes. Its `Debug` never shows it.
@@ -171,7 +202,37 @@ impl EndpointSpec {
                 }
             )),
             _ => Ok(()),
+        }?;
+        self.check_kv_events()
+    }
+
+    /// `kv_events` and `kv_events_replay` are `tcp://HOST:PORT`; a replay socket or a topic
+    /// without an event socket would never be used.
+    fn check_kv_events(&self) -> Result<(), String> {
+        let Some(events) = &self.kv_events else {
+            return match (&self.kv_events_replay, &self.kv_events_topic) {
+                (None, None) => Ok(()),
+                (Some(_), _) => Err("kv_events_replay needs kv_events (the event socket)".into()),
+                (None, Some(_)) => Err("kv_events_topic needs kv_events (the event socket)".into()),
+            };
+        };
+        check_tcp_url("kv_events", events)?;
+        match &self.kv_events_replay {
+            Some(replay) => check_tcp_url("kv_events_replay", replay),
+            None => Ok(()),
         }
+    }
+
+    /// Where the engine publishes its KV events, if it does.
+    pub fn kv_events_source(&self) -> Option<KvEventsSource> {
+        let mut source = KvEventsSource::new(self.kv_events.clone()?);
+        if let Some(replay) = &self.kv_events_replay {
+            source = source.with_replay(replay.clone());
+        }
+        if let Some(topic) = &self.kv_events_topic {
+            source = source.with_topic(topic.clone());
+        }
+        Some(source)
     }
 
     /// The host decode engines reach this one's bootstrap server at, and its port, for an
@@ -270,6 +331,8 @@ pub(crate) struct EndpointState {
     outlier: Mutex<Outlier>,
     /// The model ids its `/v1/models` last listed.
     models: RwLock<Vec<String>>,
+    /// Where its engine publishes KV events, and the subscriber reading them.
+    kv: EndpointKv,
 }
 
 impl EndpointState {
@@ -294,6 +357,7 @@ impl EndpointState {
             load: Mutex::new(EngineLoad::default()),
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
+            kv: EndpointKv::new(spec.kv_events_source()),
         }
     }
 
@@ -330,6 +394,8 @@ pub struct Cluster {
     /// False until endpoint discovery has listed its source once: a router that has not yet
     /// seen every pod must not call itself ready on the first one.
     discovered: AtomicBool,
+    /// The endpoints' KV caches, from their events.
+    kv: KvCache,
 }
 
 /// What `/health` says: whether the router can serve, and which endpoints are down.
@@ -370,6 +436,9 @@ pub struct EndpointStatus {
     pub running: Option<u32>,
     pub waiting: Option<u32>,
     pub outlier: OutlierView,
+    /// Its KV event subscriber's state, when its engine publishes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_events: Option<KvEventsStatus>,
 }
 
 /// Why a change to the live list was refused.
@@ -395,6 +464,7 @@ impl Cluster {
             outlier,
             min_healthy: 1,
             discovered: AtomicBool::new(true),
+            kv: KvCache::new(SubscriberConfig::default()),
         };
         for spec in &specs {
             cluster.push(spec, Owner::Static);
@@ -405,6 +475,12 @@ impl Cluster {
     /// Ready once at least `n` endpoints are healthy (default 1).
     pub fn with_min_healthy(mut self, n: usize) -> Self {
         self.min_healthy = n;
+        self
+    }
+
+    /// How endpoints' KV event subscribers run (`kv_events_stale_after`).
+    pub fn with_kv_events(mut self, config: SubscriberConfig) -> Self {
+        self.kv = KvCache::new(config);
         self
     }
 
@@ -492,6 +568,8 @@ impl Cluster {
             return Err(EndpointError::Busy { id, in_flight });
         }
         *phase = Phase::Removed;
+        drop(phase);
+        self.kv.unsubscribe(id, &e.kv);
         tracing::info!(endpoint = id, url = e.url(), "endpoint removed");
         Ok(())
     }
@@ -543,6 +621,14 @@ impl Cluster {
                         api_key: e.api_key.clone(),
                         protocol: e.protocol,
                         bootstrap_port: e.bootstrap.as_ref().map(|(_, port)| *port),
+                        kv_events: e.kv.source.as_ref().map(|s| s.events.clone()),
+                        kv_events_replay: e.kv.source.as_ref().and_then(|s| s.replay.clone()),
+                        kv_events_topic: e
+                            .kv
+                            .source
+                            .as_ref()
+                            .map(|s| s.topic.clone())
+                            .filter(|topic| !topic.is_empty()),
                     },
                     draining,
                 })
@@ -576,6 +662,61 @@ impl Cluster {
             .collect()
     }
 
+    /// What a policy sees for a request whose prompt (the continuation's, on later attempts)
+    /// is `prompt`: [`Cluster::snapshot`] with each endpoint's cached prefix filled in where
+    /// its KV events are trusted. No lookup when no endpoint publishes events.
+    pub fn snapshot_for(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
+        let mut snapshot = self.snapshot();
+        if self.kv.is_active() {
+            let handles: Vec<_> = self
+                .endpoints
+                .read()
+                .iter()
+                .map(|e| e.kv.handle())
+                .collect();
+            self.kv
+                .fill(&mut snapshot, &handles, prompt, Instant::now());
+        }
+        snapshot
+    }
+
+    /// `endpoints` were sent a prompt of `prompt_len` tokens (an attempt's plan started): from
+    /// then on their engines must publish what they stored.
+    pub fn note_served(&self, endpoints: impl IntoIterator<Item = u32>, prompt_len: usize) {
+        if !self.kv.is_active() {
+            return;
+        }
+        let now = Instant::now();
+        for id in endpoints {
+            if let Some(handle) = self.endpoint(id).and_then(|e| e.kv.handle()) {
+                self.kv.note_served(&handle, prompt_len, now);
+            }
+        }
+    }
+
+    /// Starts endpoint `id`'s KV event subscriber when its engine publishes and none runs (on
+    /// the current Tokio runtime): at startup for every endpoint, then for each one added.
+    pub fn subscribe_kv_events(&self, id: u32) {
+        if let Some(e) = self.endpoint(id)
+            && !e.is_removed()
+        {
+            self.kv.subscribe(id, &e.kv);
+        }
+    }
+
+    /// Endpoint `id`'s engine may have restarted (a failed probe, a new process start time):
+    /// its KV index is cleared and rebuilt from what the engine publishes next.
+    pub fn resync_kv_events(&self, id: u32, reason: ResyncReason) {
+        if let Some(e) = self.endpoint(id) {
+            e.kv.resync(reason);
+        }
+    }
+
+    /// The heap the KV index holds (every endpoint's blocks).
+    pub fn kv_index_bytes(&self) -> usize {
+        self.kv.heap_bytes()
+    }
+
     /// What `/admin/endpoints` shows.
     pub fn status(&self) -> Vec<EndpointStatus> {
         let now = Instant::now();
@@ -601,6 +742,10 @@ impl Cluster {
                     running: load.running,
                     waiting: load.waiting,
                     outlier: e.outlier.lock().view(now),
+                    kv_events: e.kv.source.as_ref().and_then(|source| {
+                        let handle = e.kv.handle()?;
+                        Some(self.kv.status(source, &handle, now))
+                    }),
                 }
             })
             .collect()
@@ -767,6 +912,9 @@ mod tests {
             api_key: None,
             protocol: Protocol::Mlc,
             bootstrap_port: None,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: None,
         }
     }
 

@@ -48,6 +48,8 @@
 //! outlier_max_ejection = "30s"
 //! retry_budget_ratio = 0.2                    # retries per request over the last 10 s
 //! retry_budget_min_per_sec = 10               # plus this many per second
+//! kv_events_stale_after = "10s"               # an endpoint's KV events silent this long
+//!                                             # after it served a prompt: index not trusted
 //!
 //! [[endpoints]]
 //! url = "http://127.0.0.1:8081"
@@ -61,6 +63,9 @@
 //! protocol = "sglang"
 //! role = "prefill"
 //! bootstrap_port = 8998  # an sglang prefill's --disaggregation-bootstrap-port (required)
+//! kv_events = "tcp://10.0.0.5:5557"         # the engine's KV-event PUB socket (optional)
+//! kv_events_replay = "tcp://10.0.0.5:5558"  # its replay socket (optional)
+//! kv_events_topic = "kv"                    # a topic prefix (default: every topic)
 //!
 //!
 //! [model_policies]                            # model name -> policy, for requests without
@@ -74,7 +79,7 @@
 //! ```
 //!
 //! Flags override the file; `--endpoint` flags replace the file's endpoints. An `--endpoint`
-//! is `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]`, e.g.
+//! is `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://…[,kv_events_replay=tcp://…]]`, e.g.
 //! `--endpoint sglang+http://10.0.0.5:30000,role=prefill,bootstrap_port=8998`.
 
 mod discovery;
@@ -96,6 +101,7 @@ use std::path::PathBuf;
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig};
 use crate::engine_client::Timeouts;
+use crate::kv_events::SubscriberConfig;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
 pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery};
@@ -154,6 +160,8 @@ pub struct Config {
     pub drain: DrainConfig,
     /// Threads serving client connections.
     pub workers: NonZeroUsize,
+    /// How endpoints' KV event subscribers run.
+    pub kv_events: SubscriberConfig,
 }
 
 /// Who may use `/admin/*`, and where.
@@ -239,6 +247,10 @@ impl Config {
                 grace: s.shutdown_grace.value,
             },
             workers: s.workers.value,
+            kv_events: SubscriberConfig {
+                stale_after: s.kv_events_stale_after.value,
+                ..SubscriberConfig::default()
+            },
         })
     }
 }

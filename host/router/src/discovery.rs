@@ -175,6 +175,9 @@ mod tests {
             api_key: None,
             protocol: switchyard_contract::Protocol::Mlc,
             bootstrap_port: None,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: None,
         }
     }
 

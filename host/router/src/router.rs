@@ -219,6 +219,9 @@ pub struct Summary {
     pub policy_calls: Vec<Duration>,
     pub generator: Option<u32>,
     pub prefix_matched: u32,
+    /// The generating endpoint's cached prefix in the last attempt's snapshot, from its KV
+    /// events; `None` when it publishes none or its index was stale.
+    pub predicted_prefix: Option<u32>,
     pub completion_tokens: u32,
     /// Arrival to first text handed to the client.
     pub ttft: Option<Duration>,
@@ -533,6 +536,7 @@ impl<E: Execute> Router<E> {
         let mut prompt = req.prompt.clone();
         prompt.extend_from_slice(&continued);
         let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
+        let prompt_len = prompt.len();
         let mut tokens = req.template.clone();
         tokens.prompt = Prompt::Tokens(prompt);
         tokens.max_tokens = Some(remaining);
@@ -543,7 +547,12 @@ impl<E: Execute> Router<E> {
         };
         let id = AttemptId::new(&req.request_id, attempt);
         let mut generation = match self.executor.execute(&plan, body, &id).await {
-            Ok(g) => g,
+            Ok(g) => {
+                self.executor
+                    .cluster()
+                    .note_served(served_by(&plan), prompt_len);
+                g
+            }
             Err(error) => {
                 return Ok(AttemptEnd::Again {
                     failure: failure_of(&error),
@@ -627,7 +636,9 @@ impl<E: Execute> Router<E> {
         let context = PolicyContext {
             attempt,
             last_failure,
-            endpoints: self.executor.cluster().snapshot(),
+            // The whole prompt, so each endpoint's cached prefix counts what a continuation
+            // re-sends too.
+            endpoints: self.executor.cluster().snapshot_for(prompt),
         };
         let planner = Arc::clone(&st.planner);
         let planned = match Self::ask(planner.as_ref(), &request, &context, st) {
@@ -637,7 +648,13 @@ impl<E: Execute> Router<E> {
             },
             planned => planned,
         };
-        Ok(planned?)
+        let plan = planned?;
+        // What the index predicts the generating engine holds of this attempt's prompt.
+        st.summary.predicted_prefix = context
+            .endpoints
+            .get(plan.generator() as usize)
+            .and_then(|e| e.cached_prefix);
+        Ok(plan)
     }
 
     /// One `translate-request` call, timed, and its plan validated against the snapshot the
@@ -734,6 +751,22 @@ fn report(req: &RouteRequest, st: &State, status: OutcomeStatus) {
         e2e_us: req.arrived.elapsed().as_micros() as u64,
     };
     st.planner.on_complete(&outcome);
+}
+
+/// The endpoints a plan sends the prompt to: every one of them caches its blocks.
+fn served_by(plan: &ValidPlan) -> impl Iterator<Item = EndpointId> {
+    let (first, second) = match *plan {
+        ValidPlan::Forward { endpoint } => (endpoint, None),
+        ValidPlan::Disagg {
+            decode,
+            remote_send,
+            ..
+        } => (decode, remote_send.map(|send| send.prefill)),
+        ValidPlan::Vllm { prefill, decode } | ValidPlan::Sglang { prefill, decode } => {
+            (decode, Some(prefill))
+        }
+    };
+    std::iter::once(first).chain(second)
 }
 
 fn failure_of(error: &ExecError) -> Failure {

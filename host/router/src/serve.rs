@@ -185,13 +185,17 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let planner: Arc<dyn Planner> = policies.clone();
 
     let mut cluster = Cluster::new(config.endpoints.clone(), config.outlier)
-        .with_min_healthy(config.min_healthy_endpoints);
+        .with_min_healthy(config.min_healthy_endpoints)
+        .with_kv_events(config.kv_events);
     if config.discovery.is_some() {
         cluster = cluster.awaiting_discovery();
     }
     let cluster = Arc::new(cluster);
     let client = EngineClient::new(config.timeouts);
     spawn_probes(&cluster, &client, ProbeConfig::default());
+    for id in 0..cluster.len() as u32 {
+        cluster.subscribe_kv_events(id);
+    }
     let executor = Executor::new(cluster, client);
     if let Some(path) = &config.endpoints_file {
         reload_endpoints_on_sighup(path.clone(), executor.clone());

@@ -60,6 +60,7 @@ enum Command {
     /// Run the router in front of running engines.
     Serve(switchyard_router::config::ServeArgs),
     /// Start reference engines and the router in front of them (the embedded default).
+    #[command(mut_arg("model", |arg| arg.help(up::MODEL_HELP).long_help(up::MODEL_HELP)))]
     Up(up::UpArgs),
     /// Check a policy component, or print the plan it makes for one request.
     #[command(subcommand)]

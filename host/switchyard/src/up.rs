@@ -24,6 +24,9 @@ use switchyard_router::serve::{self, ServeError};
 use switchyard_wire::ReadyLine;
 
 /// `switchyard up` flags: the engines to start, and the router's own (as `switchyard serve`).
+///
+/// `--model` is the router's flag, flattened in with the rest, but here it names what the
+/// engines run (the router reads its tokenizer from the same file): [`MODEL_HELP`] says so.
 #[derive(Debug, Clone, clap::Args)]
 pub struct UpArgs {
     /// Engines with the prefill role (endpoint ids 0..P).
@@ -55,6 +58,11 @@ pub struct UpArgs {
     #[command(flatten)]
     pub router: RouterArgs,
 }
+
+/// `up --model`'s help, replacing the router's (main.rs applies it to the subcommand).
+pub const MODEL_HELP: &str = "What the engines run: `synthetic` (no weights), `smollm2` (the GGUF \
+    `make model` fetches) or a GGUF file's path [default: synthetic]. `--served-model-name` sets \
+    the name `/v1/models` reports";
 
 /// Why `up` could not start.
 #[derive(Debug, thiserror::Error)]

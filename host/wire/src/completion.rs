@@ -275,6 +275,11 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    /// How the prompt was served, where the engine says: vLLM with
+    /// `--enable-prompt-tokens-details`, SGLang with cache reporting on, the reference engine
+    /// always. Left out of what is written when absent, so answers without it are unchanged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
 }
 
 impl Usage {
@@ -284,8 +289,32 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens.saturating_add(completion_tokens),
+            prompt_tokens_details: None,
         }
     }
+
+    /// The same counts, saying that `cached` prompt tokens came from the engine's prefix cache.
+    pub fn with_cached_tokens(self, cached: u32) -> Self {
+        Usage {
+            prompt_tokens_details: Some(PromptTokensDetails {
+                cached_tokens: Some(cached),
+            }),
+            ..self
+        }
+    }
+
+    /// `prompt_tokens_details.cached_tokens`, when the engine reported it.
+    pub fn cached_tokens(&self) -> Option<u32> {
+        self.prompt_tokens_details?.cached_tokens
+    }
+}
+
+/// OpenAI's `usage.prompt_tokens_details`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens the engine did not compute because its prefix cache held their KV.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u32>,
 }
 
 /// Usage as an MLC engine reports it: OpenAI's counts plus MLC's `extra` (engine debug data,
@@ -654,5 +683,40 @@ mod tests {
             serde_json::json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                 "extra": null})
         );
+    }
+
+    #[test]
+    fn cached_tokens_travel_in_prompt_tokens_details_when_reported() {
+        let cached = EngineUsage::from(Usage::new(40, 2).with_cached_tokens(32));
+        let written = serde_json::to_value(&cached).expect("serializes");
+        assert_eq!(
+            written,
+            serde_json::json!({"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42,
+                "prompt_tokens_details": {"cached_tokens": 32}, "extra": null})
+        );
+        let read: EngineUsage = serde_json::from_value(written).expect("reads back");
+        assert_eq!(read.counts.cached_tokens(), Some(32));
+        // vLLM's answer without the flag, and servers that report other details only.
+        for (usage, cached) in [
+            (
+                r#"{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}"#,
+                None,
+            ),
+            (
+                r#"{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":null}"#,
+                None,
+            ),
+            (
+                r#"{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"audio_tokens":0}}"#,
+                None,
+            ),
+            (
+                r#"{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"prompt_tokens_details":{"cached_tokens":0}}"#,
+                Some(0),
+            ),
+        ] {
+            let read: Usage = serde_json::from_str(usage).expect(usage);
+            assert_eq!(read.cached_tokens(), cached, "{usage}");
+        }
     }
 }

@@ -54,6 +54,16 @@ impl EngineLoad {
     }
 }
 
+/// Prometheus' standard process gauge, which vLLM and SGLang export (the Python client's
+/// process collector): a new value is a new engine process.
+const PROCESS_START_TIME: &str = "process_start_time_seconds";
+
+/// When the engine's process started (Unix seconds), if its metrics say: a change means the
+/// engine restarted, whatever else answered in between.
+pub fn process_start_time(text: &str) -> Option<f64> {
+    max(text, PROCESS_START_TIME)
+}
+
 /// The reference engine reports pages, not a share.
 fn reference_kv_usage(text: &str) -> Option<f64> {
     let used = sum(text, KV_PAGES_USED)?;
@@ -87,6 +97,15 @@ fn samples<'t>(text: &'t str, name: &'t str) -> impl Iterator<Item = f64> + 't {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reads_the_process_start_time_when_exported() {
+        let text = "# TYPE process_start_time_seconds gauge\n\
+            process_start_time_seconds 1.76e9\n\
+            process_start_time_seconds_total 3\n";
+        assert_eq!(process_start_time(text), Some(1.76e9));
+        assert_eq!(process_start_time("vllm:num_requests_running 1\n"), None);
+    }
 
     #[test]
     fn reads_the_reference_engine_gauges() {

@@ -1,4 +1,4 @@
-//! SGLang's P/D handoff (`shared/spec/sglang-pd.md`): the body both legs get.
+//! SGLang's P/D handoff (`docs/src/engines/sglang.md`): the body both legs get.
 //!
 //! The router sends the same body to the prefill (P) and decode (D) engines at once: the
 //! client's, plus P's bootstrap address and a room, which D uses to register with P's

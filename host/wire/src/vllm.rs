@@ -1,4 +1,4 @@
-//! vLLM's P/D handoff over the NIXL connector (`shared/spec/vllm-pd.md`): the bodies of the
+//! vLLM's P/D handoff over the NIXL connector (`docs/src/engines/vllm.md`): the bodies of the
 //! prefill (P) and decode (D) legs, built from the client's body.
 //!
 //! The router sends P, reads its whole JSON answer, then sends D the client's body plus the

@@ -4,7 +4,6 @@
 use super::Core;
 use super::request::{GenRequest, RequestId};
 use super::seq::{Seq, Work};
-use crate::kv_pool::extend_page_keys;
 
 impl Core {
     /// `/v1/completions`: prefill and generate.
@@ -68,7 +67,7 @@ impl Core {
         let fresh_start = seq.pages.is_empty() && seq.computed == 0;
         let mut matched_pages = Vec::new();
         if fresh_start {
-            extend_page_keys(&mut seq.page_keys, &seq.tokens, ps);
+            self.pool.extend_keys(&mut seq.page_keys, &seq.tokens);
             // A generation must compute at least its last prompt token itself (that pass yields
             // the first output token); a prefill for remote_send may be served entirely.
             let limit = match seq.work {

@@ -8,7 +8,7 @@ use super::Core;
 use super::backend::Planned;
 use super::request::{FinishReason, Output, RequestId, Usage};
 use super::seq::{Seq, Work};
-use crate::kv_pool::{PagePool, extend_page_keys};
+use crate::kv_pool::PagePool;
 use crate::latency::StepWork;
 use crate::model::Sampled;
 
@@ -254,9 +254,12 @@ fn register_full_pages(pool: &mut PagePool, seq: &mut Seq) {
     if full <= seq.registered_pages {
         return;
     }
-    extend_page_keys(&mut seq.page_keys, &seq.tokens[..full * ps], ps);
-    for p in seq.registered_pages..full {
-        pool.register(seq.pages[p], seq.page_keys[p]);
-    }
+    pool.extend_keys(&mut seq.page_keys, &seq.tokens[..full * ps]);
+    pool.register(
+        &seq.pages,
+        &seq.page_keys[..full],
+        &seq.tokens,
+        seq.registered_pages,
+    );
     seq.registered_pages = full;
 }

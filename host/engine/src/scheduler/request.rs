@@ -111,6 +111,12 @@ pub enum Output {
     /// A prefill for sending is computed, or a held generation finished (after its finishing
     /// event, unless it was preempted): its slots, held for the handoff.
     Leased(Lease),
+    /// What one step did to the prefix cache, in order, as vLLM publishes it: pages that became
+    /// full and cached (`BlockStored`, the page keys as block hashes) and pages evicted
+    /// (`BlockRemoved`). Due when the step ends, before its other outputs; only from a core
+    /// built [`with_kv_events`](super::Core::with_kv_events), and only for a step that changed
+    /// the cache.
+    KvEvents(Vec<switchyard_wire::kv_events::Event>),
 }
 
 /// What the core counted since it started. Each only grows, so a driver publishes differences.

@@ -6,7 +6,6 @@ use super::request::{CoreError, GenRequest, Output, PrepRecvReply, RequestId};
 use super::seq::Seq;
 use super::time::Time;
 use super::{Core, window_slots};
-use crate::kv_pool::extend_page_keys;
 use switchyard_kv::KvAddrInfo;
 
 /// A prep_recv waiting for its pages.
@@ -131,7 +130,7 @@ impl Core {
         while let Some(prep) = self.pending_preps.front() {
             let ps = self.pool.page_size();
             let mut page_keys = Vec::new();
-            extend_page_keys(&mut page_keys, &prep.request.tokens, ps);
+            self.pool.extend_keys(&mut page_keys, &prep.request.tokens);
             // Only whole pages inside [0, end) may be shared: D writes from `matched` on.
             let matched_pages = self.pool.match_prefix(&page_keys, prep.end / ps);
             let need = self

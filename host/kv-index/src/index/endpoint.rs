@@ -1,11 +1,11 @@
-//! One endpoint's blocks: its engine's hashes → keys (to place children and apply removals),
-//! the media each block is on, and the order they came in, oldest dropped first at the cap.
+//! One endpoint's blocks: in the order they came in, oldest dropped first at the cap, each
+//! with its key and the media it is on; and its engine's hashes → their places in that order
+//! (to place children and apply removals).
 
-use std::collections::{HashMap, VecDeque};
-
-use foldhash::fast::FixedState;
+use std::collections::VecDeque;
 
 use super::holders::Holders;
+use super::table::Table;
 use crate::key::BlockKey;
 use crate::medium::{Medium, MediumSet};
 use crate::stats::EndpointStats;
@@ -14,23 +14,25 @@ pub(super) struct EndpointBlocks {
     pub(super) slot: usize,
     /// Taken from the events; `None` until the first one.
     pub(super) block_size: Option<u32>,
-    /// By engine hash (not key: removals and parents name engine hashes). A hash names one
-    /// block at a time: old SGLang hashes a page's tokens alone, so one hash can be stored
-    /// again at another place; it then moves there (the index under-reports, never over).
-    blocks: HashMap<u64, Block, FixedState>,
-    /// (engine hash, stamp) in the order blocks were first stored. An entry whose stamp is not
-    /// its block's any more is stale (the block went, or went and came back), and is skipped.
-    order: VecDeque<(u64, u32)>,
-    next_stamp: u32,
+    /// Blocks in the order they were first stored. A block removed since stays as a gap (no
+    /// media) until it reaches the front or the queue is compacted, so that the blocks
+    /// behind it keep their places.
+    order: VecDeque<Block>,
+    /// The place of `order`'s front: a block's place is this plus its index in `order`.
+    front: u64,
+    /// By engine hash (not key: removals and parents name engine hashes), the block's place.
+    /// A hash names one block at a time: old SGLang hashes a page's tokens alone, so one hash
+    /// can be stored again at another place; it then moves there (the index under-reports,
+    /// never over).
+    places: Table,
     pub(super) stats: EndpointStats,
 }
 
 #[derive(Clone, Copy)]
 struct Block {
+    hash: u64,
     key: BlockKey,
-    /// Wraps after 2³² stores; stale entries never live that long, because `order` is
-    /// compacted whenever it grows past twice the live blocks.
-    stamp: u32,
+    /// Empty for a gap.
     media: MediumSet,
 }
 
@@ -39,19 +41,19 @@ impl EndpointBlocks {
         Self {
             slot,
             block_size: None,
-            blocks: HashMap::default(),
             order: VecDeque::new(),
-            next_stamp: 0,
+            front: 0,
+            places: Table::default(),
             stats: EndpointStats::default(),
         }
     }
 
     pub(super) fn len(&self) -> usize {
-        self.blocks.len()
+        self.places.len()
     }
 
     pub(super) fn key_of(&self, hash: u64) -> Option<BlockKey> {
-        self.blocks.get(&hash).map(|block| block.key)
+        self.place_of(hash).map(|at| self.order[at].key)
     }
 
     /// Records that the engine holds `key` as `hash` on `medium`, making room under `cap`.
@@ -63,7 +65,9 @@ impl EndpointBlocks {
         medium: Medium,
         cap: usize,
     ) {
-        if let Some(block) = self.blocks.get_mut(&hash) {
+        self.touch_lines_of_store(holders, hash, key, medium, cap);
+        if let Some(at) = self.place_of(hash) {
+            let block = &mut self.order[at];
             if block.key == key {
                 // Another copy of a block it has (an offload, or a repeat): nothing moves.
                 if !block.media.contains(medium) {
@@ -72,38 +76,36 @@ impl EndpointBlocks {
                 }
                 return;
             }
-            self.forget(holders, hash);
+            self.forget(holders, at);
         }
-        while self.blocks.len() >= cap.max(1) {
+        while self.len() >= cap.max(1) {
             self.evict_oldest(holders);
         }
-        let stamp = self.next_stamp;
-        self.next_stamp = stamp.wrapping_add(1);
-        self.blocks.insert(
+        self.places
+            .insert(hash, self.front + self.order.len() as u64);
+        self.make_room_in_order(cap);
+        self.order.push_back(Block {
             hash,
-            Block {
-                key,
-                stamp,
-                media: MediumSet::of(medium),
-            },
-        );
-        self.order.push_back((hash, stamp));
+            key,
+            media: MediumSet::of(medium),
+        });
         holders.set(key, self.slot, medium);
         self.stats.stored += 1;
     }
 
     /// The engine evicted its copy of `hash` on `medium`.
     pub(super) fn remove(&mut self, holders: &mut Holders, hash: u64, medium: Medium) {
-        let Some(block) = self.blocks.get_mut(&hash) else {
+        let Some(at) = self.place_of(hash) else {
             return;
         };
+        let block = &mut self.order[at];
         if !block.media.contains(medium) {
             return;
         }
         block.media = block.media.without(medium);
         holders.clear(block.key, self.slot, medium);
         if block.media.is_empty() {
-            self.blocks.remove(&hash);
+            self.places.remove(hash);
             self.compact_order();
         }
         self.stats.removed += 1;
@@ -111,44 +113,94 @@ impl EndpointBlocks {
 
     /// Drops every block (the slot and block size stay).
     pub(super) fn clear(&mut self, holders: &mut Holders) {
-        for block in self.blocks.values() {
+        for block in &self.order {
             clear_holders(holders, block, self.slot);
         }
-        self.blocks.clear();
         self.order.clear();
+        self.places.clear();
         self.stats.clears += 1;
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        super::map_heap_bytes(&self.blocks)
-            + self.order.capacity() * std::mem::size_of::<(u64, u32)>()
+        self.places.heap_bytes() + self.order.capacity() * size_of::<Block>()
     }
 
-    fn forget(&mut self, holders: &mut Holders, hash: u64) {
-        if let Some(block) = self.blocks.remove(&hash) {
-            clear_holders(holders, &block, self.slot);
-        }
+    /// Reads the lines a store is about to search, all four at once: the block's place and
+    /// holders, and those of the block it evicts at the cap. Each search branches on what it
+    /// finds, which holds back the next; read together first, their misses overlap.
+    fn touch_lines_of_store(
+        &self,
+        holders: &Holders,
+        hash: u64,
+        key: BlockKey,
+        medium: Medium,
+        cap: usize,
+    ) {
+        let evicted = self.order.front().filter(|_| self.len() >= cap.max(1));
+        self.places
+            .touch_for_update([hash].into_iter().chain(evicted.map(|block| block.hash)));
+        holders.touch_for_update(
+            [key].into_iter().chain(evicted.map(|block| block.key)),
+            self.slot / 64,
+            medium,
+        );
     }
 
+    /// Where `hash`'s block is in `order`.
+    fn place_of(&self, hash: u64) -> Option<usize> {
+        self.places
+            .get(hash)
+            .map(|place| (place - self.front) as usize)
+    }
+
+    /// Drops the block at `at` in `order`, leaving a gap.
+    fn forget(&mut self, holders: &mut Holders, at: usize) {
+        let block = &mut self.order[at];
+        clear_holders(holders, block, self.slot);
+        block.media = MediumSet::NONE;
+        self.places.remove(block.hash);
+        self.compact_order();
+    }
+
+    /// Drops the oldest block. Its removals from the hash table and from the holders go to
+    /// different lines of memory, and neither waits on the other.
     fn evict_oldest(&mut self, holders: &mut Holders) {
-        while let Some((hash, stamp)) = self.order.pop_front() {
-            if self
-                .blocks
-                .get(&hash)
-                .is_some_and(|block| block.stamp == stamp)
-            {
-                self.forget(holders, hash);
+        while let Some(block) = self.order.pop_front() {
+            self.front += 1;
+            if !block.media.is_empty() {
+                self.places.remove(block.hash);
+                clear_holders(holders, &block, self.slot);
                 self.stats.evicted += 1;
                 return;
             }
         }
     }
 
+    /// Grows `order` when it is full by doubling, as `VecDeque` does, but not past `cap`: an
+    /// endpoint at its cap holds `cap` blocks (gaps aside), and the doubling past it would
+    /// leave the rest unused (a quarter of the queue at 100k blocks, which doubles to 131,072).
+    fn make_room_in_order(&mut self, cap: usize) {
+        let len = self.order.len();
+        if len < self.order.capacity() {
+            return;
+        }
+        let more = if len < cap {
+            len.max(4).min(cap - len)
+        } else {
+            len
+        };
+        self.order.reserve_exact(more);
+    }
+
+    /// Closes the gaps once they outnumber the blocks, renumbering the blocks' places: a
+    /// cost of one table update per block, paid once per as many removals.
     fn compact_order(&mut self) {
-        if self.order.len() > 2 * self.blocks.len() + 64 {
-            let blocks = &self.blocks;
-            self.order
-                .retain(|(hash, stamp)| blocks.get(hash).is_some_and(|b| b.stamp == *stamp));
+        if self.order.len() <= 2 * self.len() + 64 {
+            return;
+        }
+        self.order.retain(|block| !block.media.is_empty());
+        for (at, block) in self.order.iter().enumerate() {
+            self.places.insert(block.hash, self.front + at as u64);
         }
     }
 }
@@ -158,5 +210,39 @@ fn clear_holders(holders: &mut Holders, block: &Block, slot: usize) {
         if block.media.contains(medium) {
             holders.clear(block.key, slot, medium);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(i: u64) -> BlockKey {
+        crate::key::prompt_keys(&[i as u32], 1, crate::key::Adapter::Base)[0]
+    }
+
+    /// The order queue grows to the cap and no further while the endpoint stays at it, and
+    /// past it (doubling) only for gaps.
+    #[test]
+    fn the_order_queue_grows_to_the_cap_and_no_further() {
+        const CAP: usize = 1_000;
+        let (mut blocks, mut holders) = (EndpointBlocks::new(0), Holders::default());
+        for i in 0..3 * CAP as u64 {
+            blocks.store(&mut holders, i, key(i), Medium::Gpu, CAP);
+            assert!(blocks.order.capacity() <= CAP, "{i}");
+        }
+        assert_eq!(
+            (blocks.len(), blocks.order.capacity(), blocks.stats.evicted),
+            (CAP, CAP, 2 * CAP as u64)
+        );
+        // Removals leave gaps, which the queue holds until compacted: it grows past the cap.
+        for i in 2 * CAP as u64..2 * CAP as u64 + 100 {
+            blocks.remove(&mut holders, i, Medium::Gpu);
+        }
+        for i in 3 * CAP as u64..3 * CAP as u64 + 100 {
+            blocks.store(&mut holders, i, key(i), Medium::Gpu, CAP);
+        }
+        assert_eq!((blocks.len(), blocks.order.len()), (CAP, CAP + 100));
+        assert!(blocks.order.capacity() >= 2 * CAP);
     }
 }

@@ -8,6 +8,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
+use super::table::Table;
 use crate::key::BlockKey;
 use crate::medium::{Medium, MediumSet};
 
@@ -16,8 +17,8 @@ type Map<V> = HashMap<u64, V, BuildHasherDefault<KeyBits>>;
 #[derive(Default)]
 pub(super) struct Holders {
     /// The slots of one word holding the key in their GPU cache: all a default lookup probes,
-    /// 16 bytes an entry so that as many entries as can share each cache line.
-    gpu: Map<u64>,
+    /// so one cache line a probe.
+    gpu: Table,
     /// The same for the offloaded tiers ([`Medium::Cpu`], [`Medium::Storage`]), which only
     /// offloading connectors fill.
     offloaded: Map<[u64; 2]>,
@@ -27,7 +28,12 @@ impl Holders {
     pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) {
         let (entry, bit) = (entry_key(key, slot / 64), 1 << (slot % 64));
         match offloaded_index(medium) {
-            None => *self.gpu.entry(entry).or_default() |= bit,
+            None => match self.gpu.get_mut(entry) {
+                Some(mask) => *mask |= bit,
+                None => {
+                    self.gpu.insert(entry, bit);
+                }
+            },
             Some(tier) => self.offloaded.entry(entry).or_default()[tier] |= bit,
         }
     }
@@ -36,10 +42,10 @@ impl Holders {
         let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
         match offloaded_index(medium) {
             None => {
-                if let Some(mask) = self.gpu.get_mut(&entry) {
+                if let Some(mask) = self.gpu.get_mut(entry) {
                     *mask &= !bit;
                     if *mask == 0 {
-                        self.gpu.remove(&entry);
+                        self.gpu.remove(entry);
                     }
                 }
             }
@@ -54,12 +60,39 @@ impl Holders {
         }
     }
 
+    /// Brings the entries [`Self::mask`] will read for `keys` into the cache, together.
+    pub(super) fn touch(
+        &self,
+        keys: impl IntoIterator<Item = BlockKey>,
+        word: usize,
+        media: MediumSet,
+    ) {
+        if media.contains(Medium::Gpu) {
+            self.gpu
+                .touch(keys.into_iter().map(|key| entry_key(key, word)));
+        }
+    }
+
+    /// Brings the entries [`Self::set`] and [`Self::clear`] will change for `keys` into the
+    /// cache, together.
+    pub(super) fn touch_for_update(
+        &self,
+        keys: impl IntoIterator<Item = BlockKey>,
+        word: usize,
+        medium: Medium,
+    ) {
+        if medium == Medium::Gpu {
+            self.gpu
+                .touch_for_update(keys.into_iter().map(|key| entry_key(key, word)));
+        }
+    }
+
     /// The slots of `word` holding `key` on any of `media`.
     pub(super) fn mask(&self, key: BlockKey, word: usize, media: MediumSet) -> u64 {
         let entry = entry_key(key, word);
         let mut held = 0;
         if media.contains(Medium::Gpu) {
-            held |= self.gpu.get(&entry).copied().unwrap_or(0);
+            held |= self.gpu.get(entry).unwrap_or(0);
         }
         if !self.offloaded.is_empty()
             && let Some(masks) = self.offloaded.get(&entry)
@@ -79,7 +112,7 @@ impl Holders {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        super::map_heap_bytes(&self.gpu) + super::map_heap_bytes(&self.offloaded)
+        self.gpu.heap_bytes() + super::map_heap_bytes(&self.offloaded)
     }
 }
 

@@ -385,3 +385,37 @@ fn more_than_64_endpoints_each_drop_out_at_their_own_depth() {
         assert_eq!(m.tokens, 4 * (m.endpoint % 11) as usize, "{m:?}");
     }
 }
+
+/// A lookup walks a long prompt in stretches of keys (32 blocks, then 64, 128, 256): each
+/// endpoint's depth must carry across their bounds, whether it drops out just before, at or
+/// after one, holds the whole prompt, or the walk stops early once no endpoint matches.
+#[test]
+fn a_long_prompts_depths_carry_across_the_walks_stretches() {
+    const BLOCKS: u32 = 500;
+    let depths = [
+        1, 31, 32, 33, 95, 96, 97, 223, 224, 225, 479, 480, 481, 499, BLOCKS,
+    ];
+    let mut prompt = range(0, 4 * BLOCKS);
+    let mut index = KvIndex::default();
+    for (endpoint, &depth) in (0u32..).zip(&depths) {
+        let hashes: Vec<u64> = (0..u64::from(depth)).collect();
+        store(
+            &mut index,
+            endpoint,
+            stored(&hashes, None, &prompt[..4 * depth as usize], 4),
+        );
+    }
+    // A partial last block: never cached, never matched.
+    prompt.extend([7, 7]);
+    let walked = |prompt: &[u32]| {
+        index
+            .lookup(prompt, Adapter::Base, MediumSet::GPU)
+            .into_iter()
+            .map(|m| m.tokens / 4)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(walked(&prompt), depths.map(|depth| depth as usize));
+    // Past block 300 no endpoint matches: the walk ends inside its fourth stretch.
+    prompt[4 * 300] = 1_000_000;
+    assert_eq!(walked(&prompt), depths.map(|depth| depth.min(300) as usize));
+}

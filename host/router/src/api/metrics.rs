@@ -2,7 +2,8 @@
 //! preemptions, remote_sends skipped, policy call latency, admission (queued, in flight,
 //! admitted, rejected, queue wait), client connections, and per endpoint: legs in flight,
 //! health (`1` healthy, `0` not ready, `-1` ejected, `-2` draining, `-3` removed) and
-//! ejections.
+//! ejections; for endpoints with KV events, the blocks indexed, events applied, gaps,
+//! replays, clears and whether the index is stale, and the index's heap.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -17,7 +18,7 @@ use prometheus_client::registry::Registry;
 use switchyard_contract::Health;
 
 use crate::Summary;
-use crate::cluster::Cluster;
+use crate::cluster::{Cluster, KvEventsStatus};
 
 type Labels = Vec<(&'static str, String)>;
 
@@ -36,6 +37,7 @@ pub struct Metrics {
     in_flight: Family<Labels, Gauge>,
     health: Family<Labels, Gauge>,
     ejections: Family<Labels, Counter>,
+    kv: KvMetrics,
     admission: AdmissionMetrics,
     connections: ConnectionMetrics,
 }
@@ -93,6 +95,7 @@ impl Metrics {
         let in_flight = Family::<Labels, Gauge>::default();
         let health = Family::<Labels, Gauge>::default();
         let ejections = Family::<Labels, Counter>::default();
+        let kv = KvMetrics::register(&mut registry);
         let admission = AdmissionMetrics::default();
         let connections = ConnectionMetrics::default();
         register_admission(&mut registry, &admission);
@@ -153,6 +156,7 @@ impl Metrics {
             in_flight,
             health,
             ejections,
+            kv,
             admission,
             connections,
         }
@@ -195,6 +199,10 @@ impl Metrics {
         self.preemptions.inc_by(u64::from(summary.preemptions));
         self.remote_sends_skipped
             .inc_by(u64::from(summary.remote_sends_skipped));
+        if let Some(predicted) = summary.predicted_prefix {
+            self.kv.predictions.inc();
+            self.kv.predicted_tokens.inc_by(u64::from(predicted));
+        }
     }
 
     /// The Prometheus text exposition, with the endpoint gauges read from `cluster` now.
@@ -218,11 +226,121 @@ impl Metrics {
                 .get_or_create(&labels)
                 .inner()
                 .store(endpoint.outlier.ejections, Ordering::Relaxed);
+            if let Some(kv) = &endpoint.kv_events {
+                self.kv.endpoint(&labels, kv);
+            }
         }
+        self.kv
+            .index_bytes
+            .set(i64::try_from(cluster.kv_index_bytes()).unwrap_or(i64::MAX));
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The KV event subscribers' state, per endpoint, mirrored from the cluster at each scrape.
+#[derive(Debug, Default)]
+struct KvMetrics {
+    blocks: Family<Labels, Gauge>,
+    stale: Family<Labels, Gauge>,
+    events: Family<Labels, Counter>,
+    gaps: Family<Labels, Counter>,
+    replays: Family<Labels, Counter>,
+    replay_failures: Family<Labels, Counter>,
+    clears: Family<Labels, Counter>,
+    index_bytes: Gauge,
+    /// Requests whose generating endpoint had a trusted index, and the prefix tokens it
+    /// predicted for them.
+    predictions: Counter,
+    predicted_tokens: Counter,
+}
+
+impl KvMetrics {
+    fn register(registry: &mut Registry) -> Self {
+        let m = KvMetrics::default();
+        let gauges = [
+            (
+                "kv_blocks",
+                "KV-cache blocks indexed per endpoint, from its KV events",
+                &m.blocks,
+            ),
+            (
+                "kv_index_stale",
+                "1 when the endpoint served prompts and then published no KV events for kv_events_stale_after (its index is not trusted)",
+                &m.stale,
+            ),
+        ];
+        for (name, help, gauge) in gauges {
+            registry.register(name, help, gauge.clone());
+        }
+        let counters = [
+            (
+                "kv_events",
+                "KV events applied to the index per endpoint",
+                &m.events,
+            ),
+            (
+                "kv_event_gaps",
+                "Sequence gaps in an endpoint's KV event stream",
+                &m.gaps,
+            ),
+            (
+                "kv_event_replays",
+                "Replays asked of an endpoint's replay socket (gaps and resyncs)",
+                &m.replays,
+            ),
+            (
+                "kv_event_replay_failures",
+                "Replays that failed or could not reach back far enough",
+                &m.replay_failures,
+            ),
+            (
+                "kv_index_clears",
+                "Times an endpoint's index was dropped to be rebuilt (lost connection, restart, unfillable gap)",
+                &m.clears,
+            ),
+        ];
+        for (name, help, counter) in counters {
+            registry.register(name, help, counter.clone());
+        }
+        registry.register(
+            "kv_predictions",
+            "Requests whose generating endpoint's cached prefix was known from its KV events",
+            m.predictions.clone(),
+        );
+        registry.register(
+            "kv_predicted_prefix_tokens",
+            "Prompt tokens the KV index predicted the generating endpoint held, summed over requests",
+            m.predicted_tokens.clone(),
+        );
+        registry.register(
+            "kv_index_bytes",
+            "Heap held by the KV index, every endpoint's blocks",
+            m.index_bytes.clone(),
+        );
+        m
+    }
+
+    /// Mirrors the subscriber's counts (the subscriber counts; these show them).
+    fn endpoint(&self, labels: &Labels, kv: &KvEventsStatus) {
+        self.blocks
+            .get_or_create(labels)
+            .set(i64::try_from(kv.blocks).unwrap_or(i64::MAX));
+        self.stale.get_or_create(labels).set(i64::from(kv.stale));
+        for (family, value) in [
+            (&self.events, kv.events_applied),
+            (&self.gaps, kv.gaps),
+            (&self.replays, kv.replays),
+            (&self.replay_failures, kv.replay_failures),
+            (&self.clears, kv.clears),
+        ] {
+            family
+                .get_or_create(labels)
+                .inner()
+                .store(value, Ordering::Relaxed);
+        }
     }
 }
 

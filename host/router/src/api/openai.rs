@@ -699,11 +699,7 @@ mod tests {
         assert!(out.is_empty(), "completions have no role chunk");
         r.text_frame(&mut out, "he said \"hi\"\n");
         r.finish_frame(&mut out, "stop");
-        let usage = Usage {
-            prompt_tokens: 3,
-            completion_tokens: 2,
-            total_tokens: 5,
-        };
+        let usage = Usage::new(3, 2);
         r.usage_frame(&mut out, &usage);
         let envelope =
             json!({"id": "id-1", "object": "text_completion", "created": 7, "model": "m"});

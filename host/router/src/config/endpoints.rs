@@ -122,7 +122,8 @@ fn from_flags(
         .collect()
 }
 
-/// One `--endpoint` flag: `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]`.
+/// One `--endpoint` flag:
+/// `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://…[,kv_events_replay=tcp://…]]`.
 fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
     let mut parts = flag.split(',');
     let url = parts.next().unwrap_or_default();
@@ -138,6 +139,9 @@ fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
         api_key: None,
         protocol,
         bootstrap_port: None,
+        kv_events: None,
+        kv_events_replay: None,
+        kv_events_topic: None,
     };
     for option in parts {
         match option.split_once('=') {
@@ -159,9 +163,12 @@ fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
                         .map_err(|_| format!("bootstrap_port {port:?} is not a port number"))?,
                 );
             }
+            Some(("kv_events", events)) => spec.kv_events = Some(events.to_owned()),
+            Some(("kv_events_replay", replay)) => spec.kv_events_replay = Some(replay.to_owned()),
             _ => {
                 return Err(format!(
-                    "unknown option {option:?}: expected role=ROLE or bootstrap_port=N"
+                    "unknown option {option:?}: expected role=ROLE, bootstrap_port=N, \
+                     kv_events=tcp://HOST:PORT or kv_events_replay=tcp://HOST:PORT"
                 ));
             }
         }

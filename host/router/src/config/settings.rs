@@ -17,14 +17,18 @@ use crate::RetryBudgetConfig;
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig};
 use crate::cluster::OutlierConfig;
 use crate::engine_client::Timeouts;
+use crate::kv_events::SubscriberConfig;
 
 /// `switchyard serve` flags: where the engines are, and how the router runs.
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
-    /// An engine: `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N]` (repeat for each engine, in
-    /// id order). PROTOCOL is mlc (the default), vllm, sglang or openai; ROLE any, prefill or
-    /// decode (binding on vllm and sglang); an sglang prefill needs its bootstrap_port. E.g.
-    /// `http://127.0.0.1:8081`, `vllm+http://10.0.0.4:8000,role=decode`.
+    /// An engine:
+    /// `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://H:P[,kv_events_replay=tcp://H:P]]`
+    /// (repeat for each engine, in id order). PROTOCOL is mlc (the default), vllm, sglang or
+    /// openai; ROLE any, prefill or decode (binding on vllm and sglang); an sglang prefill needs
+    /// its bootstrap_port; kv_events is the engine's KV-event PUB socket (policies then see each
+    /// request's cached prefix), kv_events_replay its replay socket. E.g.
+    /// `http://127.0.0.1:8081`, `vllm+http://10.0.0.4:8000,role=decode,kv_events=tcp://10.0.0.4:5557`.
     #[arg(long = "endpoint", value_name = "ENDPOINT")]
     pub endpoints: Vec<String>,
     /// GPUs of each `--endpoint`, in the same order (default 1 each); device ranks are their
@@ -343,6 +347,17 @@ settings! {
         key: "max_connections",
         default: ConnectionLimits::default().max_connections,
         check: at_least_one,
+    }
+    /// How long an endpoint with KV events (`kv_events`) may publish nothing after the router
+    /// sent it a prompt of at least one block before its index is stale: policies then see
+    /// its cached prefix as unknown until events flow again (an idle engine stays trusted)
+    /// [default: 10s].
+    #[arg(value_parser = humantime::parse_duration)]
+    kv_events_stale_after: Option<Duration> => Duration {
+        flag: "kv-events-stale-after",
+        key: "kv_events_stale_after",
+        default: SubscriberConfig::default().stale_after,
+        check: longer_than_zero,
     }
     /// Threads serving client connections; each connection, with the engine calls its
     /// requests make, stays on one of them [default: one per core this process may use].

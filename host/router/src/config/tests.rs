@@ -680,3 +680,54 @@ fn a_sighup_reads_the_files_endpoints_checked() {
     let endpoints = endpoints_in_file(&file).expect("valid");
     assert_eq!(endpoints.len(), 1);
 }
+
+#[test]
+fn endpoint_flags_take_kv_event_sockets_and_check_them() {
+    let dir = plugins_with("disagg");
+    let mut a = args(dir.path());
+    a.endpoints = vec![
+        "vllm+http://127.0.0.1:1,kv_events=tcp://127.0.0.1:5557,kv_events_replay=tcp://127.0.0.1:5558"
+            .into(),
+        "http://127.0.0.1:2".into(),
+    ];
+    a.router.kv_events_stale_after = Some(Duration::from_secs(3));
+    let config = Config::from_args(&a).expect("valid");
+    let events = &config.endpoints[0];
+    assert_eq!(events.kv_events.as_deref(), Some("tcp://127.0.0.1:5557"));
+    assert_eq!(
+        events.kv_events_replay.as_deref(),
+        Some("tcp://127.0.0.1:5558")
+    );
+    assert_eq!(config.endpoints[1].kv_events, None);
+    assert_eq!(config.kv_events.stale_after, Duration::from_secs(3));
+
+    for (flag, reason) in [
+        (
+            "http://127.0.0.1:1,kv_events=http://127.0.0.1:5557",
+            "kv_events \"http://127.0.0.1:5557\" is not a tcp://HOST:PORT address",
+        ),
+        (
+            "http://127.0.0.1:1,kv_events=tcp://127.0.0.1",
+            "kv_events \"tcp://127.0.0.1\" is not a tcp://HOST:PORT address",
+        ),
+        (
+            "http://127.0.0.1:1,kv_events_replay=tcp://127.0.0.1:5558",
+            "kv_events_replay needs kv_events (the event socket)",
+        ),
+    ] {
+        let mut a = args(dir.path());
+        a.endpoints = vec![flag.into()];
+        match Config::from_args(&a).expect_err(flag) {
+            ConfigError::BadEndpoint {
+                at: Source::Flag("endpoint"),
+                reason: got,
+                ..
+            } => assert_eq!(got, reason, "{flag}"),
+            other => panic!("{flag}: {other}"),
+        }
+    }
+    let mut a = args(dir.path());
+    a.router.kv_events_stale_after = Some(Duration::ZERO);
+    let (at, _) = invalid(Config::from_args(&a).expect_err("zero"));
+    assert_eq!(at, Source::Flag("kv-events-stale-after"));
+}

@@ -9,6 +9,8 @@
 //! | annotation `sglang.ai/bootstrap-port` (SGLang's router reads it too) | an SGLang prefill's bootstrap port |
 //! | that container's `nvidia.com/gpu` limit | GPU count (default 1) |
 //! | annotation `switchyard.io/device-rank` | MLC device rank (default: the prefix sum) |
+//! | annotation `switchyard.io/kv-events-port` | KV events at `tcp://<podIP>:<port>` (default: none) |
+//! | annotation `switchyard.io/kv-events-replay-port` | their replay socket, `tcp://<podIP>:<port>` |
 //!
 //! A pod is an endpoint while its `Ready` condition is true and it has no deletion timestamp.
 
@@ -28,6 +30,10 @@ pub const PROTOCOL_ANNOTATION: &str = "switchyard.io/protocol";
 pub const DEVICE_RANK_ANNOTATION: &str = "switchyard.io/device-rank";
 /// SGLang's own annotation for a prefill pod's bootstrap port (SMG's service discovery).
 pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
+/// The port of the engine's KV-event PUB socket (`--kv-events-config`'s endpoint).
+pub const KV_EVENTS_PORT_ANNOTATION: &str = "switchyard.io/kv-events-port";
+/// The port of the engine's KV-event replay socket.
+pub const KV_EVENTS_REPLAY_PORT_ANNOTATION: &str = "switchyard.io/kv-events-replay-port";
 /// The container port an engine serves on, by name.
 pub const PORT_NAME: &str = "http";
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -57,6 +63,11 @@ pub enum Skip {
     BadGpus(String),
     #[error("`{BOOTSTRAP_PORT_ANNOTATION}` {0:?} is not one port number")]
     BadBootstrapPort(String),
+    #[error("`{annotation}` {value:?} is not a port number")]
+    BadKvEventsPort {
+        annotation: &'static str,
+        value: String,
+    },
     /// The endpoint it describes is unusable (an SGLang prefill without a bootstrap port).
     #[error("{0}")]
     Unusable(String),
@@ -88,6 +99,12 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         .ok_or(Skip::NoIp)?;
     let container = serving_container(pod);
     let port = port(pod, container)?;
+    let kv_events = |annotation| {
+        Ok::<_, Skip>(
+            kv_events_port(pod, annotation)?
+                .map(|port| format!("tcp://{}", SocketAddr::new(ip, port))),
+        )
+    };
     let spec = EndpointSpec {
         url: format!("http://{}", SocketAddr::new(ip, port)),
         role: role(pod)?,
@@ -96,6 +113,9 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         api_key: None,
         protocol: protocol(pod)?,
         bootstrap_port: bootstrap_port(pod)?,
+        kv_events: kv_events(KV_EVENTS_PORT_ANNOTATION)?,
+        kv_events_replay: kv_events(KV_EVENTS_REPLAY_PORT_ANNOTATION)?,
+        kv_events_topic: None,
     };
     spec.check().map_err(Skip::Unusable)?;
     Ok((uid.into(), spec))
@@ -140,6 +160,20 @@ fn bootstrap_port(pod: &Pod) -> Result<Option<u16>, Skip> {
     match value.trim().parse::<u16>() {
         Ok(port) if port > 0 => Ok(Some(port)),
         _ => Err(Skip::BadBootstrapPort(value.to_owned())),
+    }
+}
+
+/// A KV-event socket's port from `annotation`, if given.
+fn kv_events_port(pod: &Pod, annotation: &'static str) -> Result<Option<u16>, Skip> {
+    let Some(value) = self::annotation(pod, annotation) else {
+        return Ok(None);
+    };
+    match value.trim().parse::<u16>() {
+        Ok(port) if port > 0 => Ok(Some(port)),
+        _ => Err(Skip::BadKvEventsPort {
+            annotation,
+            value: value.to_owned(),
+        }),
     }
 }
 
@@ -263,6 +297,9 @@ mod tests {
                 api_key: None,
                 protocol: Protocol::Mlc,
                 bootstrap_port: None,
+                kv_events: None,
+                kv_events_replay: None,
+                kv_events_topic: None,
             }
         );
         let v6 = pod(|p| p["status"]["podIP"] = json!("fd00::7"));
@@ -341,6 +378,45 @@ mod tests {
         assert_eq!(
             endpoint(&with(json!({"switchyard.io/protocol": "grpc"}), "any")),
             Err(Skip::BadProtocol("grpc".into()))
+        );
+    }
+
+    #[test]
+    fn kv_event_sockets_come_from_port_annotations_at_the_pod_ip() {
+        let annotated = |annotations: serde_json::Value| {
+            pod(move |p| p["metadata"]["annotations"] = annotations)
+        };
+        let plain = spec_of(&annotated(json!({})));
+        assert_eq!((plain.kv_events, plain.kv_events_replay), (None, None));
+        let both = spec_of(&annotated(json!({
+            "switchyard.io/kv-events-port": "5557",
+            "switchyard.io/kv-events-replay-port": "5558",
+        })));
+        assert_eq!(both.kv_events.as_deref(), Some("tcp://10.1.2.3:5557"));
+        assert_eq!(
+            both.kv_events_replay.as_deref(),
+            Some("tcp://10.1.2.3:5558")
+        );
+        let v6 = pod(|p| {
+            p["status"]["podIP"] = json!("fd00::7");
+            p["metadata"]["annotations"] = json!({"switchyard.io/kv-events-port": "5557"});
+        });
+        assert_eq!(
+            spec_of(&v6).kv_events.as_deref(),
+            Some("tcp://[fd00::7]:5557")
+        );
+        assert_eq!(
+            endpoint(&annotated(json!({"switchyard.io/kv-events-port": "zmq"}))),
+            Err(Skip::BadKvEventsPort {
+                annotation: KV_EVENTS_PORT_ANNOTATION,
+                value: "zmq".into()
+            })
+        );
+        let replay_alone = annotated(json!({"switchyard.io/kv-events-replay-port": "5558"}));
+        let skip = endpoint(&replay_alone).expect_err("a replay socket needs the event socket");
+        assert!(
+            matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
+            "{skip}"
         );
     }
 

@@ -1,4 +1,4 @@
-//! MLC-LLM's microserving calls (`shared/spec/microserving.md`): prep_recv and remote_send
+//! MLC-LLM's microserving calls (`docs/src/engines/mlc.md`): prep_recv and remote_send
 //! answered with JSON, start_generate and the single-engine forward answered with a stream, and
 //! the release of a prep_recv reservation that nothing will generate from.
 

@@ -69,11 +69,12 @@ impl Executor {
         &self.cluster
     }
 
-    /// Add an endpoint to the live list and start probing it: it serves once its probe
-    /// answers.
+    /// Add an endpoint to the live list, start probing it and reading its KV events: it
+    /// serves once its probe answers.
     pub fn add_endpoint(&self, spec: &EndpointSpec, owner: Owner) -> Result<u32, EndpointError> {
         let id = self.cluster.add(spec, owner)?;
         spawn_probe(&self.cluster, &self.client, ProbeConfig::default(), id);
+        self.cluster.subscribe_kv_events(id);
         Ok(id)
     }
 

@@ -1,4 +1,4 @@
-//! MLC's disaggregated flow (`shared/spec/microserving.md`): prep_recv on D → remote_send on P
+//! MLC's disaggregated flow (`docs/src/engines/mlc.md`): prep_recv on D → remote_send on P
 //! (unless D's prefix cache already holds the window) → start_generate on D, whose stream is
 //! the generation. Each step is one function in its own tracing span (request id, attempt,
 //! endpoint).

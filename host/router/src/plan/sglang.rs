@@ -1,4 +1,4 @@
-//! SGLang's bootstrap handoff (`shared/spec/sglang-pd.md`): the same body to P and D at once,
+//! SGLang's bootstrap handoff (`docs/src/engines/sglang.md`): the same body to P and D at once,
 //! joined by a fresh bootstrap room on P.
 //!
 //! Each engine waits for the other (300 s by default), so a leg that fails must take the other

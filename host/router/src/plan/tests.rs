@@ -107,6 +107,9 @@ fn spec(protocol: Protocol) -> EndpointSpec {
         api_key: None,
         protocol,
         bootstrap_port: None,
+        kv_events: None,
+        kv_events_replay: None,
+        kv_events_topic: None,
     }
 }
 

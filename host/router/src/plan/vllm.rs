@@ -1,4 +1,4 @@
-//! vLLM's NIXL handoff (`shared/spec/vllm-pd.md`): the prefill leg (P) with the
+//! vLLM's NIXL handoff (`docs/src/engines/vllm.md`): the prefill leg (P) with the
 //! `do_remote_decode` stanza and one token, its whole JSON answer read, then the decode leg (D)
 //! with the client's body and P's `kv_transfer_params` verbatim.
 //!

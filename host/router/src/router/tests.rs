@@ -281,6 +281,9 @@ impl Harness {
             api_key: None,
             protocol: switchyard_contract::Protocol::Mlc,
             bootstrap_port: None,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: None,
         };
         let cluster = Arc::new(Cluster::new(
             vec![spec(1), spec(2)],

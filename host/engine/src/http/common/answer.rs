@@ -3,7 +3,8 @@
 //!
 //! Completions carry `text`; a chat answer `choices[0].message`, a chat chunk
 //! `choices[0].delta`; a stream ends with a usage-only chunk (`"choices": []`) when
-//! `stream_options.include_usage`, then `data: [DONE]`. With `return_token_ids` every choice
+//! `stream_options.include_usage`, then `data: [DONE]`. Usage always says how many prompt
+//! tokens the prefix cache served (`prompt_tokens_details.cached_tokens`). With `return_token_ids` every choice
 //! carries the generated ids it completes, which is what a router continues a broken stream
 //! from.
 
@@ -189,9 +190,12 @@ impl Meta {
     }
 }
 
+/// vLLM's usage, with `prompt_tokens_details` always (vLLM writes it with
+/// `--enable-prompt-tokens-details`): what a router compares its predicted prefix with.
 fn usage_json(u: Usage) -> Value {
     json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens})
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens}})
 }
 
 /// Answers `rx` as the request asked: SSE (`stream`, with a usage chunk if `include_usage`),

@@ -96,12 +96,14 @@ impl Chunks for ResponseMeta {
     }
 }
 
+/// MLC's usage, plus the prompt tokens the prefix cache served (OpenAI's
+/// `prompt_tokens_details.cached_tokens`, which MLC's own engines do not report).
 fn engine_usage(u: scheduler::Usage) -> EngineUsage {
     let count = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
-    EngineUsage::from(Usage::new(
-        count(u.prompt_tokens),
-        count(u.completion_tokens),
-    ))
+    EngineUsage::from(
+        Usage::new(count(u.prompt_tokens), count(u.completion_tokens))
+            .with_cached_tokens(count(u.cached_tokens)),
+    )
 }
 
 #[cfg(test)]
@@ -127,7 +129,8 @@ mod tests {
             json,
             serde_json::json!({"id": "cmpl-1", "object": "text_completion", "created": 7,
                 "model": "m", "choices": [], "usage": {"prompt_tokens": 3,
-                "completion_tokens": 2, "total_tokens": 5, "extra": null}})
+                "completion_tokens": 2, "total_tokens": 5,
+                "prompt_tokens_details": {"cached_tokens": 0}, "extra": null}})
         );
         let chunk =
             serde_json::to_value(meta.chunk(event("a", &[97], &[-0.5]))).expect("serializes");

@@ -11,6 +11,9 @@ fn harness() -> Harness {
     let prefill = EndpointSpec {
         role: Role::Prefill,
         bootstrap_port: Some(8998),
+        kv_events: None,
+        kv_events_replay: None,
+        kv_events_topic: None,
         ..spec(Protocol::Sglang)
     };
     let decode = EndpointSpec {
