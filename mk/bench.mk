@@ -4,6 +4,8 @@
 #                         (RUNS=3 NUM_REQUESTS=2000 ... override its defaults; see the script)
 #   make bench-peers      the same builds, then scripts/bench-peers.sh: switchyard vs vllm-router and
 #                         sglang-router in front of one nginx static responder (ROUNDS=3 ...)
+#   make bench-kv-aware   release build + plugins + the affinity example, then scripts/bench-kv-aware.sh:
+#                         four policies on a Mooncake trace window, 4 engines (LOAD=0.7 LIMIT=600 ...)
 # Included by the top-level Makefile.
 
 .PHONY: bench-overhead
@@ -20,3 +22,11 @@ bench-overhead: plugins release
 bench-peers: plugins release
 	$(CARGO) build --release -p switchyard-bench --example passthrough
 	scripts/bench-peers.sh
+
+.PHONY: bench-kv-aware
+
+## bench-kv-aware: round-robin, least-loaded, affinity-rust and kv-aware replaying the Mooncake
+## conversation trace on 4 reference engines -> target/bench-kv-aware/summary.md
+# The example's file is named, not $(EXAMPLES_OUT)/...: mk/examples.mk is read after this file.
+bench-kv-aware: plugins release target/examples/affinity-rust.wasm
+	scripts/bench-kv-aware.sh

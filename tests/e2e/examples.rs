@@ -18,9 +18,9 @@ use crate::router::{assert_completion_matches, metric, post_or_get, prompts, ref
 
 /// `remote_send` calls an engine received: the prefill engine's, which computes the prompt and
 /// pushes its KV to the decode engine.
-const REMOTE_SENDS: &str = "switchyard_engine_remote_send_received";
+pub(crate) const REMOTE_SENDS: &str = "switchyard_engine_remote_send_received";
 /// Prompt tokens an engine took from its prefix cache instead of receiving or computing them.
-const PREFIX_MATCHED: &str = "switchyard_engine_prefix_matched_tokens";
+pub(crate) const PREFIX_MATCHED: &str = "switchyard_engine_prefix_matched_tokens";
 
 /// `target/examples/NAME.wasm`, or a failure that says how to build it.
 pub(crate) fn built_example(name: &str) -> PathBuf {
@@ -150,7 +150,7 @@ async fn slo_js_disaggregates_long_prompts_and_forwards_short_ones() {
 /// `count` different prompts of `16 * k + 1` bytes: the KV window `[0, len - 1)` that
 /// `prep-recv` reserves is whole 16-token pages (the engines' and the policy's default page
 /// size), so a prefix-cache hit covers all of it and the host skips `remote_send`.
-fn page_aligned_prompts(seed: u64, count: usize) -> Vec<String> {
+pub(crate) fn page_aligned_prompts(seed: u64, count: usize) -> Vec<String> {
     prompts(seed, count)
         .into_iter()
         .enumerate()

@@ -10,6 +10,7 @@ mod http;
 mod interop;
 #[cfg(feature = "k8s")]
 mod k8s;
+mod kv_aware;
 mod kv_events;
 mod lab;
 mod protocols;

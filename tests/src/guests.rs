@@ -28,6 +28,8 @@ impl Guest {
     pub const DISAGG: Guest = Guest::new("disagg-policy", "disagg_policy.wasm");
     /// The built-in round-robin policy (`plugins/round-robin.wasm`).
     pub const ROUND_ROBIN: Guest = Guest::new("round-robin-policy", "round_robin_policy.wasm");
+    /// The built-in KV-cache-aware policy (`plugins/kv-aware.wasm`).
+    pub const KV_AWARE: Guest = Guest::new("kv-aware-policy", "kv_aware_policy.wasm");
     /// A policy that misbehaves on request (loops, traps, bloats, bad plans).
     pub const MISBEHAVE: Guest = Guest::new("misbehave-policy", "misbehave_policy.wasm");
     /// A component of another world than `policy`.
@@ -87,6 +89,7 @@ pub fn plugins_dir() -> PathBuf {
     for (built, name) in [
         (Guest::DISAGG, "disagg.wasm"),
         (Guest::ROUND_ROBIN, "round-robin.wasm"),
+        (Guest::KV_AWARE, "kv-aware.wasm"),
     ] {
         install(&guest(built), &dir.join(name));
     }
