@@ -7,7 +7,8 @@ normal and build dependencies (dev-dependencies are test scaffolding, not archit
 - which of our crates it may reach (the crate table of docs/src/architecture.md: wire and kv
   nothing of ours, engine only wire and kv, the contract nothing, the KV index wire and the
   contract, policy-host only the contract, router wire + contract + policy-host + KV index,
-  bench only wire, the SDK nothing of the host);
+  bench only wire, the policy lab the engine (and what it reaches), the contract, the policy
+  host, bench and the KV index but never the router, the SDK nothing of the host);
 - that the policy host and the contract reach no HTTP client or server, the contract no
   wasmtime, and the KV index none of HTTP, wasmtime, Tokio or ZeroMQ;
 - that the router and the wire types reach no ML framework (candle is the engine's alone: the
@@ -41,6 +42,10 @@ OURS_ALLOWED = {
     "switchyard-router": {"switchyard-wire", "switchyard-contract", "switchyard-policy-host",
                           "switchyard-kv-index"},
     "switchyard-bench": {"switchyard-wire"},
+    # The policy lab: the engine's scheduler core, the real policies, bench's trace and stats.
+    "switchyard-lab": {"switchyard-engine", "switchyard-wire", "switchyard-kv",
+                       "switchyard-contract", "switchyard-policy-host", "switchyard-bench",
+                       "switchyard-kv-index"},
     "switchyard-policy": set(),  # the guest SDK
 }
 HTTP = {"reqwest", "hyper", "hyper-util", "h2", "ureq", "isahc", "curl", "surf", "awc",
@@ -226,7 +231,9 @@ def self_test(metadata):
              ("switchyard-wire", "switchyard-router"), ("switchyard-policy", "switchyard-contract"),
              ("switchyard-contract", "wasmtime"), ("switchyard-router", "candle-core"),
              ("switchyard-wire", "candle-core"),
-             ("switchyard-kv-index", "switchyard-router"), ("switchyard-kv-index", "tokio")]
+             ("switchyard-kv-index", "switchyard-router"), ("switchyard-kv-index", "tokio"),
+             ("switchyard-lab", "switchyard-router"), ("switchyard-router", "switchyard-lab"),
+             ("switchyard-router", "switchyard-engine")]
     for src, dst in cases:
         if not any(f"{src} -> {dst}" in v for v in violations(with_edge(metadata, src, dst))):
             sys.exit(f"self-test: an edge {src} -> {dst} went unnoticed")

@@ -12,6 +12,7 @@ mod interop;
 mod k8s;
 mod kv_aware;
 mod kv_events;
+mod lab;
 mod protocols;
 mod replicas;
 mod router;

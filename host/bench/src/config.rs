@@ -529,7 +529,9 @@ pub(crate) fn parse_len_range(raw: &str) -> Result<LenRange, String> {
     })
 }
 
-fn parse_slo(raw: &str) -> Result<Slo, String> {
+/// `--slo TTFT_MS,TPOT_MS` as `bench` and the policy lab read it (positivity is checked with the
+/// other flags).
+pub fn parse_slo(raw: &str) -> Result<Slo, String> {
     let (a, b) = raw
         .split_once(',')
         .ok_or_else(|| format!("expected TTFT_MS,TPOT_MS, got {raw:?}"))?;

@@ -74,8 +74,11 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
 pub use config::{
     BenchArgs, BenchConfig, LenRange, LoadShape, PlanKind, PromptFormat, Slo, TraceConfig,
+    parse_slo,
 };
 pub use direct::DirectPlan;
+pub use plot::{LatencySeries, PlotError, write_latency_cdfs};
+pub use report::{replay_metrics_json, summary_json};
 pub use schedule::Arrivals;
 pub use stats::{Distribution, ReplayMetrics, RequestOutcome, Summary, Timing, percentile};
 pub use trace_command::{TraceCommand, run_trace_command};

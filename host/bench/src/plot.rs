@@ -1,4 +1,5 @@
-//! `--plot`: TTFT and E2E latency CDFs per arm, side by side, as SVG.
+//! `--plot`: TTFT and E2E latency CDFs per arm, side by side, as SVG; the policy lab draws
+//! its policies' the same way ([`write_latency_cdfs`]).
 
 use std::path::Path;
 
@@ -18,25 +19,34 @@ fn draw_err(e: impl std::fmt::Display) -> PlotError {
     PlotError(e.to_string())
 }
 
-/// One arm's latencies in ms, sorted ascending.
-struct Series {
-    arm: Arm,
-    ttft: Vec<f64>,
-    e2e: Vec<f64>,
+/// One set of requests' latencies in ms (an arm, a policy), drawn as one line per panel.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LatencySeries {
+    pub name: String,
+    pub ttft_ms: Vec<f64>,
+    pub e2e_ms: Vec<f64>,
 }
 
 /// Writes the CDFs of the report's successful requests to `path`.
 pub fn write_cdfs(path: &Path, report: &BenchReport) -> Result<(), PlotError> {
-    let series = collect_series(report);
+    write_latency_cdfs(path, collect_series(report))
+}
+
+/// Writes the TTFT and end-to-end latency CDFs of each series to `path`, side by side.
+pub fn write_latency_cdfs(path: &Path, mut series: Vec<LatencySeries>) -> Result<(), PlotError> {
+    for s in &mut series {
+        s.ttft_ms.sort_by(f64::total_cmp);
+        s.e2e_ms.sort_by(f64::total_cmp);
+    }
     let root = SVGBackend::new(path, SIZE).into_drawing_area();
     root.fill(&WHITE).map_err(draw_err)?;
     let panels = root.split_evenly((1, 2));
-    draw_panel(&panels[0], "Time to first token", &series, |s| &s.ttft)?;
-    draw_panel(&panels[1], "End-to-end latency", &series, |s| &s.e2e)?;
+    draw_panel(&panels[0], "Time to first token", &series, |s| &s.ttft_ms)?;
+    draw_panel(&panels[1], "End-to-end latency", &series, |s| &s.e2e_ms)?;
     root.present().map_err(draw_err)
 }
 
-fn collect_series(report: &BenchReport) -> Vec<Series> {
+fn collect_series(report: &BenchReport) -> Vec<LatencySeries> {
     let mut arms: Vec<Arm> = report.outcomes.iter().map(|o| o.arm).collect();
     arms.sort();
     arms.dedup();
@@ -47,12 +57,14 @@ fn collect_series(report: &BenchReport) -> Vec<Series> {
                 .iter()
                 .filter(|o| o.arm == arm)
                 .filter_map(|o| o.result.as_ref().ok());
-            let (mut ttft, mut e2e): (Vec<f64>, Vec<f64>) = timings
+            let (ttft_ms, e2e_ms) = timings
                 .map(|t| (t.ttft.as_secs_f64() * 1e3, t.e2e.as_secs_f64() * 1e3))
                 .unzip();
-            ttft.sort_by(f64::total_cmp);
-            e2e.sort_by(f64::total_cmp);
-            Series { arm, ttft, e2e }
+            LatencySeries {
+                name: arm.name().to_owned(),
+                ttft_ms,
+                e2e_ms,
+            }
         })
         .collect()
 }
@@ -60,8 +72,8 @@ fn collect_series(report: &BenchReport) -> Vec<Series> {
 fn draw_panel(
     area: &DrawingArea<SVGBackend<'_>, plotters::coord::Shift>,
     title: &str,
-    series: &[Series],
-    values: impl Fn(&Series) -> &Vec<f64>,
+    series: &[LatencySeries],
+    values: impl Fn(&LatencySeries) -> &Vec<f64>,
 ) -> Result<(), PlotError> {
     let x_max = series
         .iter()
@@ -93,7 +105,7 @@ fn draw_panel(
         chart
             .draw_series(LineSeries::new(points, color.stroke_width(2)))
             .map_err(draw_err)?
-            .label(format!("{} (n={})", s.arm.name(), sorted.len()))
+            .label(format!("{} (n={})", s.name, sorted.len()))
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
     }
     chart

@@ -165,6 +165,23 @@ impl PagePool {
         pages
     }
 
+    /// How many leading full pages of `tokens` the prefix cache holds in a row: a read that
+    /// takes no reference and leaves the eviction order as it was. Keys are chained as
+    /// [`extend_keys`](Self::extend_keys) chains them, and none past the first page missing.
+    pub fn cached_pages(&self, tokens: &[u32]) -> usize {
+        let Some(cache) = self.cache.as_ref() else {
+            return 0;
+        };
+        let mut key = self.root;
+        tokens
+            .chunks_exact(self.page_size)
+            .take_while(|page| {
+                key = chain(key, page);
+                cache.page_by_key.contains_key(&key)
+            })
+            .count()
+    }
+
     /// Offers full pages `from..keys.len()` of one sequence to the prefix cache: page `p` is
     /// `pages[p]`, holds `tokens[p * page_size..][..page_size]` and has the prefix key
     /// `keys[p]`. A page is skipped when its key or the page is cached already, or when its

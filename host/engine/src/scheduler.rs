@@ -260,6 +260,13 @@ impl Core {
         }
     }
 
+    /// Leading positions of `prompt` that the prefix cache holds, in whole pages; what a
+    /// router learns from the engine's KV events, read without changing anything (a
+    /// simulator's view of its engines' caches).
+    pub fn cached_prefix(&self, prompt: &[u32]) -> usize {
+        self.pool.cached_pages(prompt) * self.pool.page_size()
+    }
+
     /// What the core counted since it started.
     pub fn counters(&self) -> Counters {
         self.counters

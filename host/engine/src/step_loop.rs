@@ -301,7 +301,7 @@ impl StepLoop {
                     self.core.cancel(id, now);
                 }
             }
-            Output::Leased(Lease { id, slots }) => {
+            Output::Leased(Lease { id, slots, .. }) => {
                 let lease = SendLease {
                     slots,
                     id,

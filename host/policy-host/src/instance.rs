@@ -6,6 +6,7 @@
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use wasmtime::component::{Instance as ComponentInstance, TypedFunc};
@@ -14,6 +15,7 @@ use wasmtime::{AsContextMut, Engine, Store, Trap};
 use super::PolicyLimits;
 use super::bindings::{Described, Guest, GuestPre, Refusal};
 use super::blocking_io::allow_blocking;
+use super::environment::GuestEnvironment;
 use super::sandbox::{MAX_ERROR_BYTES, MAX_PLAN_STEPS, StoreState};
 use super::wasm::EpochTicker;
 use switchyard_contract::{Outcome, Plan, PolicyContext, PolicyRequest, TranslateError};
@@ -131,6 +133,9 @@ pub(super) struct Factory {
     pre: GuestPre,
     config: String,
     limits: PolicyLimits,
+    environment: GuestEnvironment,
+    /// Instances built so far: the next one's number, which picks its random stream.
+    built: AtomicU64,
 }
 
 impl Factory {
@@ -141,6 +146,7 @@ impl Factory {
         pre: GuestPre,
         config: String,
         limits: PolicyLimits,
+        environment: GuestEnvironment,
     ) -> Self {
         Factory {
             name,
@@ -149,6 +155,8 @@ impl Factory {
             pre,
             config,
             limits,
+            environment,
+            built: AtomicU64::new(0),
         }
     }
 
@@ -331,6 +339,10 @@ impl Factory {
             Arc::clone(&self.name),
             self.limits.memory_bytes,
             self.limits.output_bytes,
+            (
+                &self.environment,
+                self.built.fetch_add(1, Ordering::Relaxed),
+            ),
         );
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limiter);

@@ -39,6 +39,7 @@ mod bindings;
 mod blocking_io;
 mod check;
 mod deadline;
+mod environment;
 mod executor;
 mod instance;
 mod load;
@@ -62,6 +63,7 @@ use std::time::Duration;
 
 pub use bindings::Contract;
 pub use check::{CheckError, CheckReport, check};
+pub use environment::{GuestClock, GuestEnvironment};
 pub use executor::ExecutorView;
 pub use registry::{
     CallSummary, LastReload, POLICY_HEADER, PolicyRegistry, PolicyState, PolicyView,
@@ -196,10 +198,20 @@ struct HostInner {
     engine: WasmEngine,
     linkers: Linkers,
     limits: PolicyLimits,
+    environment: GuestEnvironment,
 }
 
 impl PolicyHost {
     pub fn new(limits: PolicyLimits) -> Result<Self, LoadError> {
+        Self::with_environment(limits, GuestEnvironment::default())
+    }
+
+    /// A host whose guests read `environment`'s clock and seeded randomness instead of the
+    /// host's own (the policy lab's virtual time).
+    pub fn with_environment(
+        limits: PolicyLimits,
+        environment: GuestEnvironment,
+    ) -> Result<Self, LoadError> {
         let engine = WasmEngine::new(limits.cache_dir.clone())?;
         let linkers = Linkers::new(engine.engine())?;
         Ok(PolicyHost {
@@ -207,6 +219,7 @@ impl PolicyHost {
                 engine,
                 linkers,
                 limits,
+                environment,
             }),
         })
     }

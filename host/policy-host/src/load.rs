@@ -39,6 +39,7 @@ pub(super) fn load(
         pre,
         config,
         host.limits.clone(),
+        host.environment.clone(),
     );
     let start_error = |reason: String| LoadError::Instantiate {
         policy: name.to_owned(),

@@ -17,6 +17,7 @@ use super::LoadError;
 use super::bindings::{self, Contract};
 use super::blocking_io::{self, BlockingIo};
 use super::deadline::CallClock;
+use super::environment::GuestEnvironment;
 
 /// Longest single log line a policy may write; longer ones are cut (at a char boundary) and
 /// marked as cut.
@@ -53,19 +54,28 @@ pub(super) struct StoreState {
 }
 
 impl StoreState {
-    pub(super) fn new(policy: Arc<str>, memory_bytes: usize, output_bytes: usize) -> Self {
+    /// The store of instance number `instance` of `policy`, whose clocks and randomness come
+    /// from `environment`.
+    pub(super) fn new(
+        policy: Arc<str>,
+        memory_bytes: usize,
+        output_bytes: usize,
+        (environment, instance): (&GuestEnvironment, u64),
+    ) -> Self {
         let stdout = LogPipe::new(Arc::clone(&policy), "stdout", output_bytes);
         let stderr = LogPipe::new(Arc::clone(&policy), "stderr", output_bytes);
         // Everything denied: no preopens, env, args, sockets or name lookup; stdin is empty.
-        // Clocks and random stay (a policy may want jitter), they reveal nothing about the host.
-        let wasi = WasiCtxBuilder::new()
-            .stdout(stdout)
+        // Clocks and random stay (a policy may want jitter), they reveal nothing about the host;
+        // an embedder may give its own of both (a simulation's virtual clock and seed).
+        let mut wasi = WasiCtxBuilder::new();
+        wasi.stdout(stdout)
             .stderr(stderr)
             .allow_ip_name_lookup(false)
             .allow_tcp(false)
             .allow_udp(false)
-            .socket_addr_check(|_, _| Box::pin(async { false }))
-            .build();
+            .socket_addr_check(|_, _| Box::pin(async { false }));
+        environment.configure(&mut wasi, &policy, instance);
+        let wasi = wasi.build();
         StoreState {
             policy,
             limiter: StoreCap::new(memory_bytes),

@@ -1,5 +1,6 @@
 //! The `switchyard` binary: parse the command line, set up logging, run a subcommand. Every
-//! product lives in its own crate (`switchyard-router`, `-engine`, `-policy-host`, `-bench`);
+//! product lives in its own crate (`switchyard-router`, `-engine`, `-policy-host`, `-bench`,
+//! `-lab`);
 //! this one only wires them to a command line, plus `up` (engines and router together) and the
 //! `policy` tooling.
 
@@ -49,6 +50,13 @@ enum Command {
     /// Summarise a request trace, or write a seeded synthetic one (Mooncake JSONL).
     #[command(subcommand)]
     Trace(switchyard_bench::TraceCommand),
+    /// Replay a trace on a simulated cluster, once per policy, and compare the policies.
+    ///
+    /// The engines are the reference engine's scheduler core on a virtual clock, costed by a
+    /// latency profile; the policies are the real components. Results: a table on stdout,
+    /// optionally --json (one object per policy, vLLM benchmark names) and --out DIR (latency
+    /// CDFs as SVG, the table).
+    Lab(switchyard_lab::LabArgs),
     /// Run the router in front of running engines.
     Serve(switchyard_router::config::ServeArgs),
     /// Start reference engines and the router in front of them (the embedded default).
@@ -66,6 +74,7 @@ fn main() -> ExitCode {
         Command::Engine(args) => engine(args),
         Command::Bench(args) => switchyard_bench::run_blocking(args).map_err(Into::into),
         Command::Trace(command) => switchyard_bench::run_trace_command(command).map_err(Into::into),
+        Command::Lab(args) => switchyard_lab::run(args).map_err(Into::into),
         Command::Serve(args) => serve(&args),
         Command::Up(mut args) => {
             // The engines log to the same stderr: in the same format.

@@ -166,3 +166,40 @@ fn without_a_journal_the_cache_records_nothing() {
     pool.alloc(2).unwrap();
     assert_eq!(pool.take_events(), None);
 }
+
+/// `cached_pages` counts the leading pages of a prompt the cache holds, keyed under the pool's
+/// own root, as `match_prefix` would find them.
+#[test]
+fn cached_pages_counts_the_leading_pages_held_under_the_pools_root() {
+    let mut pool = PagePool::new(3, 2, true);
+    pool.record_events(7);
+    let tokens = [1, 2, 3, 4, 5, 6];
+    let keys = keys_of(&pool, &tokens);
+    let pages = pool.alloc(3).unwrap();
+    pool.register(&pages[..2], &keys[..2], &tokens, 0);
+    pool.release(&pages);
+
+    assert_eq!(pool.match_prefix(&keys, 8).len(), 2);
+    assert_eq!(
+        pool.cached_pages(&tokens),
+        2,
+        "the third page was never stored"
+    );
+    assert_eq!(pool.cached_pages(&tokens[..3]), 1, "whole pages only");
+    assert_eq!(
+        pool.cached_pages(&[1, 2, 9, 9]),
+        1,
+        "the run stops at the first miss"
+    );
+    assert_eq!(
+        pool.cached_pages(&[9, 9, 3, 4]),
+        0,
+        "a key stands for its whole prefix"
+    );
+
+    // The same tokens under another root name no page of this cache.
+    let mut other = PagePool::new(3, 2, true);
+    let pages = other.alloc(2).unwrap();
+    other.register(&pages, &keys[..2], &tokens, 0);
+    assert_eq!(other.cached_pages(&tokens), 0);
+}

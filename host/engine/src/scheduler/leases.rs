@@ -33,9 +33,13 @@ impl Core {
     }
 
     fn hold(&mut self, seq: Seq, slots: Vec<u32>) {
-        let id = seq.id;
+        let (id, cached_tokens) = (seq.id, seq.cached);
         self.backend.forget(id);
         self.leases.insert(id, seq);
-        self.produced.push(Output::Leased(Lease { id, slots }));
+        self.produced.push(Output::Leased(Lease {
+            id,
+            slots,
+            cached_tokens,
+        }));
     }
 }

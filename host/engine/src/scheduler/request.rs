@@ -97,6 +97,8 @@ pub struct PrepRecvReply {
 pub struct Lease {
     pub id: RequestId,
     pub slots: Vec<u32>,
+    /// Positions of the prefill served from the prefix cache rather than computed.
+    pub cached_tokens: usize,
 }
 
 /// What the core tells its driver, each due at a time ([`Core::take_due`](super::Core::take_due)).

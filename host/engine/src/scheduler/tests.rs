@@ -942,4 +942,60 @@ fn the_costless_model_runs_the_synthetic_models_schedule() {
     );
 }
 
+/// What a request found in the prefix cache is reported with it: on a generation's finish
+/// (`Usage::cached_tokens`, a reservation's match after start_generate) and on a lease.
+#[test]
+fn each_request_reports_the_prompt_tokens_its_cache_served() {
+    let cfg = CoreConfig {
+        prefix_cache: true,
+        ..config(64)
+    };
+    let mut core = Core::new(cfg, Backend::costless());
+    let prompt: Vec<u8> = (0..30).map(|i| b'a' + i % 26).collect();
+    let mut now = Time::ZERO;
+    let mut run = |core: &mut Core, until: &dyn Fn(&Output) -> bool| {
+        for _ in 0..200 {
+            let step = core.step(now);
+            now = step.end;
+            if let Some(found) = core.take_due(now).into_iter().find(|o| until(o)) {
+                return found;
+            }
+        }
+        panic!("no such output within 200 steps");
+    };
+    let finished = |o: &Output| matches!(o, Output::Event { event, .. } if event.finish.is_some());
+    let usage = |o: Output| match o {
+        Output::Event { event, .. } => event.finish.expect("a finish").1,
+        other => panic!("not an event: {other:?}"),
+    };
+    core.generate(request(&prompt, 2));
+    assert_eq!(
+        usage(run(&mut core, &finished)).cached_tokens,
+        0,
+        "a cold cache"
+    );
+    // The same prompt again: every whole page but the one holding the last token.
+    core.generate(request(&prompt, 2));
+    assert_eq!(usage(run(&mut core, &finished)).cached_tokens, 28);
+    // A prefill for sending may be served whole.
+    core.prefill_for_send(request(&prompt[..28], 1).tokens, 4);
+    match run(&mut core, &|o| matches!(o, Output::Leased(_))) {
+        Output::Leased(lease) => {
+            assert_eq!((lease.cached_tokens, lease.slots.len()), (28, 24));
+            core.release_lease(lease.id);
+        }
+        other => panic!("{other:?}"),
+    }
+    // A reservation's match is what its generation reports.
+    core.prep_recv("u".into(), request(&prompt, 2), 29)
+        .expect("reserves");
+    let matched = match run(&mut core, &|o| matches!(o, Output::Reserved { .. })) {
+        Output::Reserved { reply, .. } => reply.prefix_matched_length,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(matched, 28);
+    core.start_generate("u".into(), 29).expect("starts");
+    assert_eq!(usage(run(&mut core, &finished)).cached_tokens, 28);
+}
+
 mod kv_events;

@@ -168,7 +168,12 @@ fn a_log_flood_is_cut_at_the_call_budget_and_the_cut_is_marked() {
 }
 
 fn store() -> StoreState {
-    StoreState::new(Arc::from("p"), 1 << 20, 1 << 10)
+    StoreState::new(
+        Arc::from("p"),
+        1 << 20,
+        1 << 10,
+        (&GuestEnvironment::default(), 0),
+    )
 }
 
 #[test]

@@ -1,0 +1,263 @@
+//! Whole runs: the same seed gives the same JSON byte for byte, and the command runs the
+//! built-in components side by side on the same arrivals.
+
+use std::path::Path;
+
+use clap::Parser;
+use serde_json::Value;
+
+use super::*;
+
+#[derive(Parser)]
+struct Cli {
+    #[command(flatten)]
+    lab: LabArgs,
+}
+
+/// `switchyard lab` with `flags` after `--trace TRACE --plugins <the built-in policies>`.
+fn config(trace: &Path, flags: &[&str]) -> LabConfig {
+    let plugins = switchyard_tests::plugins_dir();
+    let mut argv = vec![
+        "lab".to_owned(),
+        "--trace".to_owned(),
+        trace.display().to_string(),
+        "--plugins".to_owned(),
+        plugins.display().to_string(),
+    ];
+    argv.extend(flags.iter().map(|f| (*f).to_owned()));
+    Cli::try_parse_from(argv)
+        .expect("valid flags")
+        .lab
+        .validate()
+        .expect("a valid run")
+}
+
+/// The JSON of a run, its one wall-clock figure set to zero.
+fn json_without_wall(config: &LabConfig) -> String {
+    let mut report = execute(config, indicatif::ProgressDrawTarget::hidden()).expect("runs");
+    report.wall = Duration::ZERO;
+    serde_json::to_string_pretty(&to_json(config, &report)).expect("serialises")
+}
+
+fn trace_file(dir: &Path, trace: &Trace) -> std::path::PathBuf {
+    let path = dir.join("trace.jsonl");
+    let mut file = std::fs::File::create(&path).expect("creates the trace");
+    trace.write_jsonl(&mut file).expect("writes the trace");
+    path
+}
+
+#[test]
+fn the_same_seed_gives_byte_identical_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(5, 80, 8.0));
+    let flags = [
+        "--policy",
+        "round-robin",
+        "--policy",
+        "disagg",
+        "--prefill",
+        "1",
+        "--decode",
+        "3",
+        "--kv-pages",
+        "600",
+        "--seed",
+        "11",
+        "--slo",
+        "400,40",
+    ];
+    let first = json_without_wall(&config(&trace, &flags));
+    let second = json_without_wall(&config(&trace, &flags));
+    assert!(first == second, "two runs differ:\n{first}\n---\n{second}");
+    // And the JSON says what users and checks rely on.
+    let json: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(json["simulated_requests"], 80);
+    assert_eq!(json["seed"], 11);
+    assert!(json["wall_seconds"].is_number());
+    for name in ["round-robin", "disagg"] {
+        let policy = &json["policies"][name];
+        for field in [
+            "completed",
+            "failed",
+            "request_goodput",
+            "mean_ttft_ms",
+            "p50_ttft_ms",
+            "p99_ttft_ms",
+            "p50_tpot_ms",
+            "p99_tpot_ms",
+            "mean_e2el_ms",
+            "p50_e2el_ms",
+            "p99_e2el_ms",
+            "prefix_hit_rate",
+            "preemptions",
+        ] {
+            assert!(policy[field].is_number(), "{name}.{field}: {policy}");
+        }
+        let hit = policy["prefix_hit_rate"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hit), "{hit}");
+        assert_eq!(policy["completed"], 80, "{policy}");
+    }
+    // round-robin forwards (no KV moves), disagg hands every prompt over.
+    assert_eq!(json["policies"]["round-robin"]["kv_transfers"], 0);
+    assert!(json["policies"]["disagg"]["kv_transfers"].as_u64().unwrap() > 0);
+    assert_eq!(
+        json["policies"]["round-robin"]["vs_first"]["p50_ttft_ms"],
+        0.0
+    );
+}
+
+#[test]
+fn another_seed_draws_other_retry_delays() {
+    // The retry jitter is the run's only draw here: preemptions make it show.
+    let dir = tempfile::tempdir().unwrap();
+    let synthetic = synthetic(5, 60, 30.0);
+    // Room for the longest prompt and little more: the generations grow into each other.
+    let longest = synthetic
+        .requests()
+        .iter()
+        .map(|r| r.input_length)
+        .max()
+        .unwrap();
+    let pages = (longest / 16 + 24).to_string();
+    let trace = trace_file(dir.path(), &synthetic);
+    let run = |seed: &str| {
+        json_without_wall(&config(
+            &trace,
+            &[
+                "--policy",
+                "round-robin",
+                "--engines",
+                "2",
+                "--kv-pages",
+                &pages,
+                "--seed",
+                seed,
+            ],
+        ))
+    };
+    let (a, b) = (run("1"), run("2"));
+    let preempted: Value = serde_json::from_str(&a).unwrap();
+    assert!(
+        preempted["policies"]["round-robin"]["preemptions"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "the pools preempt"
+    );
+    assert_ne!(a, b, "another seed, other retry delays");
+}
+
+#[test]
+fn the_command_writes_the_table_the_json_and_the_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(3, 40, 8.0));
+    let json = dir.path().join("lab.json");
+    let out = dir.path().join("out");
+    let plugins = switchyard_tests::plugins_dir();
+    let args = Cli::try_parse_from([
+        "lab",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--plugins",
+        plugins.to_str().unwrap(),
+        "--policy",
+        "round-robin",
+        "--engines",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ])
+    .unwrap()
+    .lab;
+    crate::run(args).expect("runs");
+    let written: Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    assert_eq!(written["policies"]["round-robin"]["completed"], 40);
+    let table = std::fs::read_to_string(out.join("summary.txt")).unwrap();
+    assert!(table.contains("TTFT p50 (ms)"), "{table}");
+    assert!(table.contains("simulated requests/s"), "{table}");
+    let svg = std::fs::read_to_string(out.join("latency_cdf.svg")).unwrap();
+    assert!(svg.contains("round-robin (n=40)"), "{svg}");
+}
+
+#[test]
+fn a_missing_policy_is_named_before_anything_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(3, 4, 8.0));
+    let error = Cli::try_parse_from([
+        "lab",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--plugins",
+        dir.path().to_str().unwrap(),
+        "--policy",
+        "nope",
+        "--engines",
+        "1",
+        "--fallback-policy",
+        "none",
+    ])
+    .unwrap()
+    .lab
+    .validate()
+    .expect_err("no such policy");
+    assert!(error.to_string().contains("nope.wasm"), "{error}");
+}
+
+/// Forwards every request to endpoint 0, recording the `cached-prefix` each endpoint showed
+/// and the prompt's length.
+#[derive(Debug, Default)]
+struct Sticky {
+    seen: Mutex<Vec<(usize, Vec<Option<u32>>)>>,
+}
+
+impl Planner for Sticky {
+    fn translate(
+        &self,
+        request: &PolicyRequest<'_>,
+        context: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        let cached = context.endpoints.iter().map(|e| e.cached_prefix).collect();
+        self.seen
+            .lock()
+            .unwrap()
+            .push((request.prompt.len(), cached));
+        Ok(Plan {
+            steps: vec![Step::Forward { endpoint: 0 }],
+        })
+    }
+
+    // It learns nothing.
+    fn on_complete(&self, _: &Outcome) {}
+}
+
+/// Policies see how much of each prompt every engine's cache holds: the engine that served a
+/// conversation's earlier turns holds some of its later prompts, the idle one nothing; without
+/// prefix caches, nobody knows.
+#[test]
+fn snapshots_carry_each_engines_cached_prefix_of_the_prompt() {
+    let trace = synthetic(7, 30, 3.0);
+    for prefix_cache in [true, false] {
+        let cluster = ClusterSpec {
+            prefix_cache,
+            ..cluster(Protocol::Mlc, vec![Role::Any; 2], 2048)
+        };
+        let planner = Arc::new(Sticky::default());
+        let result = run(&cluster, &trace, planner.clone(), 7);
+        assert!(result.violations.is_empty(), "{:?}", result.violations);
+        let seen = planner.seen.lock().unwrap();
+        assert_eq!(seen.len(), 30);
+        if !prefix_cache {
+            assert!(seen.iter().all(|(_, c)| c == &[None, None]), "{seen:?}");
+            continue;
+        }
+        for (len, cached) in seen.iter() {
+            assert_eq!(cached[1], Some(0), "endpoint 1 never served");
+            let on_0 = cached[0].expect("known") as usize;
+            assert!(on_0 <= *len && on_0.is_multiple_of(16), "{on_0} of {len}");
+        }
+        let hits = seen.iter().filter(|(_, c)| c[0] > Some(0)).count();
+        assert!(hits > 0, "later turns find their earlier ones: {seen:?}");
+    }
+}
