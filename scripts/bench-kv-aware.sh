@@ -19,7 +19,12 @@
 # LOAD (default 0.7) sets the trace's speed: the window's prompt tokens (cut to MAX_INPUT_LEN),
 # priced at the profile's 40 us per prefilled token times TIME_SCALE, over ENGINES engines' time,
 # as if nothing were cached. Results: $OUT/<policy>.json (bench), $OUT/<policy>.metrics (the
-# router's /metrics at the end) and $OUT/summary.md.
+# router's /metrics at the end) and $OUT/summary.md, which gives per policy the share of prompt
+# tokens the router's index predicted cached, the prefix-hit rate as the engines report it (the
+# bench sums usage.prompt_tokens_details.cached_tokens, which the router passes on) and the
+# index's hit-prediction accuracy (switchyard_kv_prediction_hits_total over
+# switchyard_kv_predictions_total: a request's prediction is a hit when it equals the engine's
+# cached_tokens, both in whole blocks).
 #
 # Needs target/release/switchyard (BIN=target/debug/switchyard to use a debug build),
 # plugins/kv-aware.wasm and plugins/round-robin.wasm (`make plugins`), and
@@ -180,14 +185,19 @@ def counter(policy, name):
 
 print(f"KV events: {events}\n")
 print("| policy | completed | failed | TTFT p50 (ms) | TTFT p99 (ms) "
-      "| prompt tokens cached, by the index | prefix-hit rate, by the engines |")
-print("|---|---|---|---|---|---|---|")
+      "| prompt tokens cached, by the index | prefix-hit rate, by the engines "
+      "| hit-prediction accuracy |")
+print("|---|---|---|---|---|---|---|---|")
 for p in policies:
     r = json.load(open(f"{out}/{p}.json"))
     hit = r.get("prefix_hit_rate")
     hit = "n/a" if hit is None else f"{100 * hit:.1f}%"
     predicted = counter(p, "switchyard_kv_predicted_prefix_tokens")
     predicted = "n/a" if predicted is None else f"{100 * predicted / r['total_input_tokens']:.1f}%"
+    predictions = counter(p, "switchyard_kv_predictions")
+    hits = counter(p, "switchyard_kv_prediction_hits")
+    accuracy = ("n/a" if not predictions or hits is None
+                else f"{100 * hits / predictions:.1f}% ({hits:.0f}/{predictions:.0f})")
     print(f"| {p} | {r['completed']} | {r['failed']} | {r['p50_ttft_ms']:.0f} "
-          f"| {r['p99_ttft_ms']:.0f} | {predicted} | {hit} |")
+          f"| {r['p99_ttft_ms']:.0f} | {predicted} | {hit} | {accuracy} |")
 EOF
