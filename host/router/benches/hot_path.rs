@@ -114,16 +114,8 @@ fn parse_and_inject(c: &mut Criterion) {
 fn endpoints() -> Vec<EndpointSnapshot> {
     let specs = (0..8)
         .map(|i| EndpointSpec {
-            url: format!("http://127.0.0.1:{}", 18101 + i),
             role: if i < 4 { Role::Prefill } else { Role::Decode },
-            num_gpus: 1,
-            device_rank: None,
-            api_key: None,
-            protocol: switchyard_contract::Protocol::Mlc,
-            bootstrap_port: None,
-            kv_events: None,
-            kv_events_replay: None,
-            kv_events_topic: None,
+            ..EndpointSpec::new(format!("http://127.0.0.1:{}", 18101 + i))
         })
         .collect();
     let cluster = Cluster::new(specs, OutlierConfig::default());

@@ -164,6 +164,24 @@ impl<'de> serde::Deserialize<'de> for ApiKey {
 }
 
 impl EndpointSpec {
+    /// An MLC endpoint at `url` with what a file's `[[endpoints]]` entry gives when it says
+    /// nothing else: any role, one GPU, no key, no bootstrap port, no KV events. Set the rest
+    /// with struct update syntax (`EndpointSpec { role, ..EndpointSpec::new(url) }`).
+    pub fn new(url: impl Into<String>) -> Self {
+        EndpointSpec {
+            url: url.into(),
+            role: Role::default(),
+            num_gpus: 1,
+            device_rank: None,
+            api_key: None,
+            protocol: Protocol::default(),
+            bootstrap_port: None,
+            kv_events: None,
+            kv_events_replay: None,
+            kv_events_topic: None,
+        }
+    }
+
     /// An `http://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
     pub fn check(&self) -> Result<(), String> {
         let url: http::Uri = self
@@ -912,16 +930,8 @@ mod tests {
 
     fn spec(url: &str, num_gpus: u32) -> EndpointSpec {
         EndpointSpec {
-            url: url.into(),
-            role: Role::Any,
             num_gpus,
-            device_rank: None,
-            api_key: None,
-            protocol: Protocol::Mlc,
-            bootstrap_port: None,
-            kv_events: None,
-            kv_events_replay: None,
-            kv_events_topic: None,
+            ..EndpointSpec::new(url)
         }
     }
 

@@ -168,16 +168,8 @@ mod tests {
 
     fn spec(port: u16, role: Role) -> EndpointSpec {
         EndpointSpec {
-            url: format!("http://10.0.0.1:{port}"),
             role,
-            num_gpus: 1,
-            device_rank: None,
-            api_key: None,
-            protocol: switchyard_contract::Protocol::Mlc,
-            bootstrap_port: None,
-            kv_events: None,
-            kv_events_replay: None,
-            kv_events_topic: None,
+            ..EndpointSpec::new(format!("http://10.0.0.1:{port}"))
         }
     }
 

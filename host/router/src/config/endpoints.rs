@@ -132,16 +132,8 @@ fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
         None => (Protocol::Mlc, url),
     };
     let mut spec = EndpointSpec {
-        url: url.to_owned(),
-        role: Role::Any,
-        num_gpus: 1,
-        device_rank: None,
-        api_key: None,
         protocol,
-        bootstrap_port: None,
-        kv_events: None,
-        kv_events_replay: None,
-        kv_events_topic: None,
+        ..EndpointSpec::new(url)
     };
     for option in parts {
         match option.split_once('=') {

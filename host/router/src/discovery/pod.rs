@@ -290,16 +290,8 @@ mod tests {
         assert_eq!(
             spec,
             EndpointSpec {
-                url: "http://10.1.2.3:8080".into(),
-                role: Role::Any,
                 num_gpus: 2,
-                device_rank: None,
-                api_key: None,
-                protocol: Protocol::Mlc,
-                bootstrap_port: None,
-                kv_events: None,
-                kv_events_replay: None,
-                kv_events_topic: None,
+                ..EndpointSpec::new("http://10.1.2.3:8080")
             }
         );
         let v6 = pod(|p| p["status"]["podIP"] = json!("fd00::7"));

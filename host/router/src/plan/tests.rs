@@ -100,16 +100,8 @@ impl Harness {
 /// An endpoint speaking `protocol`, at the URL its position gives it ([`Harness::with`]).
 fn spec(protocol: Protocol) -> EndpointSpec {
     EndpointSpec {
-        url: String::new(),
-        role: Role::Any,
-        num_gpus: 1,
-        device_rank: None,
-        api_key: None,
         protocol,
-        bootstrap_port: None,
-        kv_events: None,
-        kv_events_replay: None,
-        kv_events_topic: None,
+        ..EndpointSpec::new("")
     }
 }
 

@@ -12,7 +12,7 @@ use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
-use switchyard_contract::{Plan, Role, Step};
+use switchyard_contract::{Plan, Step};
 use switchyard_wire::completion::{Choice, CompletionResponse, Logprobs};
 use switchyard_wire::sse::{ChunkStream, SseError};
 
@@ -273,18 +273,7 @@ impl Harness {
     }
 
     fn with_config(config: RouterConfig, script: Vec<Script>) -> Self {
-        let spec = |port: u16| EndpointSpec {
-            url: format!("http://127.0.0.1:{port}"),
-            role: Role::Any,
-            num_gpus: 1,
-            device_rank: None,
-            api_key: None,
-            protocol: switchyard_contract::Protocol::Mlc,
-            bootstrap_port: None,
-            kv_events: None,
-            kv_events_replay: None,
-            kv_events_topic: None,
-        };
+        let spec = |port: u16| EndpointSpec::new(format!("http://127.0.0.1:{port}"));
         let cluster = Arc::new(Cluster::new(
             vec![spec(1), spec(2)],
             OutlierConfig::default(),

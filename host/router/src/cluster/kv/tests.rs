@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use switchyard_contract::{Protocol, Role};
+use switchyard_contract::Protocol;
 use switchyard_wire::kv_events::{BlockHash, BlockStored, Event};
 use tokio::net::TcpListener;
 
@@ -15,16 +15,9 @@ const STALE_AFTER: Duration = Duration::from_secs(10);
 
 fn spec(url: &str, kv_events: Option<String>) -> EndpointSpec {
     EndpointSpec {
-        url: url.into(),
-        role: Role::Any,
-        num_gpus: 1,
-        device_rank: None,
-        api_key: None,
         protocol: Protocol::Vllm,
-        bootstrap_port: None,
         kv_events,
-        kv_events_replay: None,
-        kv_events_topic: None,
+        ..EndpointSpec::new(url)
     }
 }
 
