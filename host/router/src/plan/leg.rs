@@ -18,7 +18,33 @@ pub(super) struct Legs<'a> {
     pub(super) id: &'a AttemptId,
 }
 
+/// The two legs of a P/D handoff (vLLM's, SGLang's), each endpoint counted in flight and
+/// looked up before either is called.
+pub(super) struct HandoffLegs {
+    pub(super) prefill_in_flight: InFlight,
+    pub(super) decode_in_flight: InFlight,
+    pub(super) prefill: Upstream,
+    pub(super) decode: Upstream,
+}
+
 impl Legs<'_> {
+    /// Both legs of a handoff, or the first endpoint gone since validation (its guards
+    /// dropped with the error, so nothing stays counted).
+    pub(super) fn handoff(
+        &self,
+        prefill: EndpointId,
+        decode: EndpointId,
+    ) -> Result<HandoffLegs, ExecError> {
+        let decode_in_flight = self.in_flight(decode, StepKind::DecodeLeg)?;
+        let prefill_in_flight = self.in_flight(prefill, StepKind::PrefillLeg)?;
+        Ok(HandoffLegs {
+            prefill_in_flight,
+            decode_in_flight,
+            prefill: self.upstream(prefill, StepKind::PrefillLeg)?,
+            decode: self.upstream(decode, StepKind::DecodeLeg)?,
+        })
+    }
+
     /// `endpoint`, counted in flight until the returned guard is dropped.
     pub(super) fn in_flight(
         &self,

@@ -18,7 +18,7 @@ use switchyard_wire::sse::ChunkStream;
 
 use super::attempt::{AttemptBody, Generation, Partner, streams};
 use super::error::{Cause, ExecError, StepKind};
-use super::leg::Legs;
+use super::leg::{HandoffLegs, Legs};
 use crate::cluster::InFlight;
 use crate::engine_client::CallError;
 
@@ -31,10 +31,12 @@ pub(super) async fn handoff(
 ) -> Result<Generation, ExecError> {
     let id = legs.id;
     let span = tracing::debug_span!("sglang_handoff", request = %id.upstream_id, attempt = id.attempt, prefill, decode);
-    let in_flight = legs.in_flight(decode, StepKind::DecodeLeg)?;
-    let prefill_in_flight = legs.in_flight(prefill, StepKind::PrefillLeg)?;
-    let p_engine = legs.upstream(prefill, StepKind::PrefillLeg)?;
-    let d_engine = legs.upstream(decode, StepKind::DecodeLeg)?;
+    let HandoffLegs {
+        prefill_in_flight,
+        decode_in_flight: in_flight,
+        prefill: p_engine,
+        decode: d_engine,
+    } = legs.handoff(prefill, decode)?;
     // A misconfigured endpoint, not a failing one: the cluster hears nothing of it.
     let (host, port) = legs
         .cluster

@@ -22,7 +22,7 @@ use switchyard_wire::vllm::{self, PrefillAnswer};
 
 use super::attempt::{AttemptBody, Generation, streams};
 use super::error::{Cause, ExecError, StepKind};
-use super::leg::{Legs, detached};
+use super::leg::{HandoffLegs, Legs, detached};
 use crate::engine_client::{CallError, Delivery};
 
 /// P, then D with P's params (see the module docs).
@@ -34,10 +34,12 @@ pub(super) async fn handoff(
 ) -> Result<Generation, ExecError> {
     let id = legs.id;
     let span = tracing::debug_span!("vllm_handoff", request = %id.upstream_id, attempt = id.attempt, prefill, decode);
-    let in_flight = legs.in_flight(decode, StepKind::DecodeLeg)?;
-    let prefill_in_flight = legs.in_flight(prefill, StepKind::PrefillLeg)?;
-    let p_engine = legs.upstream(prefill, StepKind::PrefillLeg)?;
-    let d_engine = legs.upstream(decode, StepKind::DecodeLeg)?;
+    let HandoffLegs {
+        prefill_in_flight,
+        decode_in_flight: in_flight,
+        prefill: p_engine,
+        decode: d_engine,
+    } = legs.handoff(prefill, decode)?;
     let (path, fields) = body.leg(Protocol::Vllm);
     let client = legs.client.clone();
     let request_id = id.upstream_id.clone();
