@@ -11,10 +11,9 @@
 #   affinity       examples/affinity-rust (rendezvous hashing of the first 1024 prompt tokens)
 #   kv-aware       the built-in policy, default weights, on the engines' KV events
 #
-# When the engine has --kv-events and the router's --endpoint takes kv_events=, each engine
-# publishes its cache's events and the router indexes them (else kv-aware sees no cached
-# prefixes and is least-loaded; the summary says which). The engines move KV to each other over
-# TCP, for the policies that disaggregate (affinity does on a role-less cluster).
+# Each engine publishes its cache's KV events and the router indexes them, for every policy
+# (only kv-aware reads them). The engines move KV to each other over TCP, for the policies that
+# disaggregate (affinity does on a role-less cluster).
 #
 # LOAD (default 0.7) sets the trace's speed: the window's prompt tokens (cut to MAX_INPUT_LEN),
 # priced at the profile's 40 us per prefilled token times TIME_SCALE, over ENGINES engines' time,
@@ -68,10 +67,6 @@ mkdir -p "$OUT/logs" "$OUT/plugins"
 cp plugins/kv-aware.wasm plugins/round-robin.wasm "$OUT/plugins/"
 cp "$AFFINITY" "$OUT/plugins/affinity.wasm"
 
-EVENTS=off
-if "$BIN" engine --help | grep -q -- '--kv-events ' && "$BIN" serve --help | grep -q 'kv_events='; then
-    EVENTS=on
-fi
 
 PIDS=()
 stop_all() {
@@ -108,7 +103,7 @@ start_engines() {
         for ((peer = 0; peer < ENGINES; peer++)); do
             ((peer == rank)) || args+=(--kv-peer "$peer=tcp:127.0.0.1:$(kv_port "$peer")")
         done
-        [[ $EVENTS == off ]] || args+=(--kv-events "tcp://127.0.0.1:$(events_port "$rank")")
+        args+=(--kv-events "tcp://127.0.0.1:$(events_port "$rank")")
         "$BIN" engine "${args[@]}" >"$OUT/logs/$name-engine$rank.log" 2>&1 &
         PIDS+=($!)
     done
@@ -122,7 +117,7 @@ start_router() {
     local name=$1 policy=$2 rank endpoint args=()
     for ((rank = 0; rank < ENGINES; rank++)); do
         endpoint="http://127.0.0.1:$(http_port "$rank")"
-        [[ $EVENTS == off ]] || endpoint+=",kv_events=tcp://127.0.0.1:$(events_port "$rank")"
+        endpoint+=",kv_events=tcp://127.0.0.1:$(events_port "$rank")"
         args+=(--endpoint "$endpoint")
     done
     "$BIN" serve --port "$ROUTER_PORT" --plugins "$OUT/plugins" --policy "$policy" \
@@ -150,7 +145,7 @@ EOF
 )
 
 echo "machine: $(nproc) cores, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//')"
-echo "trace window $WINDOW s, first $LIMIT requests, speed-up $SPEEDUP (load $LOAD), KV events $EVENTS"
+echo "trace window $WINDOW s, first $LIMIT requests, speed-up $SPEEDUP (load $LOAD)"
 for policy in $POLICIES; do
     case $policy in
         least-loaded) serve=(kv-aware --policy-config '{"overlap_weight": 0}') ;;
@@ -167,9 +162,9 @@ for policy in $POLICIES; do
     stop_all
 done
 
-python3 - "$OUT" "$EVENTS" $POLICIES <<'EOF' | tee "$OUT/summary.md"
+python3 - "$OUT" $POLICIES <<'EOF' | tee "$OUT/summary.md"
 import json, sys
-out, events, policies = sys.argv[1], sys.argv[2], sys.argv[3:]
+out, policies = sys.argv[1], sys.argv[2:]
 
 
 def counter(policy, name):
@@ -183,7 +178,6 @@ def counter(policy, name):
     return None
 
 
-print(f"KV events: {events}\n")
 print("| policy | completed | failed | TTFT p50 (ms) | TTFT p99 (ms) "
       "| prompt tokens cached, by the index | prefix-hit rate, by the engines "
       "| hit-prediction accuracy |")
