@@ -418,3 +418,68 @@ impl Drop for RouterProcess {
         let _ = self.child.wait();
     }
 }
+
+/// A `switchyard epp` child process (the Endpoint Picker), killed when dropped.
+pub struct EppProcess {
+    child: Child,
+    /// The ext_proc gRPC service.
+    pub grpc: SocketAddr,
+    /// The gRPC health services.
+    pub grpc_health: SocketAddr,
+    /// `http://127.0.0.1:PORT` of `/metrics`, `/health` and `/livez`.
+    pub metrics_url: String,
+    pub metrics: SocketAddr,
+}
+
+impl EppProcess {
+    /// `switchyard epp` on free ports, `--plugins <checkout>/plugins` (unless ARGS name other
+    /// `--plugins`), `--endpoint URL…` and ARGS; waits until every endpoint is healthy.
+    pub fn start(endpoints: &[&str], args: &[&str]) -> EppProcess {
+        let mut full: Vec<String> = ["epp", "--grpc-port", "0", "--grpc-health-port", "0"]
+            .into_iter()
+            .chain(["--metrics-port", "0"])
+            .map(str::to_owned)
+            .collect();
+        full.extend(
+            RouterProcess::serve_argv(endpoints, args)
+                .into_iter()
+                .skip(3),
+        );
+        let (child, line) =
+            spawn_switchyard(&full, &[], Stdio::inherit(), STARTUP_TIMEOUT * 2, |line| {
+                line.strip_prefix("switchyard epp listening on ")
+                    .map(str::to_owned)
+            });
+        // `grpc://A (health grpc://B, metrics http://C)`
+        let addrs: Vec<SocketAddr> = line
+            .split(['(', ')', ',', ' '])
+            .filter_map(|word| word.split_once("://")?.1.parse().ok())
+            .collect();
+        let [grpc, grpc_health, metrics] = addrs[..] else {
+            panic!("unexpected epp ready line {line:?}");
+        };
+        let epp = EppProcess {
+            child,
+            grpc,
+            grpc_health,
+            metrics_url: format!("http://{metrics}"),
+            metrics,
+        };
+        wait_for(metrics, "/health", "epp", &epp.metrics_url, |body| {
+            body.contains(r#""down":[]"#)
+        });
+        epp
+    }
+
+    /// SIGKILL, and wait until the process is gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for EppProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
