@@ -22,6 +22,9 @@ use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, EppProcess, free_port, venv_tool};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic_health::pb::HealthCheckRequest;
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
 
 use crate::http::{client, sse_payloads};
 use crate::router::{eventually, metric};
@@ -267,6 +270,40 @@ async fn the_epp_speaks_ext_proc_at_its_edges() {
     );
     let admin = format!("http://127.0.0.1:{admin_port}");
 
+    // gRPC health: the process lives, and it is ready (its endpoints are healthy).
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", epp.grpc_health))
+        .expect("a URI")
+        .connect()
+        .await
+        .expect("connect to the EPP's health port");
+    let mut health = HealthClient::new(channel);
+    let services = [
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+        "",
+    ];
+    for service in services {
+        eventually(Duration::from_secs(5), || {
+            let mut health = health.clone();
+            async move {
+                let request = HealthCheckRequest {
+                    service: service.to_owned(),
+                };
+                match health.check(request).await.map(|r| r.into_inner().status) {
+                    Ok(status) if status == ServingStatus::Serving as i32 => None,
+                    other => Some(format!("{service:?}: {other:?}")),
+                }
+            }
+        })
+        .await;
+    }
+    let unknown = HealthCheckRequest {
+        service: "no.such.Service".to_owned(),
+    };
+    let refused = health.check(unknown).await.expect_err("an unknown service");
+    assert_eq!(refused.code(), tonic::Code::NotFound);
+
     // Headers only (a GET): picked at once, the destination as a header; no policy plans it.
     let mut s = Stream::open(&epp).await;
     s.send(
@@ -414,20 +451,26 @@ struct Envoy {
     child: Child,
     /// `http://127.0.0.1:PORT`
     url: String,
+    /// The listener that sets the subset hint.
+    hinted: String,
     /// Its access log: `UPSTREAM_HOST PREFILLER STATUS` per request.
     log: PathBuf,
     _dir: tempfile::TempDir,
 }
 
 impl Envoy {
-    /// Envoy on a free loopback port with `epp` as its ext_proc server; returns once its admin
-    /// interface says it is live.
-    async fn start(epp: SocketAddr) -> Envoy {
-        let (port, admin) = (free_port(), free_port());
+    /// Envoy on free loopback ports with `epp` as its ext_proc server, its `hinted` listener
+    /// restricting picks to `subset`; returns once its admin interface says it is live.
+    async fn start(epp: SocketAddr, subset: &str) -> Envoy {
+        let ports = Ports {
+            gateway: free_port(),
+            hinted: free_port(),
+            admin: free_port(),
+        };
         let dir = tempfile::tempdir().expect("tempdir");
         let config = dir.path().join("envoy.json");
         let log = dir.path().join("access.log");
-        std::fs::write(&config, envoy_config(port, admin, epp, &log).to_string())
+        std::fs::write(&config, envoy_config(ports, epp, subset, &log).to_string())
             .expect("write the Envoy config");
         let child = Command::new(venv_tool("envoy"))
             .arg("--config-path")
@@ -441,11 +484,12 @@ impl Envoy {
             .expect("start envoy");
         let envoy = Envoy {
             child,
-            url: format!("http://127.0.0.1:{port}"),
+            url: format!("http://127.0.0.1:{}", ports.gateway),
+            hinted: format!("http://127.0.0.1:{}", ports.hinted),
             log,
             _dir: dir,
         };
-        let ready = format!("http://127.0.0.1:{admin}/ready");
+        let ready = format!("http://127.0.0.1:{}/ready", ports.admin);
         eventually(Duration::from_secs(30), || async {
             match client().get(&ready).send().await {
                 Ok(r) if r.status() == 200 => None,
@@ -494,67 +538,19 @@ impl Drop for Envoy {
 /// The Inference Extension's reference wiring: every request through ext_proc (both bodies
 /// `FULL_DUPLEX_STREAMED`, trailers sent, as that mode requires), then to the host the EPP
 /// named in `x-gateway-destination-endpoint` (`ORIGINAL_DST`). The EPP failing closes the
-/// request (no `failure_mode_allow`). The access log records each request's upstream host and
-/// the prefiller header it carried.
-fn envoy_config(port: u16, admin: u16, epp: SocketAddr, log: &std::path::Path) -> Value {
+/// request (no `failure_mode_allow`). A second listener, `hinted`, first sets the
+/// `envoy.lb.subset_hint` metadata to `subset` with Envoy's `set_metadata` filter. The access
+/// log records each request's upstream host and the prefiller header it carried.
+fn envoy_config(ports: Ports, epp: SocketAddr, subset: &str, log: &std::path::Path) -> Value {
     let address =
         |host: &str, port: u16| json!({"socket_address": {"address": host, "port_value": port}});
     json!({
-        "admin": {"address": address("127.0.0.1", admin)},
+        "admin": {"address": address("127.0.0.1", ports.admin)},
         "static_resources": {
-            "listeners": [{
-                "name": "gateway",
-                "address": address("127.0.0.1", port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "gateway",
-                        "access_log": [{
-                            "name": "envoy.access_loggers.file",
-                            "typed_config": {
-                                "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-                                "path": log,
-                                "log_format": {"text_format_source": {"inline_string":
-                                    "%UPSTREAM_HOST% %REQ(X-PREFILLER-HOST-PORT)% %RESPONSE_CODE%\n"}},
-                            },
-                        }],
-                        "route_config": {"virtual_hosts": [{
-                            "name": "pool",
-                            "domains": ["*"],
-                            "routes": [{
-                                "match": {"prefix": "/"},
-                                "route": {"cluster": "pool", "timeout": "0s"},
-                            }],
-                        }]},
-                        "http_filters": [
-                            {
-                                "name": "envoy.filters.http.ext_proc",
-                                "typed_config": {
-                                    "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-                                    "grpc_service": {
-                                        "envoy_grpc": {"cluster_name": "epp"},
-                                        "timeout": "10s",
-                                    },
-                                    "processing_mode": {
-                                        "request_header_mode": "SEND",
-                                        "response_header_mode": "SEND",
-                                        "request_body_mode": "FULL_DUPLEX_STREAMED",
-                                        "response_body_mode": "FULL_DUPLEX_STREAMED",
-                                        "request_trailer_mode": "SEND",
-                                        "response_trailer_mode": "SEND",
-                                    },
-                                    "message_timeout": "10s",
-                                },
-                            },
-                            {
-                                "name": "envoy.filters.http.router",
-                                "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-                            },
-                        ],
-                    },
-                }]}],
-            }],
+            "listeners": [
+                listener("gateway", address("127.0.0.1", ports.gateway), None, log),
+                listener("hinted", address("127.0.0.1", ports.hinted), Some(subset), log),
+            ],
             "clusters": [
                 {
                     "name": "pool",
@@ -585,6 +581,82 @@ fn envoy_config(port: u16, admin: u16, epp: SocketAddr, log: &std::path::Path) -
                 },
             ],
         },
+    })
+}
+
+/// Envoy's ports: its listeners' and its admin interface's.
+#[derive(Clone, Copy)]
+struct Ports {
+    gateway: u16,
+    hinted: u16,
+    admin: u16,
+}
+
+fn listener(name: &str, address: Value, subset: Option<&str>, log: &std::path::Path) -> Value {
+    let ext_proc = json!({
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
+            "processing_mode": {
+                "request_header_mode": "SEND",
+                "response_header_mode": "SEND",
+                "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND",
+                "response_trailer_mode": "SEND",
+            },
+            "message_timeout": "10s",
+            // The hint reaches the EPP only from the namespaces Envoy is told to forward.
+            "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
+        },
+    });
+    let router = json!({
+        "name": "envoy.filters.http.router",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
+    });
+    let mut filters: Vec<Value> = subset
+        .map(|subset| json!({
+            "name": "envoy.filters.http.set_metadata",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
+                "metadata": [{
+                    "metadata_namespace": "envoy.lb.subset_hint",
+                    "value": {"x-gateway-destination-endpoint-subset": [subset]},
+                }],
+            },
+        }))
+        .into_iter()
+        .collect();
+    filters.extend([ext_proc, router]);
+    json!({
+        "name": name,
+        "address": address,
+        "filter_chains": [{"filters": [{
+            "name": "envoy.filters.network.http_connection_manager",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+                "stat_prefix": name,
+                "access_log": [{
+                    "name": "envoy.access_loggers.file",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
+                        "path": log,
+                        "log_format": {"text_format_source": {"inline_string":
+                            "%UPSTREAM_HOST% %REQ(X-PREFILLER-HOST-PORT)% %RESPONSE_CODE%\n"}},
+                    },
+                }],
+                "route_config": {"virtual_hosts": [{
+                    "name": "pool",
+                    "domains": ["*"],
+                    "routes": [{
+                        "match": {"prefix": "/"},
+                        "route": {"cluster": "pool", "timeout": "0s"},
+                    }],
+                }]},
+                "http_filters": filters,
+            },
+        }]}],
     })
 }
 
@@ -624,7 +696,7 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
         &[&engines[0].url, &engines[1].url],
         &["--policy", "round-robin"],
     );
-    let envoy = Envoy::start(epp.grpc).await;
+    let envoy = Envoy::start(epp.grpc, &b).await;
     let prompt = json!({"prompt": "The gateway asks the picker", "max_tokens": 12});
 
     // round-robin forwards to the least-loaded endpoint, ties to the first.
@@ -657,9 +729,15 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
     assert_eq!(streamed_text(&through), streamed_text(&direct));
     assert!(!streamed_text(&through).is_empty());
 
+    // A subset hint set by Envoy's own filter: round-robin would pick the first engine, the
+    // hint leaves it the second.
+    let (status, _) = complete(&envoy.hinted, None, &prompt).await;
+    assert_eq!(status, 200);
+    assert_eq!(envoy.request(3).await, format!("{b} - 200"));
+
     // The first engine gone: once the EPP's probes see it, requests go to the second.
     engines[0].kill();
-    let mut sent = 2;
+    let mut sent = 3;
     eventually(Duration::from_secs(20), || {
         sent += 1;
         let n = sent;
