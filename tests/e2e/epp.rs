@@ -8,6 +8,8 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
@@ -768,4 +770,61 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
         }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_a_hot_swapped_policy_changes_picks_and_fails_nothing() {
+    let engines = [EngineProcess::spawn(&[]), EngineProcess::spawn(&[])];
+    let (a, b) = (address(&engines[0]), address(&engines[1]));
+    // The policy `picker` is round-robin's component at first, then disagg's.
+    let plugins = tempfile::tempdir().expect("tempdir");
+    let built = switchyard_tests::plugins_dir();
+    let picker = plugins.path().join("picker.wasm");
+    std::fs::copy(built.join("round-robin.wasm"), &picker).expect("install round-robin");
+    let dir = plugins.path().display().to_string();
+    let epp = EppProcess::start(
+        &[&engines[0].url, &engines[1].url],
+        &["--plugins", &dir, "--policy", "picker"],
+    );
+    let envoy = Envoy::start(epp.grpc, &b).await;
+    let prompt = json!({"prompt": "Swap the picker", "max_tokens": 4});
+    let (status, _) = complete(&envoy.url, None, &prompt).await;
+    assert_eq!(status, 200);
+    assert_eq!(envoy.request(1).await, format!("{a} - 200"));
+
+    // Requests keep coming while the file is replaced (by rename: the watcher never reads
+    // half a file).
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = {
+        let (url, prompt, stop) = (envoy.url.clone(), prompt.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut statuses = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                statuses.push(complete(&url, None, &prompt).await.0);
+            }
+            statuses
+        })
+    };
+    let staged = plugins.path().join(".picker.wasm.tmp");
+    std::fs::copy(built.join("disagg.wasm"), &staged).expect("stage disagg");
+    std::fs::rename(&staged, &picker).expect("swap the picker");
+    eventually(Duration::from_secs(20), || {
+        let last = envoy.requests().last().cloned().unwrap_or_default();
+        let (a, b) = (&a, &b);
+        async move { (last != format!("{b} {a} 200")).then(|| format!("last request: {last}")) }
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let statuses = load.await.expect("the load ran");
+    assert!(
+        statuses.iter().all(|&s| s == 200),
+        "a request failed across the swap: {statuses:?}"
+    );
+    let picks = envoy.requests();
+    assert!(
+        picks
+            .iter()
+            .all(|p| *p == format!("{a} - 200") || *p == format!("{b} {a} 200")),
+        "every pick is one policy's or the other's: {picks:?}"
+    );
 }
