@@ -828,3 +828,38 @@ async fn behind_envoy_a_hot_swapped_policy_changes_picks_and_fails_nothing() {
         "every pick is one policy's or the other's: {picks:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_the_epp_killed_fails_closed_and_serves_again_when_back() {
+    let engines = [EngineProcess::spawn(&[])];
+    let mut epp = EppProcess::start(&[&engines[0].url], &["--policy", "round-robin"]);
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let prompt = json!({"prompt": "Is the picker there?", "max_tokens": 4});
+    assert_eq!(complete(&envoy.url, None, &prompt).await.0, 200);
+
+    // No picker, no request: ext_proc without failure_mode_allow fails closed.
+    epp.kill();
+    let (status, body) = complete(&envoy.url, None, &prompt).await;
+    eprintln!("the EPP gone: Envoy answered {status}");
+    assert!(
+        status >= 500,
+        "through Envoy with the EPP gone: {status} {body:?}"
+    );
+    assert!(
+        !body
+            .iter()
+            .any(|c| String::from_utf8_lossy(c).contains("text_completion")),
+        "no engine answered"
+    );
+
+    // Back on the same port: Envoy reconnects on the next request.
+    epp.restart();
+    eventually(Duration::from_secs(20), || {
+        let (envoy, prompt) = (&envoy, &prompt);
+        async move {
+            let (status, _) = complete(&envoy.url, None, prompt).await;
+            (status != 200).then(|| format!("through Envoy after the EPP returned: {status}"))
+        }
+    })
+    .await;
+}
