@@ -13,11 +13,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, body_mutation,
+    CommonResponse, HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    ProtocolConfiguration, body_mutation,
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value as PbValue, value::Kind};
 use serde_json::{Value, json};
@@ -418,6 +420,27 @@ async fn the_epp_speaks_ext_proc_at_its_edges() {
     assert_eq!(status, 413);
     assert_eq!(error["error"]["code"], "body_too_large", "{error}");
     s.ends().await;
+
+    // A filter configured with another request body mode is told so, not left waiting.
+    let mut s = Stream::open(&epp).await;
+    let buffered = ProcessingRequest {
+        request: Some(post("/v1/completions")),
+        protocol_config: Some(ProtocolConfiguration {
+            request_body_mode: BodySendMode::Buffered as i32,
+            ..ProtocolConfiguration::default()
+        }),
+        ..ProcessingRequest::default()
+    };
+    s.to_epp.send(buffered).await.expect("the stream is open");
+    let refused = tokio::time::timeout(ANSWER_WITHIN, s.from_epp.message())
+        .await
+        .expect("the EPP answers in time")
+        .expect_err("an error status");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
+    assert!(
+        refused.message().contains("FULL_DUPLEX_STREAMED"),
+        "{refused}"
+    );
 
     // The gateway gone mid-response: the request counts as cancelled (499), its endpoint is
     // released, and the EPP serves on.

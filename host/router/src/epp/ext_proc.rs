@@ -20,6 +20,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -116,6 +117,14 @@ impl Exchange {
     }
 
     async fn handle(&mut self, message: ProcessingRequest) -> Result<(), Over> {
+        // Only the first message says how the filter is configured. Any other request body
+        // mode would wait for an answer to the headers the EPP gives only once the body is in.
+        if let Some(config) = &message.protocol_config
+            && config.request_body_mode != BodySendMode::FullDuplexStreamed as i32
+        {
+            let what = "the EPP needs the ext_proc filter's request_body_mode FULL_DUPLEX_STREAMED";
+            return Err(self.protocol_error(what).await);
+        }
         let Some(request) = message.request else {
             // Flow-control updates alone: nothing to answer.
             return Ok(());
