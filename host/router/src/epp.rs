@@ -7,7 +7,7 @@
 //! discovery, outlier ejection), policies (hot-swapped), admission control and request
 //! parsing. What differs is the end of the pipeline: `api` parses and selects the policy,
 //! [`crate::Router::plan_first`] plans exactly as a first attempt, and the plan is answered
-//! rather than executed ([`pick`]): `forward(e)` → `x-gateway-destination-endpoint: e`;
+//! rather than executed (`pick`): `forward(e)` → `x-gateway-destination-endpoint: e`;
 //! a handoff → the decode endpoint, with `x-prefiller-host-port` naming the prefill one.
 //! Retries, continuation and the handoff's legs are the gateway's and the engines' sidecars'.
 //!
