@@ -130,7 +130,9 @@ MODULE_RULES = [
     ("host/router/src", "a request flows one way: api -> Router -> plan -> engine_client",
      {"plan": UPSTREAM_OF_PLAN,
       "engine_client": UPSTREAM_OF_PLAN + ["plan", "cluster", "kv_events"],
-      "kv_events": UPSTREAM_OF_PLAN + ["plan", "engine_client"]}),
+      "kv_events": UPSTREAM_OF_PLAN + ["plan", "engine_client"],
+      # The endpoint picker answers plans to a gateway; it never runs one.
+      "epp": ["plan", "engine_client"]}),
 ]
 
 
@@ -247,13 +249,14 @@ def self_test(metadata):
     router_breaches = {
         ("plan", "relay"): "use crate::{RouteError, cluster::Cluster};",
         ("engine_client", "openai"): "fn f() { super::super::plan::execute(); }",
+        ("epp", "pick"): "use crate::plan::Executor;",
     }
     router_fine = {("plan", "mlc"): "use crate::engine_client::Client;\nuse super::leg::Guard;"}
     got = module_violations({"host/engine/src": {**breaches, **fine},
                              "host/router/src": {**router_breaches, **router_fine}})
     want = ["http::vllm names http::openai::models", "http::sglang names http::vllm::decode_body",
             "http::common::state names http::mlc::X", "plan::relay names RouteError",
-            "engine_client::openai names plan::execute"]
+            "engine_client::openai names plan::execute", "epp::pick names plan::Executor"]
     for w in want:
         if not any(w in g for g in got):
             sys.exit(f"self-test: `{w}` went unnoticed (found {got})")

@@ -3,6 +3,7 @@ mod book;
 mod continuation;
 mod edge;
 mod engine;
+mod epp;
 mod examples;
 mod faults;
 mod hardening;

@@ -1,6 +1,6 @@
 //! Test support shared by the end-to-end suite (`tests/e2e`) and the host crates' own tests:
-//! reference engines and routers as child processes on loopback ([`EngineProcess`],
-//! [`RouterProcess`]), and the guest components tests load, built from source on first use
+//! reference engines, routers and endpoint pickers as child processes on loopback
+//! ([`EngineProcess`], [`RouterProcess`], [`EppProcess`]), and the guest components tests load, built from source on first use
 //! ([`guest`], [`plugins_dir`]).
 //!
 //! These helpers panic with a message that says what to do: they run only in tests.
@@ -11,7 +11,7 @@ mod process;
 use std::path::{Path, PathBuf};
 
 pub use guests::{Guest, guest, guest_bytes, plugins_dir, with_extra_core_instances};
-pub use process::{EngineProcess, RouterProcess, UpProcess, free_port, switchyard_bin};
+pub use process::{EngineProcess, EppProcess, RouterProcess, UpProcess, free_port, switchyard_bin};
 
 /// The root of this checkout.
 pub fn checkout() -> PathBuf {

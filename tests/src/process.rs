@@ -418,3 +418,84 @@ impl Drop for RouterProcess {
         let _ = self.child.wait();
     }
 }
+
+/// A `switchyard epp` child process (the Endpoint Picker), killed when dropped.
+pub struct EppProcess {
+    child: Child,
+    /// The ext_proc gRPC service.
+    pub grpc: SocketAddr,
+    /// The gRPC health services.
+    pub grpc_health: SocketAddr,
+    /// `http://127.0.0.1:PORT` of `/metrics`, `/health` and `/livez`.
+    pub metrics_url: String,
+    pub metrics: SocketAddr,
+    /// Its flags but the ports, for [`EppProcess::restart`].
+    rest: Vec<String>,
+}
+
+impl EppProcess {
+    /// `switchyard epp` on free ports, `--plugins <checkout>/plugins` (unless ARGS name other
+    /// `--plugins`), `--endpoint URL…` and ARGS; waits until every endpoint is healthy.
+    pub fn start(endpoints: &[&str], args: &[&str]) -> EppProcess {
+        let rest: Vec<String> = RouterProcess::serve_argv(endpoints, args)
+            .into_iter()
+            .skip(3)
+            .collect();
+        Self::spawn(["0", "0", "0"].map(str::to_owned), rest)
+    }
+
+    /// Kill it if it still runs, then start it again with the same flags on the same ports,
+    /// and wait until every endpoint is healthy.
+    pub fn restart(&mut self) {
+        self.kill();
+        let ports = [self.grpc, self.grpc_health, self.metrics].map(|a| a.port().to_string());
+        let again = Self::spawn(ports, std::mem::take(&mut self.rest));
+        *self = again;
+    }
+
+    /// `switchyard epp` on `ports` (ext_proc, gRPC health, metrics; 0 picks a free one) with
+    /// `rest` of its flags.
+    fn spawn([grpc, health, metrics]: [String; 3], rest: Vec<String>) -> EppProcess {
+        let mut full: Vec<String> = vec!["epp".into(), "--grpc-port".into(), grpc];
+        full.extend(["--grpc-health-port".into(), health]);
+        full.extend(["--metrics-port".into(), metrics]);
+        full.extend(rest.iter().cloned());
+        let (child, line) =
+            spawn_switchyard(&full, &[], Stdio::inherit(), STARTUP_TIMEOUT * 2, |line| {
+                line.strip_prefix("switchyard epp listening on ")
+                    .map(str::to_owned)
+            });
+        // `grpc://A (health grpc://B, metrics http://C)`
+        let addrs: Vec<SocketAddr> = line
+            .split(['(', ')', ',', ' '])
+            .filter_map(|word| word.split_once("://")?.1.parse().ok())
+            .collect();
+        let [grpc, grpc_health, metrics] = addrs[..] else {
+            panic!("unexpected epp ready line {line:?}");
+        };
+        let epp = EppProcess {
+            child,
+            grpc,
+            grpc_health,
+            metrics_url: format!("http://{metrics}"),
+            metrics,
+            rest,
+        };
+        wait_for(metrics, "/health", "epp", &epp.metrics_url, |body| {
+            body.contains(r#""down":[]"#)
+        });
+        epp
+    }
+
+    /// SIGKILL, and wait until the process is gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for EppProcess {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

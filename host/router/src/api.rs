@@ -55,17 +55,20 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
+pub(crate) use admission::Permit;
 pub use admission::{Admission, AdmissionConfig, Refusal};
 pub use connection::ConnectionLimits;
 pub use drain::{Drain, DrainConfig};
 pub use metrics::{AdmissionMetrics, Metrics};
 pub use openai::Shape;
 pub use respond::ApiError;
+pub(crate) use sse::CLIENT_CLOSED_REQUEST;
 pub use workers::Workers;
 // The request path's pure pieces, for the hot-path benchmarks (host/router/benches/hot_path.rs).
 pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
 pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, TokenizerError};
 
+use switchyard_contract::Planner;
 use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
 use switchyard_wire::client::ClientBody;
 
@@ -229,6 +232,25 @@ pub async fn serve(listener: TcpListener, state: Arc<AppState>, workers: Arc<Wor
 /// its few requests need no worker of their own.
 pub async fn serve_admin(listener: TcpListener, state: Arc<AppState>) {
     serve_with(listener, state, admin::handle, None).await;
+}
+
+/// Serve `/metrics`, `/health` and `/livez` alone on `listener`, as [`serve`] does, on this
+/// runtime: the listener of a router with no OpenAI one (`switchyard epp`'s metrics port).
+pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) {
+    serve_with(listener, state, observe, None).await;
+}
+
+async fn observe(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/metrics") => admin::metrics(&state),
+        (&Method::GET, "/health") => admin::health(&state),
+        (&Method::GET, "/livez") => admin::livez(),
+        (method, path) => ApiError::NotFound {
+            method: method.to_string(),
+            path: path.to_owned(),
+        }
+        .response(),
+    }
 }
 
 async fn serve_with<H, F>(
@@ -447,21 +469,26 @@ async fn generate(
     };
     // Admitted once the body is in and before any work on it: a slow client holds a
     // connection, never a place; the place is held until the response ends.
-    let permit = match state.admission.admit().await {
+    let permit = match admit(&state).await {
         Ok(permit) => permit,
-        Err(refusal) => {
-            let retry_after = state.admission.retry_after();
-            let error = ApiError::Overloaded {
-                refusal,
-                retry_after,
-            };
-            return reject(&state, shape, &error);
-        }
+        Err(error) => return reject(&state, shape, &error),
     };
     guarded::hold(
         admitted(state, shape, headers, bytes, arrived).await,
         permit,
     )
+}
+
+/// A place among the requests served at once, or the 429 that says when to try again.
+pub(crate) async fn admit(state: &AppState) -> Result<admission::Permit, ApiError> {
+    state
+        .admission
+        .admit()
+        .await
+        .map_err(|refusal| ApiError::Overloaded {
+            refusal,
+            retry_after: state.admission.retry_after(),
+        })
 }
 
 /// An admitted request: parse, plan, run, answer.
@@ -472,64 +499,23 @@ async fn admitted(
     body: Bytes,
     arrived: Instant,
 ) -> Response<Body> {
-    let raw = body.clone();
-    let parsed = match parse(&state, shape, body).await {
-        Ok(p) => p,
+    let Prepared {
+        route,
+        planner,
+        include_usage,
+    } = match prepare(&state, shape, headers, body, arrived).await {
+        Ok(prepared) => prepared,
         Err(e) => return reject(&state, shape, &e),
     };
-    if !state.serves(&parsed.model) {
-        return reject(&state, shape, &ApiError::ModelNotFound(parsed.model));
-    }
-    if !state.is_ready() {
-        return reject(
-            &state,
-            shape,
-            &ApiError::NotReady("too few endpoints are healthy"),
-        );
-    }
-    let selection = match state
-        .policies
-        .select(policy_header(headers).as_deref(), &parsed.model)
-    {
-        Ok(selection) => selection,
-        Err(e @ SelectError::Unknown { .. }) => {
-            return reject(
-                &state,
-                shape,
-                &ApiError::invalid(POLICY_HEADER, e.to_string()),
-            );
-        }
-        Err(SelectError::Unavailable { .. }) => {
-            return reject(
-                &state,
-                shape,
-                &ApiError::NotReady("no policy can plan the request"),
-            );
-        }
-    };
-    let request_id = format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>());
     let responder = Responder {
         shape,
-        id: request_id.clone(),
+        id: route.request_id.clone(),
         created: unix_now(),
-        model: parsed.model.clone(),
-        include_usage: parsed.include_usage,
+        model: route.model.clone(),
+        include_usage,
     };
-    let stream = parsed.stream;
-    let route = RouteRequest {
-        id: state.next_id.fetch_add(1, Ordering::Relaxed),
-        request_id,
-        prompt: parsed.prompt,
-        max_tokens: parsed.max_tokens,
-        stream,
-        model: parsed.model,
-        user: parsed.user,
-        headers: forwarded_headers(headers, &state.forward_headers),
-        template: parsed.template,
-        client: Some(Arc::new(ClientBody::new(shape.wire_route(), raw))),
-        arrived,
-    };
-    let mut routing = state.router.start_with(route, Arc::new(selection));
+    let stream = route.stream;
+    let mut routing = state.router.start_with(route, planner);
     // Nothing is committed until the first event: a request that fails before any text gets
     // a real error status instead of a 200 stream. The wait may be long (a non-streamed vLLM
     // or SGLang answer is its first event): a client gone meanwhile is counted as 499 here.
@@ -556,6 +542,65 @@ async fn admitted(
         return sse::stream_response(state, responder, first, routing, arrived);
     }
     collect(state, responder, first, routing, arrived).await
+}
+
+/// A generating request ready to be planned: parsed and tokenized, its model served, its
+/// policy selected. The router runs it (`admitted`); `switchyard epp` plans it and answers the
+/// gateway with the plan's endpoints instead.
+pub(crate) struct Prepared {
+    pub route: RouteRequest,
+    /// The policy the request selected; it plans every attempt.
+    pub planner: Arc<dyn Planner>,
+    pub include_usage: bool,
+}
+
+/// Everything between an admitted body and the router: parse, check the model and readiness,
+/// select the policy (`x-switchyard-policy` or the model's), keep the headers policies see.
+pub(crate) async fn prepare(
+    state: &Arc<AppState>,
+    shape: Shape,
+    headers: &HeaderMap,
+    body: Bytes,
+    arrived: Instant,
+) -> Result<Prepared, ApiError> {
+    let raw = body.clone();
+    let parsed = parse(state, shape, body).await?;
+    if !state.serves(&parsed.model) {
+        return Err(ApiError::ModelNotFound(parsed.model));
+    }
+    if !state.is_ready() {
+        return Err(ApiError::NotReady("too few endpoints are healthy"));
+    }
+    let selection = match state
+        .policies
+        .select(policy_header(headers).as_deref(), &parsed.model)
+    {
+        Ok(selection) => selection,
+        Err(e @ SelectError::Unknown { .. }) => {
+            return Err(ApiError::invalid(POLICY_HEADER, e.to_string()));
+        }
+        Err(SelectError::Unavailable { .. }) => {
+            return Err(ApiError::NotReady("no policy can plan the request"));
+        }
+    };
+    let route = RouteRequest {
+        id: state.next_id.fetch_add(1, Ordering::Relaxed),
+        request_id: format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>()),
+        prompt: parsed.prompt,
+        max_tokens: parsed.max_tokens,
+        stream: parsed.stream,
+        model: parsed.model,
+        user: parsed.user,
+        headers: forwarded_headers(headers, &state.forward_headers),
+        template: parsed.template,
+        client: Some(Arc::new(ClientBody::new(shape.wire_route(), raw))),
+        arrived,
+    };
+    Ok(Prepared {
+        route,
+        planner: Arc::new(selection),
+        include_usage: parsed.include_usage,
+    })
 }
 
 /// Bodies above this are parsed (and their prompts tokenized) on the blocking pool: a

@@ -13,6 +13,8 @@
 //!  → engine_client  the HTTP client for the engines' calls, per protocol, and their probes
 //! cluster    endpoints, health probes, in-flight counts: the snapshot policies see
 //! config     flags and TOML, parsed once;   serve   wires it all up and listens
+//! epp        the same router as a gateway's Endpoint Picker (Envoy ext_proc): plans, and
+//!            answers with the plan's endpoints instead of running it
 //! discovery  (feature `k8s`) engine pods from the Kubernetes API, fed into the cluster
 //! kv_events  subscribers to the engines' KV events, keeping the KV index of every endpoint
 //! ```
@@ -29,6 +31,7 @@ pub mod config;
 #[cfg(feature = "k8s")]
 pub mod discovery;
 pub mod engine_client;
+pub mod epp;
 pub mod kv_events;
 pub mod plan;
 mod router;

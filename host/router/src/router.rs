@@ -46,8 +46,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use switchyard_contract::{
-    EndpointId, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError,
-    PolicyContext, PolicyRequest, TranslateError, ValidPlan, validate,
+    EndpointId, EndpointSnapshot, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner,
+    PlanningError, PolicyContext, PolicyRequest, TranslateError, ValidPlan, validate,
 };
 use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
@@ -543,7 +543,14 @@ impl<E: Execute> Router<E> {
         }
         let mut prompt = req.prompt.clone();
         prompt.extend_from_slice(&continued);
-        let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
+        // The whole prompt, so each endpoint's cached prefix counts what a continuation
+        // re-sends too.
+        let context = PolicyContext {
+            attempt,
+            last_failure,
+            endpoints: self.executor.cluster().snapshot_for(&prompt),
+        };
+        let plan = self.plan(req, &prompt, remaining, context, st)?;
         let prompt_len = prompt.len();
         let mut tokens = req.template.clone();
         tokens.prompt = Prompt::Tokens(prompt);
@@ -623,15 +630,34 @@ impl<E: Execute> Router<E> {
         }
     }
 
-    /// Ask the request's planner for a plan and validate it against the snapshot it saw; on a
-    /// policy fault, ask the fallback the planner names.
+    /// The plan the first attempt of `req` would run, over `endpoints` (this router's
+    /// snapshot for the prompt, which the caller may narrow by marking endpoints unhealthy),
+    /// validated, with the fallback planner asked on a policy fault; nothing runs and no outcome
+    /// is reported. `switchyard epp` answers a gateway with the plan's endpoints, and reports
+    /// the outcome itself once the gateway's response ends.
+    pub fn plan_first(
+        &self,
+        req: &RouteRequest,
+        planner: Arc<dyn Planner>,
+        endpoints: Vec<EndpointSnapshot>,
+    ) -> Result<ValidPlan, RouteError> {
+        let context = PolicyContext {
+            attempt: 1,
+            last_failure: None,
+            endpoints,
+        };
+        let mut st = State::new(planner);
+        self.plan(req, &req.prompt, req.max_tokens, context, &mut st)
+    }
+
+    /// Ask the request's planner for a plan in `context` and validate it against the snapshot
+    /// it saw; on a policy fault, ask the fallback the planner names.
     fn plan(
         &self,
         req: &RouteRequest,
         prompt: &[u32],
         max_tokens: u32,
-        attempt: u32,
-        last_failure: Option<Failure>,
+        context: PolicyContext,
         st: &mut State,
     ) -> Result<ValidPlan, RouteError> {
         let request = PolicyRequest {
@@ -642,13 +668,6 @@ impl<E: Execute> Router<E> {
             model: &req.model,
             user: req.user.as_deref(),
             headers: &req.headers,
-        };
-        let context = PolicyContext {
-            attempt,
-            last_failure,
-            // The whole prompt, so each endpoint's cached prefix counts what a continuation
-            // re-sends too.
-            endpoints: self.executor.cluster().snapshot_for(prompt),
         };
         let planner = Arc::clone(&st.planner);
         let planned = match Self::ask(planner.as_ref(), &request, &context, st) {

@@ -73,7 +73,8 @@ pub struct RunningRouter {
 }
 
 impl RunningRouter {
-    /// The address the router listens on.
+    /// The address the router listens on: the OpenAI listener's (`switchyard epp`: the
+    /// ext_proc service's).
     pub fn addr(&self) -> SocketAddr {
         self.addr
     }
@@ -173,6 +174,50 @@ fn registry_config(config: &Config) -> RegistryConfig {
 
 /// Load everything, bind, and start serving in the background.
 pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
+    let loaded = load(config).await?;
+    let state = Arc::clone(&loaded.state);
+    let (listener, addr) = bind(config.listen).await?;
+    let mut listeners = Vec::with_capacity(2);
+    let admin_addr = serve_admin_port(config, &state, &mut listeners).await?;
+    let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
+    listeners.push(tokio::spawn(api::serve(listener, state, workers)));
+    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, "router listening");
+    Ok(loaded.running(config, addr, admin_addr, listeners))
+}
+
+/// A router loaded and wired, its listeners not yet bound: what `serve` and `epp` share.
+pub(crate) struct Loaded {
+    pub state: Arc<AppState>,
+    watcher: PluginWatcher,
+    #[cfg(feature = "k8s")]
+    discovery: Option<crate::discovery::Discovery>,
+}
+
+impl Loaded {
+    /// The running router whose listeners (`addr`'s first, the admin one's if any) are
+    /// `listeners`.
+    pub(crate) fn running(
+        self,
+        config: &Config,
+        addr: SocketAddr,
+        admin_addr: Option<SocketAddr>,
+        listeners: Vec<JoinHandle<()>>,
+    ) -> RunningRouter {
+        RunningRouter {
+            addr,
+            admin_addr,
+            state: self.state,
+            drain: config.drain,
+            listeners,
+            _watcher: self.watcher,
+            #[cfg(feature = "k8s")]
+            _discovery: self.discovery,
+        }
+    }
+}
+
+/// Tokenizer, policies and their watcher, cluster and probes, discovery, router and state.
+pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
     let tokenizer = match &config.model_source {
         Some(ModelSource::Dir(dir)) => PromptTokenizer::from_model_dir(dir)?,
         Some(ModelSource::Gguf { path, files }) => PromptTokenizer::from_gguf(files, path)?,
@@ -229,37 +274,35 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         .with_models(config.policies.models.keys().cloned().collect())
         .with_edge(config.admission, config.connections),
     );
-
-    let (listener, addr) = bind(config.listen).await?;
-    let mut listeners = Vec::with_capacity(2);
-    let admin_addr = match config.admin.listen {
-        Some(admin_addr) => {
-            let (admin_listener, admin_addr) = bind(admin_addr).await?;
-            listeners.push(tokio::spawn(api::serve_admin(
-                admin_listener,
-                state.clone(),
-            )));
-            println!("switchyard admin listening on http://{admin_addr}");
-            Some(admin_addr)
-        }
-        None => None,
-    };
-    let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
-    listeners.push(tokio::spawn(api::serve(listener, state.clone(), workers)));
-    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, "router listening");
-    Ok(RunningRouter {
-        addr,
-        admin_addr,
+    Ok(Loaded {
         state,
-        drain: config.drain,
-        listeners,
-        _watcher: watcher,
+        watcher,
         #[cfg(feature = "k8s")]
-        _discovery: discovery,
+        discovery,
     })
 }
 
-async fn bind(addr: SocketAddr) -> Result<(tokio::net::TcpListener, SocketAddr), ServeError> {
+/// Bind the admin port, if one is configured, and serve `/admin/*` on it.
+pub(crate) async fn serve_admin_port(
+    config: &Config,
+    state: &Arc<AppState>,
+    listeners: &mut Vec<JoinHandle<()>>,
+) -> Result<Option<SocketAddr>, ServeError> {
+    let Some(admin_addr) = config.admin.listen else {
+        return Ok(None);
+    };
+    let (admin_listener, admin_addr) = bind(admin_addr).await?;
+    listeners.push(tokio::spawn(api::serve_admin(
+        admin_listener,
+        Arc::clone(state),
+    )));
+    println!("switchyard admin listening on http://{admin_addr}");
+    Ok(Some(admin_addr))
+}
+
+pub(crate) async fn bind(
+    addr: SocketAddr,
+) -> Result<(tokio::net::TcpListener, SocketAddr), ServeError> {
     let bind_error = |source| ServeError::Bind { addr, source };
     let listener = api::bind(addr).await.map_err(bind_error)?;
     let local = listener.local_addr().map_err(bind_error)?;

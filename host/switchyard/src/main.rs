@@ -59,6 +59,13 @@ enum Command {
     Lab(switchyard_lab::LabArgs),
     /// Run the router in front of running engines.
     Serve(switchyard_router::config::ServeArgs),
+    /// Pick endpoints for a Gateway API gateway: the Inference Extension's Endpoint Picker.
+    ///
+    /// The gateway (Envoy and those built on it) asks over Envoy's ext_proc where each request
+    /// goes; the request's policy plans it as `serve` would, and the gateway sends it to the
+    /// planned endpoint itself. The same configuration as `serve`, but no OpenAI listener.
+    #[command(mut_arg("port", |arg| arg.hide(true)))]
+    Epp(switchyard_router::epp::EppArgs),
     /// Start reference engines and the router in front of them (the embedded default).
     #[command(mut_arg("model", |arg| arg.help(up::MODEL_HELP).long_help(up::MODEL_HELP)))]
     Up(up::UpArgs),
@@ -76,6 +83,7 @@ fn main() -> ExitCode {
         Command::Trace(command) => switchyard_bench::run_trace_command(command).map_err(Into::into),
         Command::Lab(args) => switchyard_lab::run(args).map_err(Into::into),
         Command::Serve(args) => serve(&args),
+        Command::Epp(args) => epp(&args),
         Command::Up(mut args) => {
             // The engines log to the same stderr: in the same format.
             if cli.log_format == LogFormat::Json {
@@ -111,6 +119,26 @@ fn serve(args: &switchyard_router::config::ServeArgs) -> anyhow::Result<()> {
     let runtime = control_runtime()?;
     let (shutdown, hurry) = shutdown_signals();
     runtime.block_on(switchyard_router::serve::run(config, shutdown, hurry))?;
+    Ok(())
+}
+
+fn epp(args: &switchyard_router::epp::EppArgs) -> anyhow::Result<()> {
+    let config = match switchyard_router::epp::EppConfig::from_args(args) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("switchyard epp: {e}");
+            std::process::exit(USAGE_ERROR);
+        }
+    };
+    raise_open_files_limit();
+    // The ext_proc streams run on this runtime (the EPP has no connection workers): one
+    // thread per core.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .thread_name("switchyard-epp")
+        .enable_all()
+        .build()?;
+    let (shutdown, hurry) = shutdown_signals();
+    runtime.block_on(switchyard_router::epp::run(config, shutdown, hurry))?;
     Ok(())
 }
 

@@ -239,7 +239,7 @@ impl StreamRelay {
 
 /// What `/metrics` counts a stream as when the client hung up before its last event: nginx's
 /// "client closed request", so disconnects are visible next to the real statuses.
-pub(super) const CLIENT_CLOSED_REQUEST: u16 = 499;
+pub(crate) const CLIENT_CLOSED_REQUEST: u16 = 499;
 
 impl Drop for StreamRelay {
     fn drop(&mut self) {

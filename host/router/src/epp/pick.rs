@@ -1,0 +1,351 @@
+//! One request's pick: its whole body in, the plan's endpoints out as `ip:port`, with what the
+//! request holds until its response ends (its admission place, its endpoints' in-flight
+//! counts) and the outcome its policy hears then.
+//!
+//! A generating request (`POST /v1/completions`, `POST /v1/chat/completions`) is admitted,
+//! parsed and tokenized, its policy selected, and planned exactly as the router's first attempt
+//! plans it ([`crate::Router::plan_first`]); the plan runs nowhere. Any other request (a `GET`,
+//! a route switchyard does not plan) goes to the eligible endpoint with the fewest requests in
+//! flight: there is no prompt for a policy to plan on.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use tokio::time::Instant;
+
+use switchyard_contract::{
+    EndpointId, EndpointSnapshot, Health, Outcome, OutcomeStatus, Planner, ValidPlan,
+};
+
+use super::wire::Head;
+use crate::api::{self, ApiError, AppState, Prepared, Shape};
+use crate::cluster::{Cluster, InFlight};
+
+/// A request as the gateway sent it, body whole.
+#[derive(Debug)]
+pub struct Request {
+    pub head: Head,
+    pub body: Bytes,
+    /// The endpoints (`ip:port`) the gateway restricts the pick to.
+    pub subset: Option<Vec<String>>,
+    pub arrived: Instant,
+}
+
+/// Where a request goes.
+#[derive(Debug)]
+pub struct Pick {
+    /// The endpoint the gateway sends the request to (a handoff's decode endpoint), `ip:port`.
+    pub destination: String,
+    /// A handoff's prefill endpoint, `ip:port`.
+    pub prefiller: Option<String>,
+    pub served: Served,
+}
+
+/// The request from its pick to the end of its response: its endpoints count it in flight,
+/// and its policy hears how it ended ([`Served::finish`], or cancelled when dropped).
+pub struct Served {
+    state: Arc<AppState>,
+    route: &'static str,
+    /// The policy that planned it, with the request's id; `None` for a request no policy
+    /// planned.
+    planner: Option<(Arc<dyn Planner>, u64)>,
+    generator: EndpointId,
+    arrived: Instant,
+    first_byte: Option<Instant>,
+    reported: bool,
+    _legs: Vec<InFlight>,
+    _place: Option<api::Permit>,
+}
+
+impl std::fmt::Debug for Served {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Served")
+            .field("route", &self.route)
+            .field("generator", &self.generator)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The route label of requests switchyard does not plan.
+const OTHER_ROUTE: &str = "other";
+
+/// Pick the endpoint(s) of `req`, or say why not (the client's mistake, a refusal, no endpoint).
+pub async fn pick(state: &Arc<AppState>, req: Request) -> Result<Pick, ApiError> {
+    match shape(&req.head) {
+        Some(shape) => plan(state, shape, req).await,
+        None => least_loaded(state, &req),
+    }
+}
+
+/// The route `/metrics` counts a request under.
+pub fn route(head: &Head) -> &'static str {
+    shape(head).map_or(OTHER_ROUTE, Shape::route)
+}
+
+/// The OpenAI API a request uses, if switchyard plans it.
+fn shape(head: &Head) -> Option<Shape> {
+    match (head.method.as_str(), head.path.as_str()) {
+        ("POST", "/v1/completions") => Some(Shape::Completion),
+        ("POST", "/v1/chat/completions") => Some(Shape::Chat),
+        _ => None,
+    }
+}
+
+async fn plan(state: &Arc<AppState>, shape: Shape, req: Request) -> Result<Pick, ApiError> {
+    // Admitted as the router admits: once the body is in, before any work on it.
+    let place = api::admit(state).await?;
+    let Prepared { route, planner, .. } =
+        api::prepare(state, shape, &req.head.headers, req.body, req.arrived).await?;
+    let cluster = state.router.executor().cluster();
+    let mut endpoints = cluster.snapshot_for(&route.prompt);
+    narrow(cluster, &mut endpoints, req.subset.as_deref());
+    let plan = state
+        .router
+        .plan_first(&route, Arc::clone(&planner), endpoints)?;
+    let (decode, prefill) = legs(&plan);
+    let destination = address_of(cluster, decode)?;
+    let prefiller = prefill.map(|p| address_of(cluster, p)).transpose()?;
+    let ids = std::iter::once(decode).chain(prefill);
+    cluster.note_served(ids.clone(), route.prompt.len());
+    Ok(Pick {
+        destination,
+        prefiller,
+        served: Served {
+            state: Arc::clone(state),
+            route: shape.route(),
+            planner: Some((planner, route.id)),
+            generator: decode,
+            arrived: req.arrived,
+            first_byte: None,
+            reported: false,
+            _legs: ids.filter_map(|id| cluster.in_flight(id)).collect(),
+            _place: Some(place),
+        },
+    })
+}
+
+/// A request no policy plans: the eligible endpoint with the fewest requests in flight.
+fn least_loaded(state: &Arc<AppState>, req: &Request) -> Result<Pick, ApiError> {
+    let cluster = state.router.executor().cluster();
+    let mut endpoints = cluster.snapshot();
+    narrow(cluster, &mut endpoints, req.subset.as_deref());
+    let id = endpoints
+        .iter()
+        .filter(|e| e.health.is_healthy())
+        .min_by_key(|e| e.in_flight)
+        .map(|e| e.id)
+        .ok_or(ApiError::NotReady("no endpoint is healthy"))?;
+    Ok(Pick {
+        destination: address_of(cluster, id)?,
+        prefiller: None,
+        served: Served {
+            state: Arc::clone(state),
+            route: OTHER_ROUTE,
+            planner: None,
+            generator: id,
+            arrived: req.arrived,
+            first_byte: None,
+            reported: false,
+            _legs: cluster.in_flight(id).into_iter().collect(),
+            _place: None,
+        },
+    })
+}
+
+/// The endpoint the gateway sends the request to, and the prefill endpoint a handoff names.
+/// MLC's disaggregated plan is a handoff too when it sends KV: the decode endpoint's sidecar
+/// runs the prefill.
+fn legs(plan: &ValidPlan) -> (EndpointId, Option<EndpointId>) {
+    match *plan {
+        ValidPlan::Forward { endpoint } => (endpoint, None),
+        ValidPlan::Disagg {
+            decode,
+            remote_send,
+            ..
+        } => (decode, remote_send.map(|send| send.prefill)),
+        ValidPlan::Vllm { prefill, decode } | ValidPlan::Sglang { prefill, decode } => {
+            (decode, Some(prefill))
+        }
+    }
+}
+
+/// Endpoints outside the gateway's subset are shown to the policy as draining: it may not
+/// plan on them, and the plan's validation refuses them if it tries. An empty subset leaves
+/// none.
+fn narrow(cluster: &Cluster, endpoints: &mut [EndpointSnapshot], subset: Option<&[String]>) {
+    let Some(subset) = subset else { return };
+    for endpoint in endpoints.iter_mut() {
+        let inside = address(cluster, endpoint.id).is_some_and(|a| subset.contains(&a));
+        if !inside && endpoint.health.is_healthy() {
+            endpoint.health = Health::Draining;
+        }
+    }
+}
+
+fn address_of(cluster: &Cluster, id: EndpointId) -> Result<String, ApiError> {
+    address(cluster, id).ok_or(ApiError::NotReady("the planned endpoint was just removed"))
+}
+
+/// Endpoint `id`'s `host:port` as the gateway connects to it (with Envoy's `ORIGINAL_DST`
+/// cluster, an IP): its URL's authority, with the scheme's port when the URL names none.
+pub fn address(cluster: &Cluster, id: EndpointId) -> Option<String> {
+    let url: http::Uri = cluster.url(id)?.parse().ok()?;
+    let authority = url.authority()?;
+    let port = authority.port_u16().unwrap_or(match url.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    });
+    Some(format!("{}:{port}", authority.host()))
+}
+
+/// The endpoint whose address is `served`.
+fn endpoint_at(cluster: &Cluster, served: &str) -> Option<EndpointId> {
+    (0..cluster.len() as EndpointId).find(|&id| address(cluster, id).as_deref() == Some(served))
+}
+
+impl Served {
+    /// The response's first body chunk passed by.
+    pub fn first_byte(&mut self) {
+        self.first_byte.get_or_insert_with(Instant::now);
+    }
+
+    /// The response ended with `status` (`None`: it never began), served by the endpoint the
+    /// gateway names (`served`, `ip:port`) or, when it names none, the one picked.
+    pub fn finish(mut self, status: Option<u16>, served: Option<&str>) {
+        let cluster = self.state.router.executor().cluster();
+        if let Some(id) = served.and_then(|s| endpoint_at(cluster, s)) {
+            self.generator = id;
+        }
+        let ok = status.is_some_and(|s| (200..300).contains(&s));
+        let outcome = if ok {
+            OutcomeStatus::Ok
+        } else {
+            OutcomeStatus::Failed
+        };
+        self.state
+            .metrics
+            .request(self.route, status.unwrap_or(502));
+        self.report(outcome);
+    }
+
+    fn report(&mut self, status: OutcomeStatus) {
+        self.reported = true;
+        let Some((planner, request_id)) = &self.planner else {
+            return;
+        };
+        let outcome = Outcome {
+            request_id: *request_id,
+            status,
+            attempts: 1,
+            generator: Some(self.generator),
+            // The engines' answers pass through the gateway unread.
+            prefix_matched: 0,
+            completion_tokens: 0,
+            ttft_us: self
+                .first_byte
+                .map_or(0, |t| (t - self.arrived).as_micros() as u64),
+            e2e_us: self.arrived.elapsed().as_micros() as u64,
+        };
+        planner.on_complete(&outcome);
+    }
+}
+
+/// A response that never ended (the gateway or its client went away) is a cancelled request.
+impl Drop for Served {
+    fn drop(&mut self) {
+        if !self.reported {
+            self.state
+                .metrics
+                .request(self.route, api::CLIENT_CLOSED_REQUEST);
+            self.report(OutcomeStatus::Cancelled);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use switchyard_contract::RemoteSend;
+
+    use super::*;
+    use crate::cluster::{EndpointSpec, OutlierConfig};
+
+    fn cluster(urls: &[&str]) -> Cluster {
+        let specs = urls.iter().map(|u| EndpointSpec::new(*u)).collect();
+        let cluster = Cluster::new(specs, OutlierConfig::default());
+        for id in 0..urls.len() as u32 {
+            cluster.set_health(id, true);
+        }
+        cluster
+    }
+
+    #[test]
+    fn an_address_is_the_urls_host_and_port_with_the_schemes_default() {
+        let c = cluster(&[
+            "http://10.0.0.1:8000",
+            "http://10.0.0.2",
+            "https://10.0.0.3/v1",
+        ]);
+        let addresses: Vec<_> = (0..3).map(|id| address(&c, id)).collect();
+        assert_eq!(
+            addresses,
+            [
+                Some("10.0.0.1:8000".to_owned()),
+                Some("10.0.0.2:80".to_owned()),
+                Some("10.0.0.3:443".to_owned())
+            ]
+        );
+        assert_eq!(address(&c, 7), None);
+        assert_eq!(endpoint_at(&c, "10.0.0.2:80"), Some(1));
+        assert_eq!(endpoint_at(&c, "10.0.0.9:80"), None);
+    }
+
+    #[test]
+    fn the_subset_leaves_the_policy_only_the_endpoints_it_names() {
+        let c = cluster(&["http://10.0.0.1:8000", "http://10.0.0.2:8000"]);
+        let healthy = |subset: Option<&[String]>| {
+            let mut endpoints = c.snapshot();
+            narrow(&c, &mut endpoints, subset);
+            endpoints
+                .iter()
+                .map(|e| e.health.is_healthy())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(healthy(None), [true, true]);
+        assert_eq!(healthy(Some(&["10.0.0.2:8000".to_owned()])), [false, true]);
+        assert_eq!(
+            healthy(Some(&[])),
+            [false, false],
+            "an empty hint leaves none"
+        );
+    }
+
+    #[test]
+    fn a_handoff_goes_to_its_decode_endpoint_naming_the_prefill_one() {
+        assert_eq!(legs(&ValidPlan::Forward { endpoint: 2 }), (2, None));
+        assert_eq!(
+            legs(&ValidPlan::Vllm {
+                prefill: 0,
+                decode: 1
+            }),
+            (1, Some(0))
+        );
+        assert_eq!(
+            legs(&ValidPlan::Sglang {
+                prefill: 3,
+                decode: 1
+            }),
+            (1, Some(3))
+        );
+        let disagg = |remote_send| ValidPlan::Disagg {
+            decode: 1,
+            end: 4,
+            remote_send,
+        };
+        let send = RemoteSend {
+            prefill: 0,
+            begin: None,
+        };
+        assert_eq!(legs(&disagg(Some(send))), (1, Some(0)));
+        assert_eq!(legs(&disagg(None)), (1, None), "no KV sent: a forward");
+    }
+}
