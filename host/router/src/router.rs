@@ -53,8 +53,8 @@ use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
 
 use crate::plan::{
-    AttemptBody, AttemptId, ClientGone, Delivered, ExecError, Execute, Executor, Origin, RelayEnd,
-    TextSink, relay,
+    AttemptBody, AttemptId, CachedPrefixes, ClientGone, Delivered, ExecError, Execute, Executor,
+    Origin, RelayEnd, TextSink, relay,
 };
 
 mod budget;
@@ -543,7 +543,7 @@ impl<E: Execute> Router<E> {
         }
         let mut prompt = req.prompt.clone();
         prompt.extend_from_slice(&continued);
-        let plan = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
+        let (plan, cached) = self.plan(req, &prompt, remaining, attempt, last_failure, st)?;
         let prompt_len = prompt.len();
         let mut tokens = req.template.clone();
         tokens.prompt = Prompt::Tokens(prompt);
@@ -552,6 +552,7 @@ impl<E: Execute> Router<E> {
             tokens,
             // Once the client has text, only the token-id prompt continues it exactly.
             client: req.client.clone().filter(|_| continued.is_empty()),
+            cached,
         };
         let id = AttemptId::new(&req.request_id, attempt);
         let mut generation = match self.executor.execute(&plan, body, &id).await {
@@ -624,7 +625,8 @@ impl<E: Execute> Router<E> {
     }
 
     /// Ask the request's planner for a plan and validate it against the snapshot it saw; on a
-    /// policy fault, ask the fallback the planner names.
+    /// policy fault, ask the fallback the planner names. With the plan, what each endpoint was
+    /// predicted to hold of `prompt` (its legs count the rest as pending prefill).
     fn plan(
         &self,
         req: &RouteRequest,
@@ -633,7 +635,7 @@ impl<E: Execute> Router<E> {
         attempt: u32,
         last_failure: Option<Failure>,
         st: &mut State,
-    ) -> Result<ValidPlan, RouteError> {
+    ) -> Result<(ValidPlan, CachedPrefixes), RouteError> {
         let request = PolicyRequest {
             id: req.id,
             prompt,
@@ -664,7 +666,8 @@ impl<E: Execute> Router<E> {
             .endpoints
             .get(plan.generator() as usize)
             .and_then(|e| e.cached_prefix);
-        Ok(plan)
+        let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        Ok((plan, CachedPrefixes::new(prompt_len, &context.endpoints)))
     }
 
     /// One `translate-request` call, timed, and its plan validated against the snapshot the
