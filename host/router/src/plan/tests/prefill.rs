@@ -99,6 +99,23 @@ async fn a_leg_that_fails_before_its_first_chunk_releases_its_count() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_generation_preempted_before_its_first_token_releases_its_count() {
+    let h = Harness::new(&[Protocol::Mlc]);
+    let (mut generation, answer) = forwarded(&h, 0).await;
+    answer.event(&chunk("", Some("preempt")));
+    answer.done();
+    let end = relay(
+        &mut generation,
+        &Client::default(),
+        1,
+        &mut Delivered::default(),
+    )
+    .await;
+    assert!(matches!(end, RelayEnd::Preempted), "{end:?}");
+    assert_eq!(h.pending_prefill(0), 0);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_client_gone_mid_prefill_releases_the_count() {
     let h = Harness::new(&[Protocol::Mlc]);
     // Gone while the engine has the call.
