@@ -42,6 +42,7 @@ pub fn endpoints(n: u32) -> Cluster {
                 waiting: None,
                 address_hash: 0x9e37_79b9_7f4a_7c15_u64.wrapping_mul(u64::from(id) + 1),
                 cached_prefix: None,
+                pending_prefill: 0,
             })
             .collect(),
         attempt: 1,
@@ -140,6 +141,24 @@ impl Cluster {
     pub fn with_cached_prefixes(mut self, tokens: &[u32]) -> Cluster {
         for (e, &n) in self.endpoints.iter_mut().zip(tokens) {
             e.cached_prefix = Some(n);
+        }
+        self
+    }
+
+    /// This router has sent endpoint `id` `tokens` prompt tokens it has not prefilled yet.
+    ///
+    /// # Panics
+    /// If `id` is not in the snapshot.
+    pub fn pending_prefill(mut self, id: EndpointId, tokens: u32) -> Cluster {
+        self.endpoint_mut(id).pending_prefill = tokens;
+        self
+    }
+
+    /// Set pending prefill tokens in id order, as [`Cluster::pending_prefill`] does for one;
+    /// endpoints beyond `tokens` keep theirs.
+    pub fn with_pending_prefill(mut self, tokens: &[u32]) -> Cluster {
+        for (e, &n) in self.endpoints.iter_mut().zip(tokens) {
+            e.pending_prefill = n;
         }
         self
     }
@@ -446,6 +465,27 @@ mod tests {
         assert_eq!(
             (e[0].cached_prefix, e[1].cached_prefix, e[2].cached_prefix),
             (Some(16), Some(0), None)
+        );
+        let e = endpoints(3).pending_prefill(1, 4096).context().endpoints;
+        assert_eq!(
+            (
+                e[0].pending_prefill,
+                e[1].pending_prefill,
+                e[2].pending_prefill
+            ),
+            (0, 4096, 0)
+        );
+        let e = endpoints(3)
+            .with_pending_prefill(&[100, 200])
+            .context()
+            .endpoints;
+        assert_eq!(
+            (
+                e[0].pending_prefill,
+                e[1].pending_prefill,
+                e[2].pending_prefill
+            ),
+            (100, 200, 0)
         );
     }
 

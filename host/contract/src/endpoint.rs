@@ -112,6 +112,10 @@ pub struct EndpointSnapshot {
     /// KV events; `None` without events or while its index is not trusted. Per request: the
     /// cluster's snapshot leaves it `None`, the router fills it for each attempt's prompt.
     pub cached_prefix: Option<u32>,
+    /// Prompt tokens this router sent the endpoint that it has not prefilled yet (each leg's
+    /// prompt less its predicted cached prefix, until its prefill ends); local, like
+    /// `in_flight`.
+    pub pending_prefill: u32,
 }
 
 impl EndpointSnapshot {

@@ -414,7 +414,7 @@ impl<'a> Simulation<'a> {
     }
 
     /// The endpoints as the router would show them now to an attempt sending `prompt`:
-    /// in-flight counts exact, the engines' load as last probed, and with prefix caches on,
+    /// in-flight counts and pending prefill tokens exact, the engines' load as last probed, and with prefix caches on,
     /// how much of `prompt` each engine's cache holds (what the router's KV index learns
     /// from the engines' events; here read from the caches themselves, so never stale).
     fn snapshot(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
@@ -423,16 +423,22 @@ impl<'a> Simulation<'a> {
             .zip(&self.engines)
             .map(|(endpoint, engine)| EndpointSnapshot {
                 in_flight: engine.in_flight,
+                pending_prefill: engine.pending_prefill,
                 kv_usage: Some(engine.probed.kv_usage),
                 running: Some(engine.probed.running),
                 waiting: Some(engine.probed.waiting),
-                cached_prefix: self
-                    .cluster
-                    .prefix_cache
-                    .then(|| u32::try_from(engine.core.cached_prefix(prompt)).unwrap_or(u32::MAX)),
+                cached_prefix: self.cached_prefix(engine, prompt),
                 ..endpoint.clone()
             })
             .collect()
+    }
+
+    /// What the router's KV index says `engine`'s cache holds of `prompt`: none without
+    /// prefix caches.
+    fn cached_prefix(&self, engine: &Engine, prompt: &[u32]) -> Option<u32> {
+        self.cluster
+            .prefix_cache
+            .then(|| u32::try_from(engine.core.cached_prefix(prompt)).unwrap_or(u32::MAX))
     }
 
     fn finish(mut self) -> SimResult {

@@ -7,6 +7,7 @@
 //!   snapshot_for(prompt)                 the same with each endpoint's cached prefix (see `kv`)
 //!   subscribe_kv_events(id) / note_served(ids, len) / resync_kv_events(id, why)   KV events
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
+//!   prefilling(id, tokens) -> Prefilling RAII: counts a leg's prompt tokens until its prefill ends
 //!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
 //!   mark_unhealthy(id) / set_health(id, ok) / set_engine_load(id, load)
 //!   add(spec, owner) / drain(id) / remove(id) / remove_when_idle(id)   the live list
@@ -42,7 +43,7 @@ use kv::{EndpointKv, KvCache};
 use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
-pub use inflight::InFlight;
+pub use inflight::{InFlight, Prefilling};
 pub use kv::{IndexCounts, KvEventsStatus};
 pub use outlier::{OutlierConfig, OutlierView};
 
@@ -342,6 +343,8 @@ pub(crate) struct EndpointState {
     in_flight: AtomicU32,
     /// Woken when `in_flight` drops to zero, for `remove_when_idle`.
     idle: tokio::sync::Notify,
+    /// Prompt tokens sent to the engine that it has not prefilled yet ([`Prefilling`]).
+    pending_prefill: AtomicU32,
     /// The load the engine last reported (its `/metrics`).
     load: Mutex<EngineLoad>,
     /// `switchyard_contract::address_hash` of `url`: the key every router replica agrees on.
@@ -372,6 +375,7 @@ impl EndpointState {
             ready: AtomicBool::new(false),
             in_flight: AtomicU32::new(0),
             idle: tokio::sync::Notify::new(),
+            pending_prefill: AtomicU32::new(0),
             load: Mutex::new(EngineLoad::default()),
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
@@ -450,6 +454,8 @@ pub struct EndpointStatus {
     pub healthy: bool,
     pub health: Health,
     pub in_flight: u32,
+    /// Prompt tokens sent to the endpoint that it has not prefilled yet.
+    pub pending_prefill: u32,
     pub kv_usage: Option<f32>,
     pub running: Option<u32>,
     pub waiting: Option<u32>,
@@ -675,6 +681,7 @@ impl Cluster {
                     address_hash: e.address_hash,
                     // Per request: the router fills it from the KV index for each prompt.
                     cached_prefix: None,
+                    pending_prefill: e.pending_prefill.load(Ordering::Acquire),
                 }
             })
             .collect()
@@ -763,6 +770,7 @@ impl Cluster {
                     healthy: health.is_healthy(),
                     health,
                     in_flight: e.in_flight.load(Ordering::Acquire),
+                    pending_prefill: e.pending_prefill.load(Ordering::Acquire),
                     kv_usage: load.kv_usage,
                     running: load.running,
                     waiting: load.waiting,
@@ -829,6 +837,12 @@ impl Cluster {
     /// Count one leg in flight on `id` until the guard drops. `None` for an id out of range.
     pub fn in_flight(&self, id: u32) -> Option<InFlight> {
         self.endpoint(id).map(InFlight::new)
+    }
+
+    /// Count `tokens` prompt tokens sent to `id` and not prefilled yet, until the guard is
+    /// done or dropped. `None` for an id out of range.
+    pub fn prefilling(&self, id: u32, tokens: u32) -> Option<Prefilling> {
+        self.endpoint(id).map(|e| Prefilling::new(e, tokens))
     }
 
     /// A call to the endpoint failed in a way that says it is down; the probe brings it back.
@@ -965,6 +979,35 @@ mod tests {
         drop(b);
         assert_eq!(cluster.snapshot()[1].in_flight, 0);
         assert!(cluster.in_flight(2).is_none());
+    }
+
+    #[test]
+    fn pending_prefill_is_released_once_by_done_or_drop_whichever_comes_first() {
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
+        let pending = |id: usize| {
+            let (snapshot, status) = (cluster.snapshot(), cluster.status());
+            assert_eq!(snapshot[id].pending_prefill, status[id].pending_prefill);
+            snapshot[id].pending_prefill
+        };
+        let a = cluster.prefilling(1, 8000).expect("id in range");
+        let b = cluster.prefilling(1, 500).expect("id in range");
+        assert_eq!((pending(0), pending(1)), (0, 8500));
+        a.done();
+        assert_eq!(pending(1), 500);
+        a.done();
+        drop(a);
+        assert_eq!(pending(1), 500, "done, then dropped: released once");
+        // Clones share the count: the first one done or dropped releases it.
+        let c = b.clone();
+        drop(c);
+        assert_eq!(pending(1), 0);
+        b.done();
+        drop(b);
+        assert_eq!(pending(1), 0);
+        assert!(cluster.prefilling(2, 1).is_none());
     }
 
     #[test]

@@ -21,7 +21,7 @@ mod vllm;
 #[cfg(test)]
 mod tests;
 
-pub use attempt::{AttemptBody, AttemptId, Generation};
+pub use attempt::{AttemptBody, AttemptId, CachedPrefixes, Generation};
 pub use error::{Cause, ExecError, Origin, StepKind};
 pub use execute::{Execute, Executor};
 pub use relay::{ClientGone, Delivered, RelayEnd, TextSink, relay};

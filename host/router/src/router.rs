@@ -53,8 +53,8 @@ use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
 
 use crate::plan::{
-    AttemptBody, AttemptId, ClientGone, Delivered, ExecError, Execute, Executor, Origin, RelayEnd,
-    TextSink, relay,
+    AttemptBody, AttemptId, CachedPrefixes, ClientGone, Delivered, ExecError, Execute, Executor,
+    Origin, RelayEnd, TextSink, relay,
 };
 
 mod budget;
@@ -550,7 +550,7 @@ impl<E: Execute> Router<E> {
             last_failure,
             endpoints: self.executor.cluster().snapshot_for(&prompt),
         };
-        let plan = self.plan(req, &prompt, remaining, context, st)?;
+        let (plan, cached) = self.plan(req, &prompt, remaining, context, st)?;
         let prompt_len = prompt.len();
         let mut tokens = req.template.clone();
         tokens.prompt = Prompt::Tokens(prompt);
@@ -559,6 +559,7 @@ impl<E: Execute> Router<E> {
             tokens,
             // Once the client has text, only the token-id prompt continues it exactly.
             client: req.client.clone().filter(|_| continued.is_empty()),
+            cached,
         };
         let id = AttemptId::new(&req.request_id, attempt);
         let mut generation = match self.executor.execute(&plan, body, &id).await {
@@ -648,10 +649,12 @@ impl<E: Execute> Router<E> {
         };
         let mut st = State::new(planner);
         self.plan(req, &req.prompt, req.max_tokens, context, &mut st)
+            .map(|(plan, _)| plan)
     }
 
     /// Ask the request's planner for a plan in `context` and validate it against the snapshot
-    /// it saw; on a policy fault, ask the fallback the planner names.
+    /// it saw; on a policy fault, ask the fallback the planner names. With the plan, what each
+    /// endpoint was predicted to hold of `prompt` (its legs count the rest as pending prefill).
     fn plan(
         &self,
         req: &RouteRequest,
@@ -659,7 +662,7 @@ impl<E: Execute> Router<E> {
         max_tokens: u32,
         context: PolicyContext,
         st: &mut State,
-    ) -> Result<ValidPlan, RouteError> {
+    ) -> Result<(ValidPlan, CachedPrefixes), RouteError> {
         let request = PolicyRequest {
             id: req.id,
             prompt,
@@ -679,11 +682,14 @@ impl<E: Execute> Router<E> {
         };
         let plan = planned?;
         // What the index predicts the generating engine holds of this attempt's prompt.
+        // Ids are not positions: a removed endpoint leaves the snapshot.
         st.summary.predicted_prefix = context
             .endpoints
-            .get(plan.generator() as usize)
+            .iter()
+            .find(|e| e.id == plan.generator())
             .and_then(|e| e.cached_prefix);
-        Ok(plan)
+        let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        Ok((plan, CachedPrefixes::new(prompt_len, &context.endpoints)))
     }
 
     /// One `translate-request` call, timed, and its plan validated against the snapshot the

@@ -64,6 +64,11 @@ pub enum PolicyCommand {
         /// `512,0,1024` (endpoint.cached-prefix; endpoints beyond the list publish no events).
         #[arg(long, value_delimiter = ',')]
         cached_prefix: Vec<u32>,
+        /// Prompt tokens this router sent each endpoint that it has not prefilled yet, by
+        /// endpoint id, e.g. `8192,0,512` (endpoint.pending-prefill; endpoints beyond the list:
+        /// 0).
+        #[arg(long, value_delimiter = ',')]
+        pending_prefill: Vec<u32>,
     },
     /// Write a new policy project (Rust, Python or JavaScript) that builds as is.
     New(NewArgs),
@@ -119,6 +124,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             in_flight,
             unhealthy,
             cached_prefix,
+            pending_prefill,
         } => {
             let mut endpoints = if roles.is_empty() {
                 split_roles(endpoints, &unhealthy, &in_flight)
@@ -140,15 +146,13 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             for (endpoint, protocol) in endpoints.iter_mut().zip(protocols) {
                 endpoint.protocol = protocol;
             }
-            if cached_prefix.len() > endpoints.len() {
-                return Err(CliError::Usage(format!(
-                    "--cached-prefix names {} endpoints but --endpoints is {}",
-                    cached_prefix.len(),
-                    endpoints.len()
-                )));
-            }
+            at_most_one_each("--cached-prefix", cached_prefix.len(), endpoints.len())?;
             for (endpoint, tokens) in endpoints.iter_mut().zip(cached_prefix) {
                 endpoint.cached_prefix = Some(tokens);
+            }
+            at_most_one_each("--pending-prefill", pending_prefill.len(), endpoints.len())?;
+            for (endpoint, tokens) in endpoints.iter_mut().zip(pending_prefill) {
+                endpoint.pending_prefill = tokens;
             }
             let last_failure = failure.or((attempt > 1).then_some(Failure {
                 kind: FailureKind::EndpointError,
@@ -187,6 +191,16 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             print(&pretty)
         }
     }
+}
+
+/// A per-endpoint list given as `flag` may name every endpoint, or fewer, never more.
+fn at_most_one_each(flag: &str, given: usize, endpoints: usize) -> Result<(), CliError> {
+    if given > endpoints {
+        return Err(CliError::Usage(format!(
+            "{flag} names {given} endpoints but --endpoints is {endpoints}"
+        )));
+    }
+    Ok(())
 }
 
 fn print(text: &str) -> Result<(), CliError> {

@@ -104,6 +104,76 @@ fn the_weights_move_the_break_even() {
 }
 
 #[test]
+fn pending_prefill_decides_between_endpoints_holding_as_much() {
+    let mut policy = kv_aware();
+    // Both hold 1024 of the 4096-token prompt and have as many requests in flight; endpoint 0
+    // has a new 8k-token conversation still to prefill ahead of this one, endpoint 1 only
+    // decoding requests.
+    let ctx = endpoints(2)
+        .with_in_flight(&[2, 2])
+        .with_cached_prefixes(&[1024, 1024])
+        .pending_prefill(0, 8192)
+        .context();
+    assert_eq!(policy.translate(&request(4096), &ctx), Ok(Plan::forward(1)));
+}
+
+#[test]
+fn decoding_requests_weigh_less_than_a_prefill_backlog() {
+    let mut policy = kv_aware();
+    // Endpoint 0 decodes four requests, all prefilled; endpoint 1 has one request in flight,
+    // an 8k-token prompt it has not prefilled yet. By requests in flight alone 1 looked idler;
+    // the new prompt's first token comes sooner on 0.
+    let ctx = endpoints(2)
+        .with_in_flight(&[4, 1])
+        .with_pending_prefill(&[0, 8192])
+        .context();
+    assert_eq!(policy.translate(&request(2048), &ctx), Ok(Plan::forward(0)));
+}
+
+#[test]
+fn a_cache_hit_wins_over_an_empty_engine_with_a_backlog() {
+    let mut policy = kv_aware();
+    // Endpoint 0 holds 6144 of the 8192-token prompt and decodes 2 requests; endpoint 1 holds
+    // nothing and has 2048 tokens pending: 2048 to prefill on 0 against 10240 on 1.
+    let ctx = endpoints(2)
+        .with_in_flight(&[2, 1])
+        .with_cached_prefixes(&[6144, 0])
+        .pending_prefill(1, 2048)
+        .context();
+    assert_eq!(policy.translate(&request(8192), &ctx), Ok(Plan::forward(0)));
+}
+
+#[test]
+fn a_backlog_outweighs_a_cache_hit_when_waiting_costs_more_than_the_hit_saves() {
+    let mut policy = kv_aware();
+    // Endpoint 0 holds half the prompt but has 8192 tokens to prefill first: 2048 + 8192
+    // against idle endpoint 1's 4096.
+    let ctx = endpoints(2)
+        .with_in_flight(&[1, 0])
+        .with_cached_prefixes(&[2048, 0])
+        .pending_prefill(0, 8192)
+        .context();
+    assert_eq!(policy.translate(&request(4096), &ctx), Ok(Plan::forward(1)));
+}
+
+#[test]
+fn the_prefill_partner_is_the_prefill_engine_with_the_least_pending() {
+    let mut policy = kv_aware();
+    // 0 and 1 prefill; 0 has fewer requests in flight but a long prompt to prefill.
+    let ctx = endpoints(3)
+        .role(0, Role::Prefill)
+        .role(1, Role::Prefill)
+        .role(2, Role::Decode)
+        .with_in_flight(&[1, 2, 0])
+        .with_pending_prefill(&[6000, 300, 0])
+        .context();
+    assert_eq!(
+        policy.translate(&request(1024), &ctx),
+        Ok(Plan::disagg(1, 2, -1))
+    );
+}
+
+#[test]
 fn ties_go_to_the_shorter_queue_then_the_lowest_id() {
     let mut policy = Harness::<KvAware>::init(r#"{"load_weight": 16}"#).expect("valid");
     // Costs 64 - 32 + 16 = 48 (queue 1) and 64 - 16 + 0 = 48 (queue 0) and 48 (queue 0).

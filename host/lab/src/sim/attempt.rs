@@ -79,8 +79,23 @@ impl Simulation<'_> {
             holds_generator: true,
             holds_prefill: false,
             cached_tokens: None,
+            prefilling: Vec::new(),
         });
         self.hold(route.generator());
+        // What the router counts as pending prefill from the moment it sends the legs.
+        let len = prompt.len();
+        match route {
+            Route::Forward { engine: e }
+            | Route::Vllm { prefill: e, .. }
+            | Route::Sglang { prefill: e, .. }
+            | Route::Mlc {
+                decode: e,
+                send: None,
+                ..
+            } => self.prefilling(r, e, &prompt, 0, len),
+            // P's window is counted when its remote_send goes out; D computes the rest.
+            Route::Mlc { decode, end, .. } => self.prefilling(r, decode, &prompt, end, len),
+        }
         match route {
             Route::Forward { engine } => {
                 let id = self.engines[engine]
@@ -218,6 +233,44 @@ impl Simulation<'_> {
         id
     }
 
+    /// Counts the tokens of `prompt[begin..end]` engine `e` computes itself (past what its
+    /// cache holds) as pending prefill there, for attempt `r`, until [`Self::prefilled`] or the
+    /// attempt's end: the router's `Prefilling` guard.
+    fn prefilling(&mut self, r: usize, e: usize, prompt: &[u32], begin: usize, end: usize) {
+        let cached = self.cached_prefix(&self.engines[e], prompt).unwrap_or(0) as usize;
+        let tokens = u32::try_from(end - cached.max(begin).min(end)).unwrap_or(u32::MAX);
+        if let Some(a) = self.attempt(r) {
+            a.prefilling.push((e, tokens));
+            self.engines[e].pending_prefill += tokens;
+        }
+    }
+
+    /// Attempt `r`'s prefill on engine `e` (every one, with `None`) is over.
+    fn prefilled(&mut self, r: usize, e: Option<usize>) {
+        let Some(a) = self.attempt(r) else {
+            return;
+        };
+        let mut released = Vec::new();
+        a.prefilling.retain(|&(engine, tokens)| {
+            let over = e.is_none_or(|e| e == engine);
+            if over {
+                released.push((engine, tokens));
+            }
+            !over
+        });
+        self.release_prefill(released);
+    }
+
+    fn release_prefill(&mut self, released: Vec<(usize, u32)>) {
+        for (e, tokens) in released {
+            let engine = &mut self.engines[e];
+            self.audit.check(engine.pending_prefill >= tokens, || {
+                format!("engine {e}: pending prefill released below zero")
+            });
+            engine.pending_prefill = engine.pending_prefill.saturating_sub(tokens);
+        }
+    }
+
     fn hold(&mut self, e: usize) {
         self.engines[e].in_flight += 1;
     }
@@ -264,6 +317,8 @@ impl Simulation<'_> {
     }
 
     fn on_tokens(&mut self, r: usize, event: Event) {
+        // The first token comes after every prefill of the attempt.
+        self.prefilled(r, None);
         let now = self.now;
         let Some(request) = self.requests[r].as_mut() else {
             return;
@@ -318,6 +373,7 @@ impl Simulation<'_> {
                 let mut tokens = request.continued_prompt();
                 tokens.truncate(end);
                 self.hold_prefill(r, prefill);
+                self.prefilling(r, prefill, &tokens, 0, end);
                 let id = self.engines[prefill].core.prefill_for_send(tokens, begin);
                 let id = self.wait(prefill, id, r, number, Leg::SendPrefill);
                 if let Some(a) = self.attempt(r) {
@@ -368,6 +424,7 @@ impl Simulation<'_> {
                     a.holds_prefill = false;
                 }
                 self.unhold(prefill);
+                self.prefilled(r, Some(prefill));
                 if let Some(request) = self.requests[r].as_ref() {
                     let prompt = request.continued_prompt();
                     self.reserve(r, decode, prompt, prompt_len - 1);
@@ -422,6 +479,7 @@ impl Simulation<'_> {
         if attempt.holds_prefill && !matches!(route, Route::Vllm { .. }) {
             attempt.holds_prefill = false;
             self.unhold(prefill);
+            self.prefilled(r, Some(prefill));
         }
         self.start_generation(r);
     }
@@ -471,6 +529,7 @@ impl Simulation<'_> {
             return;
         };
         let route = attempt.route;
+        self.release_prefill(attempt.prefilling);
         if attempt.holds_generator {
             self.unhold(route.generator());
         }

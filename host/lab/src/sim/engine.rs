@@ -65,6 +65,9 @@ pub(super) struct Engine {
     pub waiters: HashMap<RequestId, Waiter>,
     /// Legs the router has in flight on the engine (the snapshot's exact count).
     pub in_flight: u32,
+    /// Prompt tokens the router sent the engine that it has not prefilled yet (the
+    /// snapshot's exact count).
+    pub pending_prefill: u32,
     pub probed: Load,
     /// Modelled time of every step, for utilisation.
     pub busy_us: u64,
@@ -81,6 +84,7 @@ impl Engine {
             epoch: 0,
             waiters: HashMap::new(),
             in_flight: 0,
+            pending_prefill: 0,
             probed: Load::default(),
             busy_us: 0,
             steps: 0,

@@ -166,6 +166,9 @@ pub(super) struct Attempt {
     pub holds_prefill: bool,
     /// Prompt tokens the engine that computed the prompt found in its cache.
     pub cached_tokens: Option<usize>,
+    /// `(engine, tokens)`: prompt tokens counted in an engine's pending prefill until that
+    /// prefill ends, as the router's `Prefilling` guards count them.
+    pub prefilling: Vec<(usize, u32)>,
 }
 
 /// How one request ended.

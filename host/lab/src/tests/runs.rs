@@ -261,3 +261,61 @@ fn snapshots_carry_each_engines_cached_prefix_of_the_prompt() {
         assert!(hits > 0, "later turns find their earlier ones: {seen:?}");
     }
 }
+
+/// Forwards every request to endpoint 0, recording each endpoint's in-flight count and pending
+/// prefill, and the longest prompt planned.
+#[derive(Debug, Default)]
+struct Loads {
+    seen: Mutex<Vec<Vec<(u32, u32)>>>,
+    longest: Mutex<usize>,
+}
+
+impl Planner for Loads {
+    fn translate(
+        &self,
+        request: &PolicyRequest<'_>,
+        context: &PolicyContext,
+    ) -> Result<Plan, TranslateError> {
+        let loads = context
+            .endpoints
+            .iter()
+            .map(|e| (e.in_flight, e.pending_prefill))
+            .collect();
+        self.seen.lock().unwrap().push(loads);
+        let mut longest = self.longest.lock().unwrap();
+        *longest = (*longest).max(request.prompt.len());
+        Ok(Plan {
+            steps: vec![Step::Forward { endpoint: 0 }],
+        })
+    }
+
+    fn on_complete(&self, _: &Outcome) {}
+}
+
+/// Policies see the prompt tokens each engine was sent and has not prefilled yet, as the
+/// router counts them: a burst on engine 0 queues prefills there, requests past their first
+/// token count in flight only, and the idle engine shows nothing.
+#[test]
+fn snapshots_carry_the_prompt_tokens_each_engine_has_not_prefilled_yet() {
+    let trace = synthetic(7, 60, 200.0);
+    let cluster = cluster(Protocol::Mlc, vec![Role::Any; 2], 2048);
+    let planner = Arc::new(Loads::default());
+    let result = run(&cluster, &trace, planner.clone(), 7);
+    assert!(result.violations.is_empty(), "{:?}", result.violations);
+    let seen = planner.seen.lock().unwrap();
+    let longest = *planner.longest.lock().unwrap() as u32;
+    assert!(seen.len() >= 60);
+    for loads in seen.iter() {
+        assert_eq!(loads[1], (0, 0), "endpoint 1 never served");
+        let (in_flight, pending) = loads[0];
+        assert!(pending <= in_flight * longest, "{loads:?}");
+    }
+    assert!(
+        seen.iter().any(|l| l[0].1 > 0),
+        "a burst queues prefills on endpoint 0: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|l| l[0].0 > 0 && l[0].1 == 0),
+        "prefilled requests count in flight only: {seen:?}"
+    );
+}

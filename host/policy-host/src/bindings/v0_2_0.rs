@@ -2,7 +2,8 @@
 //! declaration of whether it keeps state between calls (`policy-info.state`), why an endpoint
 //! is down (`endpoint.down-reason`), the load each engine reports (`endpoint.running`,
 //! `endpoint.waiting`), a key every router replica agrees on (`endpoint.address-hash`), the
-//! prompt's cached prefix on each endpoint (`endpoint.cached-prefix`), and
+//! prompt's cached prefix on each endpoint (`endpoint.cached-prefix`), the prompt tokens this
+//! router has sent each endpoint and it has not prefilled yet (`endpoint.pending-prefill`), and
 //! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any.
 
 mod generated {
@@ -56,5 +57,6 @@ fn endpoint(e: &switchyard_contract::EndpointSnapshot) -> Option<wit::Endpoint> 
         waiting: e.waiting,
         address_hash: e.address_hash,
         cached_prefix: e.cached_prefix,
+        pending_prefill: e.pending_prefill,
     })
 }

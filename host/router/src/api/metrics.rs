@@ -35,6 +35,7 @@ pub struct Metrics {
     preemptions: Counter,
     remote_sends_skipped: Counter,
     in_flight: Family<Labels, Gauge>,
+    pending_prefill: Family<Labels, Gauge>,
     health: Family<Labels, Gauge>,
     ejections: Family<Labels, Counter>,
     kv: KvMetrics,
@@ -93,6 +94,7 @@ impl Metrics {
         let (retries, preemptions, remote_sends_skipped) =
             (Counter::default(), Counter::default(), Counter::default());
         let in_flight = Family::<Labels, Gauge>::default();
+        let pending_prefill = Family::<Labels, Gauge>::default();
         let health = Family::<Labels, Gauge>::default();
         let ejections = Family::<Labels, Counter>::default();
         let kv = KvMetrics::register(&mut registry);
@@ -134,6 +136,11 @@ impl Metrics {
             in_flight.clone(),
         );
         registry.register(
+            "endpoint_pending_prefill_tokens",
+            "Prompt tokens this router sent per endpoint that it has not prefilled yet",
+            pending_prefill.clone(),
+        );
+        registry.register(
             "endpoint_health",
             "1 healthy, 0 not ready (probe), -1 ejected after consecutive failures, -2 draining, -3 removed",
             health.clone(),
@@ -154,6 +161,7 @@ impl Metrics {
             preemptions,
             remote_sends_skipped,
             in_flight,
+            pending_prefill,
             health,
             ejections,
             kv,
@@ -215,6 +223,9 @@ impl Metrics {
             self.in_flight
                 .get_or_create(&labels)
                 .set(i64::from(endpoint.in_flight));
+            self.pending_prefill
+                .get_or_create(&labels)
+                .set(i64::from(endpoint.pending_prefill));
             self.health
                 .get_or_create(&labels)
                 .set(match endpoint.health {

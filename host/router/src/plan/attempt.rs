@@ -1,16 +1,18 @@
-//! What one attempt sends ([`AttemptId`], [`AttemptBody`]) and what it starts ([`Generation`]).
+//! What one attempt sends ([`AttemptId`], [`AttemptBody`], with what each endpoint was
+//! predicted to hold of it, [`CachedPrefixes`]) and what it starts ([`Generation`]).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use serde_json::{Map, Value};
-use switchyard_contract::{EndpointId, Protocol};
+use switchyard_contract::{EndpointId, EndpointSnapshot, Protocol};
 use switchyard_wire::client::{ClientBody, Route};
 use switchyard_wire::completion::CompletionRequest;
 use switchyard_wire::sse::ChunkStream;
 
 use super::error::StepKind;
-use crate::cluster::InFlight;
+use crate::cluster::{InFlight, Prefilling};
 use crate::engine_client::CallError;
 
 /// The upstream identity of one attempt: every leg carries `upstream_id` in `user`.
@@ -40,6 +42,8 @@ pub struct AttemptBody {
     /// The client's own body, until the client has seen a token: what vLLM, SGLang and OpenAI
     /// engines get (their protocols change it per leg; chat stays chat).
     pub client: Option<Arc<ClientBody>>,
+    /// What each endpoint was predicted to hold of the prompt when the attempt was planned.
+    pub cached: CachedPrefixes,
 }
 
 impl AttemptBody {
@@ -96,6 +100,47 @@ fn continuation_fields(tokens: &CompletionRequest) -> Map<String, Value> {
     fields
 }
 
+/// How much of an attempt's prompt each endpoint's KV cache held when the attempt was planned
+/// (the snapshot's `cached_prefix`), so that each leg counts the prompt tokens it leaves its
+/// endpoint to prefill ([`Prefilling`]), as `endpoint.pending-prefill` promises.
+#[derive(Debug, Clone, Default)]
+pub struct CachedPrefixes {
+    prompt_len: u32,
+    /// By endpoint id; `None` (or beyond the list): unknown, taken as nothing cached.
+    by_id: Vec<Option<u32>>,
+}
+
+impl CachedPrefixes {
+    /// The cached prefixes `endpoints` gave a `prompt_len`-token prompt.
+    pub fn new(prompt_len: u32, endpoints: &[EndpointSnapshot]) -> Self {
+        let mut by_id = Vec::new();
+        for e in endpoints {
+            let id = e.id as usize;
+            if by_id.len() <= id {
+                by_id.resize(id + 1, None);
+            }
+            by_id[id] = e.cached_prefix;
+        }
+        CachedPrefixes { prompt_len, by_id }
+    }
+
+    /// The whole prompt, `[0, prompt_len)`.
+    pub(super) fn prompt(&self) -> Range<u32> {
+        0..self.prompt_len
+    }
+
+    /// Of `window`, the tokens `endpoint` computes itself: those past its cached prefix.
+    pub(super) fn uncached(&self, endpoint: EndpointId, window: Range<u32>) -> u32 {
+        let cached = self
+            .by_id
+            .get(endpoint as usize)
+            .copied()
+            .flatten()
+            .unwrap_or(0);
+        window.end - cached.max(window.start).min(window.end)
+    }
+}
+
 /// A generation in progress: the engine's chunks plus what the relay and metrics need.
 pub struct Generation {
     pub chunks: ChunkStream,
@@ -110,6 +155,8 @@ pub struct Generation {
     pub(super) partner: Option<Partner>,
     /// Counts the generation on its endpoint until the stream is dropped.
     _in_flight: InFlight,
+    /// The prompt tokens still counted as not prefilled until the first chunk ([`Self::started`]).
+    prefilling: Option<Prefilling>,
 }
 
 impl Generation {
@@ -128,6 +175,20 @@ impl Generation {
             remote_send_skipped,
             partner: None,
             _in_flight: in_flight,
+            prefilling: None,
+        }
+    }
+
+    /// This generation, counting `prefilling` until its first chunk (or its end).
+    pub fn prefilling(mut self, prefilling: Prefilling) -> Self {
+        self.prefilling = Some(prefilling);
+        self
+    }
+
+    /// The generator sent its first chunk: the prompt is prefilled.
+    pub(super) fn started(&mut self) {
+        if let Some(prefilling) = self.prefilling.take() {
+            prefilling.done();
         }
     }
 

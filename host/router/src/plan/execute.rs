@@ -84,13 +84,15 @@ impl Executor {
     pub async fn execute(
         &self,
         plan: &ValidPlan,
-        body: AttemptBody,
+        mut body: AttemptBody,
         id: &AttemptId,
     ) -> Result<Generation, ExecError> {
+        let cached = std::mem::take(&mut body.cached);
         let legs = Legs {
             cluster: &self.cluster,
             client: &self.client,
             id,
+            cached: &cached,
         };
         match *plan {
             ValidPlan::Forward { endpoint } => forward::forward(&legs, endpoint, body).await,

@@ -19,6 +19,7 @@ pub(super) async fn forward(
     let protocol = legs.cluster.protocol(endpoint).unwrap_or_default();
     let span = tracing::debug_span!("forward", request = %id.upstream_id, attempt = id.attempt, endpoint, %protocol);
     let in_flight = legs.in_flight(endpoint, StepKind::Forward)?;
+    let prefilling = legs.prefilling(endpoint, legs.cached.prompt(), StepKind::Forward)?;
     let engine = legs.upstream(endpoint, StepKind::Forward)?;
     let result = match protocol {
         Protocol::Mlc => {
@@ -35,5 +36,5 @@ pub(super) async fn forward(
         }
     };
     let chunks = legs.check(result, endpoint, StepKind::Forward)?;
-    Ok(Generation::new(chunks, endpoint, 0, false, in_flight))
+    Ok(Generation::new(chunks, endpoint, 0, false, in_flight).prefilling(prefilling))
 }

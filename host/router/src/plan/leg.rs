@@ -1,27 +1,31 @@
-//! What every protocol's legs share: looking an endpoint up, counting it in flight, turning a
-//! call's result into the attempt's (telling the cluster how the endpoint did), and running a
-//! call on a task of its own.
+//! What every protocol's legs share: looking an endpoint up, counting it in flight and the
+//! prompt tokens it has to prefill, turning a call's result into the attempt's (telling the
+//! cluster how the endpoint did), and running a call on a task of its own.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use switchyard_contract::EndpointId;
 
-use super::attempt::AttemptId;
+use super::attempt::{AttemptId, CachedPrefixes};
 use super::error::{Cause, ExecError, StepKind};
-use crate::cluster::{Cluster, InFlight};
+use crate::cluster::{Cluster, InFlight, Prefilling};
 use crate::engine_client::{CallError, EngineClient, Upstream};
 
-/// One attempt's view of the engines: the cluster, the client, and the attempt's identity.
+/// One attempt's view of the engines: the cluster, the client, the attempt's identity, and
+/// what each engine was predicted to hold of its prompt.
 pub(super) struct Legs<'a> {
     pub(super) cluster: &'a Arc<Cluster>,
     pub(super) client: &'a EngineClient,
     pub(super) id: &'a AttemptId,
+    pub(super) cached: &'a CachedPrefixes,
 }
 
 /// The two legs of a P/D handoff (vLLM's, SGLang's), each endpoint counted in flight and
-/// looked up before either is called.
+/// looked up before either is called, and the prompt counted on P until P has prefilled it.
 pub(super) struct HandoffLegs {
     pub(super) prefill_in_flight: InFlight,
+    pub(super) prefilling: Prefilling,
     pub(super) decode_in_flight: InFlight,
     pub(super) prefill: Upstream,
     pub(super) decode: Upstream,
@@ -37,8 +41,11 @@ impl Legs<'_> {
     ) -> Result<HandoffLegs, ExecError> {
         let decode_in_flight = self.in_flight(decode, StepKind::DecodeLeg)?;
         let prefill_in_flight = self.in_flight(prefill, StepKind::PrefillLeg)?;
+        let prompt = self.cached.prompt();
+        let prefilling = self.prefilling(prefill, prompt, StepKind::PrefillLeg)?;
         Ok(HandoffLegs {
             prefill_in_flight,
+            prefilling,
             decode_in_flight,
             prefill: self.upstream(prefill, StepKind::PrefillLeg)?,
             decode: self.upstream(decode, StepKind::DecodeLeg)?,
@@ -53,6 +60,20 @@ impl Legs<'_> {
     ) -> Result<InFlight, ExecError> {
         self.cluster
             .in_flight(endpoint)
+            .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))
+    }
+
+    /// The tokens of `window` (a range of prompt positions) that `endpoint` has to prefill, as
+    /// its predicted cached prefix leaves them, counted on it until the guard is done or dropped.
+    pub(super) fn prefilling(
+        &self,
+        endpoint: EndpointId,
+        window: Range<u32>,
+        step: StepKind,
+    ) -> Result<Prefilling, ExecError> {
+        let tokens = self.cached.uncached(endpoint, window);
+        self.cluster
+            .prefilling(endpoint, tokens)
             .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))
     }
 

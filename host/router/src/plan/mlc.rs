@@ -37,6 +37,13 @@ pub(super) async fn disagg(
     body: CompletionRequest,
 ) -> Result<Generation, ExecError> {
     let in_flight = legs.in_flight(decode, StepKind::PrepRecv)?;
+    // What D prefills itself: past the window when P sends it (or D's cache holds it), else
+    // the whole prompt.
+    let d_window = match send {
+        Some(_) => end..legs.cached.prompt().end,
+        None => legs.cached.prompt(),
+    };
+    let prefilling = legs.prefilling(decode, d_window, StepKind::PrepRecv)?;
     let (prep, reservation) = prep_recv(legs, decode, end, body).await?;
     let mut remote_send_skipped = false;
     if let Some(send) = send {
@@ -58,7 +65,8 @@ pub(super) async fn disagg(
         prep.prefix_matched_length,
         remote_send_skipped,
         in_flight,
-    ))
+    )
+    .prefilling(prefilling))
 }
 
 /// prep_recv on D; on success, D's pages for `[0, end)` are the returned [`Reservation`]'s.
@@ -119,6 +127,9 @@ async fn remote_send(
     let id = legs.id;
     let span = tracing::debug_span!("remote_send", request = %id.upstream_id, attempt = id.attempt, endpoint = prefill, decode, begin, end);
     let _in_flight = legs.in_flight(prefill, StepKind::RemoteSend)?;
+    // P computes the window's KV from the prompt's start, less what its own cache holds;
+    // counted until it answers.
+    let _prefilling = legs.prefilling(prefill, 0..end, StepKind::RemoteSend)?;
     let recv_rank = legs
         .cluster
         .device_rank(decode)

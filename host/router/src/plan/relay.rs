@@ -91,6 +91,8 @@ pub async fn relay(
             Err(_) if finish_reason.is_some() => break,
             Err(error) => return RelayEnd::Failed(error),
         };
+        // Whatever the engine sends first comes after the prompt's prefill.
+        generation.started();
         if let Some(u) = chunk.usage {
             usage = Some(u.counts);
         }

@@ -19,7 +19,7 @@ use switchyard_wire::sse::ChunkStream;
 use super::attempt::{AttemptBody, Generation, Partner, streams};
 use super::error::{Cause, ExecError, StepKind};
 use super::leg::{HandoffLegs, Legs};
-use crate::cluster::InFlight;
+use crate::cluster::{InFlight, Prefilling};
 use crate::engine_client::CallError;
 
 /// Both legs at once (see the module docs).
@@ -33,6 +33,7 @@ pub(super) async fn handoff(
     let span = tracing::debug_span!("sglang_handoff", request = %id.upstream_id, attempt = id.attempt, prefill, decode);
     let HandoffLegs {
         prefill_in_flight,
+        prefilling,
         decode_in_flight: in_flight,
         prefill: p_engine,
         decode: d_engine,
@@ -68,17 +69,26 @@ pub(super) async fn handoff(
     let partner = Partner {
         endpoint: prefill,
         step: StepKind::PrefillLeg,
-        answer: drain(p_chunks, prefill_in_flight).boxed(),
+        answer: drain(p_chunks, prefill_in_flight, prefilling.clone()).boxed(),
     };
-    Ok(Generation::new(d_chunks, decode, 0, false, in_flight).with_partner(partner))
+    // P's prompt is prefilled by the time D streams, or P answered: whichever the router sees
+    // first ends its count.
+    Ok(Generation::new(d_chunks, decode, 0, false, in_flight)
+        .with_partner(partner)
+        .prefilling(prefilling))
 }
 
 /// Read P's answer to its end (nobody shows it: the client's answer is D's), counting P's leg
-/// in flight until then. An error event, a broken stream or an idle one is P's failure.
-async fn drain(mut chunks: ChunkStream, in_flight: InFlight) -> Result<(), CallError> {
+/// in flight, and its prompt as not prefilled, until then. An error event, a broken stream or
+/// an idle one is P's failure.
+async fn drain(
+    mut chunks: ChunkStream,
+    in_flight: InFlight,
+    prefilling: Prefilling,
+) -> Result<(), CallError> {
     while let Some(chunk) = chunks.next().await {
         chunk?;
     }
-    drop(in_flight);
+    drop((prefilling, in_flight));
     Ok(())
 }

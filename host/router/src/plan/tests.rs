@@ -9,6 +9,7 @@
 
 mod classify;
 mod mlc;
+mod prefill;
 mod relay;
 mod sglang;
 mod vllm;
@@ -76,7 +77,16 @@ impl Harness {
 
     /// Run `plan` as attempt 1 of the test request.
     async fn execute(&self, plan: ValidPlan) -> Result<Generation, ExecError> {
-        self.executor.execute(&plan, body(), &attempt()).await
+        self.execute_with(plan, body()).await
+    }
+
+    /// Run `plan` as attempt 1 of a request with `body`.
+    async fn execute_with(
+        &self,
+        plan: ValidPlan,
+        body: AttemptBody,
+    ) -> Result<Generation, ExecError> {
+        self.executor.execute(&plan, body, &attempt()).await
     }
 
     /// Whether endpoint `id` is still taken to be up.
@@ -95,6 +105,11 @@ impl Harness {
     fn in_flight(&self, id: EndpointId) -> u32 {
         self.cluster().snapshot()[id as usize].in_flight
     }
+
+    /// Prompt tokens counted as not prefilled yet on endpoint `id`.
+    fn pending_prefill(&self, id: EndpointId) -> u32 {
+        self.cluster().snapshot()[id as usize].pending_prefill
+    }
 }
 
 /// An endpoint speaking `protocol`, at the URL its position gives it ([`Harness::with`]).
@@ -109,13 +124,15 @@ fn attempt() -> AttemptId {
     AttemptId::new(REQUEST_ID, 1)
 }
 
-/// The test request: a five-token prompt, up to eight new tokens, streamed.
+/// The test request: a five-token prompt, up to eight new tokens, streamed, planned without
+/// any endpoint's cached prefix known (every leg prefills all five tokens).
 fn body() -> AttemptBody {
     let mut tokens = CompletionRequest::new(vec![1, 2, 3, 4, 5], 8, String::new());
     tokens.stream = true;
     AttemptBody {
         tokens,
         client: None,
+        cached: CachedPrefixes::new(5, &[]),
     }
 }
 

@@ -36,6 +36,7 @@ pub(super) async fn handoff(
     let span = tracing::debug_span!("vllm_handoff", request = %id.upstream_id, attempt = id.attempt, prefill, decode);
     let HandoffLegs {
         prefill_in_flight,
+        prefilling,
         decode_in_flight: in_flight,
         prefill: p_engine,
         decode: d_engine,
@@ -43,6 +44,9 @@ pub(super) async fn handoff(
     let (path, fields) = body.leg(Protocol::Vllm);
     let client = legs.client.clone();
     let request_id = id.upstream_id.clone();
+    // Counted on D only if P hands it no KV and D prefills the prompt itself.
+    let cluster = legs.cluster.clone();
+    let d_uncached = legs.cached.uncached(decode, legs.cached.prompt());
     // The pair runs on a task of its own, told of the attempt's end by `gone` (its sender
     // lives as long as the attempt waits here).
     let (alive, mut gone) = oneshot::channel::<()>();
@@ -64,14 +68,14 @@ pub(super) async fn handoff(
             }),
             Err(e) => Err(e),
         };
-        drop(prefill_in_flight);
-        let d_body = match answer {
-            Ok(PrefillAnswer::Params(params)) => vllm::decode_body(fields, params),
+        drop((prefilling, prefill_in_flight));
+        let (d_body, d_prefilling) = match answer {
+            Ok(PrefillAnswer::Params(params)) => (vllm::decode_body(fields, params), None),
             Ok(PrefillAnswer::NoParams) => {
                 // P kept no blocks (vLLM does so when the request ended otherwise than
                 // by the length cap): D prefills the prompt itself.
                 tracing::warn!(request = %request_id, prefill, "the prefill answered without kv_transfer_params; the decode engine prefills itself");
-                fields
+                (fields, cluster.prefilling(decode, d_uncached))
             }
             Err(e) => return Some(Err((prefill, StepKind::PrefillLeg, e))),
         };
@@ -88,7 +92,7 @@ pub(super) async fn handoff(
             Some(&delivery),
         );
         tokio::select! {
-            head = d_leg => Some(head.map_err(|e| (decode, StepKind::DecodeLeg, e))),
+            head = d_leg => Some(head.map(|chunks| (chunks, d_prefilling)).map_err(|e| (decode, StepKind::DecodeLeg, e))),
             _ = async {
                 let _ = (&mut gone).await;
                 let _ = delivered.await;
@@ -101,10 +105,14 @@ pub(super) async fn handoff(
         .ok_or_else(|| legs.fail(Cause::Lost, decode, StepKind::DecodeLeg))?;
     drop(alive);
     match outcome {
-        Ok(chunks) => {
+        Ok((chunks, d_prefilling)) => {
             legs.succeeded(prefill);
             legs.succeeded(decode);
-            Ok(Generation::new(chunks, decode, 0, false, in_flight))
+            let generation = Generation::new(chunks, decode, 0, false, in_flight);
+            Ok(match d_prefilling {
+                Some(prefilling) => generation.prefilling(prefilling),
+                None => generation,
+            })
         }
         Err((endpoint, step, e)) => {
             if step == StepKind::DecodeLeg {
