@@ -2,6 +2,7 @@
 
 mod endpoint;
 mod holders;
+mod huge_pages;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -115,17 +116,35 @@ impl KvIndex {
         adapter: Adapter<'_>,
         media: MediumSet,
     ) -> Vec<PrefixMatch> {
-        let mut matched_blocks = vec![0usize; self.slots.len()];
-        let mut block_sizes: Vec<u32> = self
+        self.lookup_among(tokens, adapter, media, |_| true)
+    }
+
+    /// [`Self::lookup`] for the endpoints `among` accepts only: the others are left out of the
+    /// walk (however much of the prompt they hold, they keep it going no further) and of the
+    /// result.
+    pub fn lookup_among(
+        &self,
+        tokens: &[u32],
+        adapter: Adapter<'_>,
+        media: MediumSet,
+        among: impl Fn(EndpointId) -> bool,
+    ) -> Vec<PrefixMatch> {
+        let endpoints: Vec<(EndpointId, &EndpointBlocks)> = self
             .endpoints
-            .values()
-            .filter_map(|blocks| blocks.block_size)
+            .iter()
+            .filter(|&(&endpoint, _)| among(endpoint))
+            .map(|(&endpoint, blocks)| (endpoint, blocks))
+            .collect();
+        let mut matched_blocks = vec![0usize; self.slots.len()];
+        let mut block_sizes: Vec<u32> = endpoints
+            .iter()
+            .filter_map(|(_, blocks)| blocks.block_size)
             .collect();
         block_sizes.sort_unstable();
         block_sizes.dedup();
         for block_size in block_sizes {
             let mut walking = vec![0u64; self.slots.len().div_ceil(64)];
-            for blocks in self.endpoints.values() {
+            for (_, blocks) in &endpoints {
                 if blocks.block_size == Some(block_size) && blocks.len() > 0 {
                     walking[blocks.slot / 64] |= 1 << (blocks.slot % 64);
                 }
@@ -139,10 +158,9 @@ impl KvIndex {
                 &mut matched_blocks,
             );
         }
-        let mut matches: Vec<PrefixMatch> = self
-            .endpoints
+        let mut matches: Vec<PrefixMatch> = endpoints
             .iter()
-            .map(|(&endpoint, blocks)| PrefixMatch {
+            .map(|&(endpoint, blocks)| PrefixMatch {
                 endpoint,
                 tokens: matched_blocks[blocks.slot]
                     * blocks.block_size.map_or(0, |size| size as usize),

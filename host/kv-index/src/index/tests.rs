@@ -419,3 +419,36 @@ fn a_long_prompts_depths_carry_across_the_walks_stretches() {
     prompt[4 * 300] = 1_000_000;
     assert_eq!(walked(&prompt), depths.map(|depth| depth.min(300) as usize));
 }
+
+/// A lookup among some endpoints gives theirs as a lookup of all does, and leaves the others
+/// out, whether they hold more of the prompt or are alone with their block size.
+#[test]
+fn a_lookup_among_some_endpoints_leaves_the_others_out() {
+    let mut index = KvIndex::default();
+    let prompt = range(0, 64);
+    let hashes: Vec<u64> = (1..=16).collect();
+    store(&mut index, 0, stored(&hashes, None, &prompt, 4));
+    store(&mut index, 1, stored(&hashes[..2], None, &prompt[..8], 4));
+    store(&mut index, 2, stored(&hashes[..1], None, &prompt[..8], 8));
+    let among = |keep: &[EndpointId]| {
+        index
+            .lookup_among(&prompt, Adapter::Base, MediumSet::GPU, |e| {
+                keep.contains(&e)
+            })
+            .into_iter()
+            .map(|m| (m.endpoint, m.tokens))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(among(&[0, 1, 2]), [(0, 64), (1, 8), (2, 8)]);
+    assert_eq!(
+        index
+            .lookup(&prompt, Adapter::Base, MediumSet::GPU)
+            .into_iter()
+            .map(|m| (m.endpoint, m.tokens))
+            .collect::<Vec<_>>(),
+        among(&[0, 1, 2])
+    );
+    assert_eq!(among(&[1]), [(1, 8)]);
+    assert_eq!(among(&[0, 2]), [(0, 64), (2, 8)]);
+    assert_eq!(among(&[]), []);
+}
