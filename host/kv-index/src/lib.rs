@@ -33,7 +33,8 @@
 //!     [PrefixMatch { endpoint: 3, tokens: 4 }],
 //! );
 //! ```
-#![forbid(unsafe_code)]
+// One audited exception: `madvise` asking for huge pages (index/huge_pages.rs).
+#![deny(unsafe_code)]
 
 mod index;
 mod key;
