@@ -41,7 +41,7 @@ mod key;
 mod medium;
 mod stats;
 
-pub use index::{DEFAULT_BLOCKS_PER_ENDPOINT, KvIndex, PrefixMatch};
+pub use index::{BatchProgress, DEFAULT_BLOCKS_PER_ENDPOINT, KvIndex, PrefixMatch};
 pub use key::{Adapter, BlockKey, prompt_keys};
 pub use medium::{Medium, MediumSet};
 pub use stats::EndpointStats;
