@@ -58,6 +58,8 @@ impl Table {
 
     /// `key`'s value. Reads the home line without a branch on what it holds, so the searches
     /// of consecutive calls go to memory together instead of waiting on each other's misses.
+    // Into the walk, which calls it once a block: the call showed (2 of a lookup's 34 µs).
+    #[inline]
     pub(super) fn get(&self, key: u64) -> Option<u64> {
         if key == EMPTY {
             return self.zero;
