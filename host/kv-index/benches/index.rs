@@ -1,8 +1,10 @@
 //! The index at the size it must serve: 64 endpoints holding 100k blocks of 16 tokens each,
 //! prefixes shared the way a multi-turn conversation trace shares them, and a 32k-token prompt
 //! looked up on the request path. Criterion times lookups and event application; the summary
-//! printed first gives what criterion does not: lookup percentiles, alone and beside a writer
-//! holding the lock for each batch, and the index's bytes per block.
+//! printed first gives what criterion does not: lookup percentiles (alone, with the prompt's
+//! lines cached, and beside a writer holding the lock for each batch), the index's bytes per
+//! block and the huge pages backing it, and how long a prefill's batch holds the write lock,
+//! whole and in steps.
 //!
 //! The fleet (deterministic; every engine names blocks with its own hashes):
 //! - 8 system prompts of 2,048 tokens (128 blocks), cached by every endpoint;
@@ -22,8 +24,8 @@ use std::time::{Duration, Instant};
 
 use criterion::{BatchSize, Criterion, criterion_group, criterion_main};
 use parking_lot::RwLock;
-use switchyard_kv_index::{Adapter, KvIndex, MediumSet};
-use switchyard_wire::kv_events::{BlockHash, BlockRemoved, BlockStored, Event};
+use switchyard_kv_index::{Adapter, BatchProgress, KvIndex, MediumSet};
+use switchyard_wire::kv_events::{BlockHash, BlockRemoved, BlockStored, Event, EventBatch};
 
 const BLOCK: usize = 16;
 const ENDPOINTS: u32 = 64;
@@ -221,6 +223,14 @@ fn rss_bytes() -> Option<usize> {
     Some(pages * 4096)
 }
 
+/// Memory backed by transparent huge pages, in bytes, from /proc (Linux).
+fn huge_page_bytes() -> Option<usize> {
+    let rollup = std::fs::read_to_string("/proc/self/smaps_rollup").ok()?;
+    let line = rollup.lines().find(|l| l.starts_with("AnonHugePages:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
+}
+
 /// `count` decode steps' events, round robin over the endpoints: each a new block, never
 /// stored before (`round` tells rounds apart), so at the cap each one evicts the oldest.
 fn decode_step_events(round: u64, count: usize) -> Vec<(u32, Event)> {
@@ -260,8 +270,20 @@ fn summary(fleet: Fleet) -> Fleet {
     );
 
     let walked = PROMPT_TOKENS / BLOCK - 128;
+    if std::env::var_os("LOOKUP_LOOP").is_some() {
+        eprintln!("LOOPING");
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(20) {
+            time_lookups(&index, &hits, 1);
+        }
+        std::process::exit(0);
+    }
     time_lookups(&index, &hits, 30).report("lookup, 32k-token next turn", walked);
     time_lookups(&index, &misses, 30).report("lookup, 32k-token first turn", SYSTEM_BLOCKS + 1);
+    // The same prompt again and again: its lines stay in the caches, leaving the hashing and
+    // the walk (what the lookups above spend beyond this is waiting on memory).
+    time_lookups(&index, &hits[..1], 1_000)
+        .report("lookup, 32k-token next turn, lines cached", walked);
 
     // The runtime layout: subscriber tasks take the write lock per batch while requests look up.
     let index = Arc::new(index);
@@ -325,6 +347,50 @@ fn summary(fleet: Fleet) -> Fleet {
     Fleet { index, ..fleet }
 }
 
+/// How long a subscriber holds the write lock for a batch holding one 512-block prefill (an
+/// engine step's worth) at the cap: all of it at once, or in steps of `blocks` blocks with the
+/// lock released between them. A lookup arriving meanwhile waits up to one such section.
+fn write_sections(index: &mut KvIndex, blocks: usize) {
+    const PREFILL_BLOCKS: usize = 512;
+    let mut sections = Vec::new();
+    for round in 0..32u64 {
+        let endpoint = (round % u64::from(ENDPOINTS)) as u32;
+        let stream = mix(0x5ec7 ^ u64::from(blocks as u32) << 32 ^ round);
+        let hashes = (0..PREFILL_BLOCKS as u64)
+            .map(|i| BlockHash::Int(mix(stream ^ i)))
+            .collect();
+        let stored = BlockStored::new(
+            hashes,
+            None,
+            tokens(stream, PREFILL_BLOCKS * BLOCK),
+            BLOCK as u32,
+        );
+        let batch = EventBatch {
+            ts: 0.0,
+            events: vec![Event::BlockStored(stored)],
+            data_parallel_rank: None,
+        };
+        let mut progress = BatchProgress::default();
+        loop {
+            let started = thread_cpu_time();
+            let done = index.apply_batch_step(endpoint, &batch, &mut progress, blocks);
+            sections.push(thread_cpu_time() - started);
+            if done {
+                break;
+            }
+        }
+    }
+    let (p50, p99) = percentiles(sections.clone());
+    let longest = sections.iter().max().copied().unwrap_or_default();
+    let steps = match blocks {
+        usize::MAX => "whole".to_owned(),
+        blocks => format!("in steps of {blocks} blocks"),
+    };
+    println!(
+        "write sections, 512-block prefill events at the cap, {steps}: p50 {p50:?} p99 {p99:?} longest {longest:?} (thread CPU)"
+    );
+}
+
 fn total_evicted(index: &KvIndex) -> u64 {
     (0..ENDPOINTS)
         .filter_map(|endpoint| index.stats(endpoint))
@@ -358,6 +424,11 @@ fn benches(c: &mut Criterion) {
             _ => String::new(),
         }
     );
+    // The holders' table asks for them (with `transparent_hugepage` in mode madvise or
+    // always): without, nearly every probe of a lookup also misses the TLB.
+    if let Some(huge) = huge_page_bytes() {
+        println!("huge pages: {} MiB of the process", huge >> 20);
+    }
     let fleet = summary(fleet);
 
     let hit = fleet.next_turn(7);
@@ -382,10 +453,13 @@ fn benches(c: &mut Criterion) {
     });
     group.finish();
 
+    let mut index = fleet.index;
+    write_sections(&mut index, usize::MAX);
+    write_sections(&mut index, 64);
+
     // Steady state: every endpoint at its cap, so each store also evicts the oldest block.
     // Every iteration stores blocks no endpoint holds (storing a held block again is a no-op).
     const DECODE_STEPS: usize = 64 * 1024;
-    let mut index = fleet.index;
     let evicted_before = total_evicted(&index);
     let mut round = 0;
     let (mut stores, mut cpu) = (0, Duration::ZERO);

@@ -2,6 +2,7 @@
 
 mod endpoint;
 mod holders;
+mod huge_pages;
 mod table;
 #[cfg(test)]
 mod tests;
@@ -41,6 +42,17 @@ pub struct KvIndex {
     blocks_per_endpoint: usize,
 }
 
+/// How far [`KvIndex::apply_batch_step`] got into a batch.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BatchProgress {
+    /// The next event.
+    event: usize,
+    /// Its blocks already applied.
+    block: usize,
+    /// In a stored event cut short, the key of its last block stored: the next one's parent.
+    parent: Option<BlockKey>,
+}
+
 /// How much of a prompt one endpoint holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -73,8 +85,47 @@ impl KvIndex {
         }
     }
 
+    /// Applies `batch` from `progress` on, stopping once about `blocks` blocks have been
+    /// stored or removed (at least one); whether the batch is done. A caller that locks the
+    /// index releases the lock between steps, so that a long batch (a step's prefills) does not
+    /// hold lookups back. Between steps the index is as if the engine had published the
+    /// batch's events up to there, a long event as several short ones. A clear is one step
+    /// whatever the endpoint holds.
+    pub fn apply_batch_step(
+        &mut self,
+        endpoint: EndpointId,
+        batch: &EventBatch,
+        progress: &mut BatchProgress,
+        blocks: usize,
+    ) -> bool {
+        let mut budget = blocks.max(1);
+        while let Some(event) = batch.events.get(progress.event) {
+            if budget == 0 {
+                return false;
+            }
+            let left = event_blocks(event).saturating_sub(progress.block).max(1);
+            if !self.apply_from(endpoint, event, progress, budget) {
+                return false;
+            }
+            budget = budget.saturating_sub(left);
+        }
+        true
+    }
+
     /// Applies one of `endpoint`'s events.
     pub fn apply(&mut self, endpoint: EndpointId, event: &Event) {
+        self.apply_from(endpoint, event, &mut BatchProgress::default(), usize::MAX);
+    }
+
+    /// Applies `event` from `progress` on, at most `budget` of its blocks; whether it is done
+    /// (`progress` then points at the next event).
+    fn apply_from(
+        &mut self,
+        endpoint: EndpointId,
+        event: &Event,
+        progress: &mut BatchProgress,
+        budget: usize,
+    ) -> bool {
         let cap = self.blocks_per_endpoint;
         let blocks = match self.endpoints.entry(endpoint) {
             Entry::Occupied(known) => known.into_mut(),
@@ -83,10 +134,32 @@ impl KvIndex {
             }
         };
         let holders = &mut self.holders;
-        match event {
-            Event::BlockStored(stored) => store(blocks, holders, stored, cap),
-            Event::BlockRemoved(removed) => remove(blocks, holders, removed),
-            Event::AllBlocksCleared => blocks.clear(holders),
+        let stopped = match event {
+            Event::BlockStored(stored) => {
+                let resume = progress.parent.map(|parent| (progress.block, parent));
+                store(blocks, holders, stored, cap, resume, budget)
+                    .map(|(block, parent)| (block, Some(parent)))
+            }
+            Event::BlockRemoved(removed) => {
+                remove(blocks, holders, removed, progress.block, budget).map(|block| (block, None))
+            }
+            Event::AllBlocksCleared => {
+                blocks.clear(holders);
+                None
+            }
+        };
+        match stopped {
+            Some((block, parent)) => {
+                (progress.block, progress.parent) = (block, parent);
+                false
+            }
+            None => {
+                *progress = BatchProgress {
+                    event: progress.event + 1,
+                    ..BatchProgress::default()
+                };
+                true
+            }
         }
     }
 
@@ -115,17 +188,35 @@ impl KvIndex {
         adapter: Adapter<'_>,
         media: MediumSet,
     ) -> Vec<PrefixMatch> {
-        let mut matched_blocks = vec![0usize; self.slots.len()];
-        let mut block_sizes: Vec<u32> = self
+        self.lookup_among(tokens, adapter, media, |_| true)
+    }
+
+    /// [`Self::lookup`] for the endpoints `among` accepts only: the others are left out of the
+    /// walk (however much of the prompt they hold, they keep it going no further) and of the
+    /// result.
+    pub fn lookup_among(
+        &self,
+        tokens: &[u32],
+        adapter: Adapter<'_>,
+        media: MediumSet,
+        among: impl Fn(EndpointId) -> bool,
+    ) -> Vec<PrefixMatch> {
+        let endpoints: Vec<(EndpointId, &EndpointBlocks)> = self
             .endpoints
-            .values()
-            .filter_map(|blocks| blocks.block_size)
+            .iter()
+            .filter(|&(&endpoint, _)| among(endpoint))
+            .map(|(&endpoint, blocks)| (endpoint, blocks))
+            .collect();
+        let mut matched_blocks = vec![0usize; self.slots.len()];
+        let mut block_sizes: Vec<u32> = endpoints
+            .iter()
+            .filter_map(|(_, blocks)| blocks.block_size)
             .collect();
         block_sizes.sort_unstable();
         block_sizes.dedup();
         for block_size in block_sizes {
             let mut walking = vec![0u64; self.slots.len().div_ceil(64)];
-            for blocks in self.endpoints.values() {
+            for (_, blocks) in &endpoints {
                 if blocks.block_size == Some(block_size) && blocks.len() > 0 {
                     walking[blocks.slot / 64] |= 1 << (blocks.slot % 64);
                 }
@@ -139,10 +230,9 @@ impl KvIndex {
                 &mut matched_blocks,
             );
         }
-        let mut matches: Vec<PrefixMatch> = self
-            .endpoints
+        let mut matches: Vec<PrefixMatch> = endpoints
             .iter()
-            .map(|(&endpoint, blocks)| PrefixMatch {
+            .map(|&(endpoint, blocks)| PrefixMatch {
                 endpoint,
                 tokens: matched_blocks[blocks.slot]
                     * blocks.block_size.map_or(0, |size| size as usize),
@@ -256,12 +346,56 @@ fn for_each_slot(mut bits: u64, word: usize, mut f: impl FnMut(usize)) {
     }
 }
 
-fn store(blocks: &mut EndpointBlocks, holders: &mut Holders, event: &BlockStored, cap: usize) {
+/// Stores `event`'s blocks, at most `budget` of them, from the start or, resuming, from block
+/// `from` after `parent` (the key of the block before); where it stopped (the next block and
+/// the key before it), or `None` when the event is done.
+fn store(
+    blocks: &mut EndpointBlocks,
+    holders: &mut Holders,
+    event: &BlockStored,
+    cap: usize,
+    resume: Option<(usize, BlockKey)>,
+    budget: usize,
+) -> Option<(usize, BlockKey)> {
+    let count = event.block_hashes.len() as u64;
+    let adapter = adapter_of(event);
+    let (from, parent) = match resume {
+        Some(resume) => resume,
+        None => (0, placed_parent(blocks, holders, event, adapter)?),
+    };
+    let medium = Medium::of(event.medium.as_deref());
+    let mut chain = KeyChain::from(parent);
+    let mut last = parent;
+    let tokens = event.token_ids.chunks_exact(event.block_size as usize);
+    for (i, (hash, tokens)) in event.block_hashes.iter().zip(tokens).enumerate().skip(from) {
+        if i - from == budget {
+            return Some((i, last));
+        }
+        // This block and every later one in the event chain from keys a prompt cannot
+        // reproduce; later events naming them as parents find them unplaced.
+        if has_foreign_extra_keys(event, i, adapter) {
+            blocks.stats.skipped += count - i as u64;
+            return None;
+        }
+        last = chain.next(tokens);
+        blocks.store(holders, hash_bits(hash), last, medium, cap);
+    }
+    None
+}
+
+/// The key `event`'s first block chains from, once its group and block size are checked;
+/// `None` (counted) when the event's blocks take no part or cannot be placed.
+fn placed_parent(
+    blocks: &mut EndpointBlocks,
+    holders: &mut Holders,
+    event: &BlockStored,
+    adapter: Adapter<'_>,
+) -> Option<BlockKey> {
     let count = event.block_hashes.len() as u64;
     // Hybrid models publish each KV group; prefix matching is about full attention, group 0.
     if event.group_idx.unwrap_or(0) != 0 {
         blocks.stats.skipped += count;
-        return;
+        return None;
     }
     match blocks.block_size {
         None => blocks.block_size = Some(event.block_size),
@@ -269,7 +403,7 @@ fn store(blocks: &mut EndpointBlocks, holders: &mut Holders, event: &BlockStored
         // SGLang publishes a page that is not full with its short length: it never matches.
         Some(size) if event.block_size < size => {
             blocks.stats.skipped += count;
-            return;
+            return None;
         }
         // The first events were such short pages: the engine's blocks are these. What was
         // indexed under the shorter size can never match a lookup chunked by this one.
@@ -278,39 +412,46 @@ fn store(blocks: &mut EndpointBlocks, holders: &mut Holders, event: &BlockStored
             blocks.block_size = Some(event.block_size);
         }
     }
-    let adapter = adapter_of(event);
-    let parent = match &event.parent_block_hash {
-        None => BlockKey::root(adapter),
-        Some(hash) => match blocks.key_of(hash_bits(hash)) {
-            Some(key) => key,
-            None => {
+    match &event.parent_block_hash {
+        None => Some(BlockKey::root(adapter)),
+        Some(hash) => {
+            let key = blocks.key_of(hash_bits(hash));
+            if key.is_none() {
                 blocks.stats.unplaced += count;
-                return;
             }
-        },
-    };
-    let medium = Medium::of(event.medium.as_deref());
-    let mut chain = KeyChain::from(parent);
-    let tokens = event.token_ids.chunks_exact(event.block_size as usize);
-    for (i, (hash, tokens)) in event.block_hashes.iter().zip(tokens).enumerate() {
-        // This block and every later one in the event chain from keys a prompt cannot
-        // reproduce; later events naming them as parents find them unplaced.
-        if has_foreign_extra_keys(event, i, adapter) {
-            blocks.stats.skipped += count - i as u64;
-            return;
+            key
         }
-        let key = chain.next(tokens);
-        blocks.store(holders, hash_bits(hash), key, medium, cap);
     }
 }
 
-fn remove(blocks: &mut EndpointBlocks, holders: &mut Holders, event: &BlockRemoved) {
+/// Removes `event`'s blocks from block `from` on, at most `budget` of them; where it stopped,
+/// or `None` when the event is done.
+fn remove(
+    blocks: &mut EndpointBlocks,
+    holders: &mut Holders,
+    event: &BlockRemoved,
+    from: usize,
+    budget: usize,
+) -> Option<usize> {
     if event.group_idx.unwrap_or(0) != 0 {
-        return;
+        return None;
     }
     let medium = Medium::of(event.medium.as_deref());
-    for hash in &event.block_hashes {
+    for (i, hash) in event.block_hashes.iter().enumerate().skip(from) {
+        if i - from == budget {
+            return Some(i);
+        }
         blocks.remove(holders, hash_bits(hash), medium);
+    }
+    None
+}
+
+/// The blocks an event stores or removes.
+fn event_blocks(event: &Event) -> usize {
+    match event {
+        Event::BlockStored(stored) => stored.block_hashes.len(),
+        Event::BlockRemoved(removed) => removed.block_hashes.len(),
+        Event::AllBlocksCleared => 0,
     }
 }
 

@@ -67,6 +67,8 @@ impl KeyChain {
     }
 
     /// The key of the block of `tokens` after the last one, which it becomes.
+    // Into the walk and the stores, which call it once a block.
+    #[inline]
     pub(crate) fn next(&mut self, tokens: &[u32]) -> BlockKey {
         let bits = match <&[u32; 16]>::try_from(tokens) {
             // vLLM's default block size, and a lookup's whole cost: no copy, no call.

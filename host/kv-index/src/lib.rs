@@ -33,14 +33,15 @@
 //!     [PrefixMatch { endpoint: 3, tokens: 4 }],
 //! );
 //! ```
-#![forbid(unsafe_code)]
+// One audited exception: `madvise` asking for huge pages (index/huge_pages.rs).
+#![deny(unsafe_code)]
 
 mod index;
 mod key;
 mod medium;
 mod stats;
 
-pub use index::{DEFAULT_BLOCKS_PER_ENDPOINT, KvIndex, PrefixMatch};
+pub use index::{BatchProgress, DEFAULT_BLOCKS_PER_ENDPOINT, KvIndex, PrefixMatch};
 pub use key::{Adapter, BlockKey, prompt_keys};
 pub use medium::{Medium, MediumSet};
 pub use stats::EndpointStats;

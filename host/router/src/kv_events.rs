@@ -49,8 +49,8 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 pub use replay::ReplayError;
 pub use status::{Counters, ResyncReason, SubscriberHandle};
 
-/// The router's one index, written by every subscriber (a write lock per batch) and read by
-/// every request (a read lock per lookup).
+/// The router's one index, written by every subscriber (a write lock per step of at most 64
+/// blocks of a batch) and read by every request (a read lock per lookup).
 pub type SharedIndex = Arc<RwLock<KvIndex>>;
 
 /// An empty shared index keeping at most `blocks_per_endpoint` blocks per endpoint.

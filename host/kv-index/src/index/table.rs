@@ -58,6 +58,8 @@ impl Table {
 
     /// `key`'s value. Reads the home line without a branch on what it holds, so the searches
     /// of consecutive calls go to memory together instead of waiting on each other's misses.
+    // Into the walk, which calls it once a block: the call showed (2 of a lookup's 34 µs).
+    #[inline]
     pub(super) fn get(&self, key: u64) -> Option<u64> {
         if key == EMPTY {
             return self.zero;
@@ -250,7 +252,7 @@ impl Table {
     /// search and no shift.
     fn grow(&mut self) {
         let lines = (self.lines.len() * 2).max(1);
-        let old = std::mem::replace(&mut self.lines, vec![EMPTY_LINE; lines]);
+        let old = std::mem::replace(&mut self.lines, empty_lines(lines));
         let (old_lines, old_entries) = (old.len(), old.len() * LANES);
         let old_key = |entry: usize| old[entry / LANES].keys[entry % LANES];
         // Start after an empty entry: no run goes on past one, so none is cut in two. Homes
@@ -292,6 +294,16 @@ impl Table {
         line.keys[entry % LANES] = key;
         line.values[entry % LANES] = value;
     }
+}
+
+/// `count` empty lines, on huge pages where the system gives them: the lines are probed at
+/// random, and the holders' table is far larger than what 4 KiB pages' translations cover.
+fn empty_lines(count: usize) -> Vec<Line> {
+    let mut lines = Vec::with_capacity(count);
+    // Before the lines are first written: a page is backed when first touched.
+    super::huge_pages::advise(lines.spare_capacity_mut());
+    lines.resize(count, EMPTY_LINE);
+    lines
 }
 
 /// A key's bits spread by a multiplication (engine hashes may be small integers): its home

@@ -1,4 +1,6 @@
-use switchyard_wire::kv_events::{BlockHash, BlockRemoved, BlockStored, Event, decode_batch};
+use switchyard_wire::kv_events::{
+    BlockHash, BlockRemoved, BlockStored, Event, EventBatch, decode_batch,
+};
 
 use super::*;
 use crate::key::prompt_keys;
@@ -418,4 +420,94 @@ fn a_long_prompts_depths_carry_across_the_walks_stretches() {
     // Past block 300 no endpoint matches: the walk ends inside its fourth stretch.
     prompt[4 * 300] = 1_000_000;
     assert_eq!(walked(&prompt), depths.map(|depth| depth.min(300) as usize));
+}
+
+/// A lookup among some endpoints gives theirs as a lookup of all does, and leaves the others
+/// out, whether they hold more of the prompt or are alone with their block size.
+#[test]
+fn a_lookup_among_some_endpoints_leaves_the_others_out() {
+    let mut index = KvIndex::default();
+    let prompt = range(0, 64);
+    let hashes: Vec<u64> = (1..=16).collect();
+    store(&mut index, 0, stored(&hashes, None, &prompt, 4));
+    store(&mut index, 1, stored(&hashes[..2], None, &prompt[..8], 4));
+    store(&mut index, 2, stored(&hashes[..1], None, &prompt[..8], 8));
+    let among = |keep: &[EndpointId]| {
+        index
+            .lookup_among(&prompt, Adapter::Base, MediumSet::GPU, |e| {
+                keep.contains(&e)
+            })
+            .into_iter()
+            .map(|m| (m.endpoint, m.tokens))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(among(&[0, 1, 2]), [(0, 64), (1, 8), (2, 8)]);
+    assert_eq!(
+        index
+            .lookup(&prompt, Adapter::Base, MediumSet::GPU)
+            .into_iter()
+            .map(|m| (m.endpoint, m.tokens))
+            .collect::<Vec<_>>(),
+        among(&[0, 1, 2])
+    );
+    assert_eq!(among(&[1]), [(1, 8)]);
+    assert_eq!(among(&[0, 2]), [(0, 64), (2, 8)]);
+    assert_eq!(among(&[]), []);
+}
+
+/// A batch applied in steps of any size leaves the index as the batch applied whole: long
+/// stored events cut anywhere chain on from where they stopped, removals go on where they
+/// stopped, and what is skipped, unplaced or cleared counts the same.
+#[test]
+fn a_batch_applied_in_steps_leaves_what_it_leaves_applied_whole() {
+    let prompt = range(0, 64);
+    let mut extra_keyed = stored(&[30, 31, 32], Some(4), &range(100, 112), 4);
+    extra_keyed.extra_keys = Some(vec![None, Some(vec![Value::from("salt")]), None]);
+    let events = vec![
+        Event::BlockStored(stored(
+            &(1..=10).collect::<Vec<_>>(),
+            None,
+            &prompt[..40],
+            4,
+        )),
+        Event::BlockStored(stored(&[11, 12, 13, 14, 15], Some(10), &prompt[40..60], 4)),
+        removed(&[13, 2, 99, 14], None),
+        Event::BlockStored(extra_keyed),
+        Event::BlockStored(stored(&[40, 41], Some(77), &range(200, 208), 4)),
+        Event::BlockStored(stored(&[50, 51, 52], None, &range(300, 312), 4)),
+        Event::AllBlocksCleared,
+        Event::BlockStored(stored(&[1, 2, 3], None, &prompt[..12], 4)),
+        Event::BlockStored(stored(&[60, 61, 62, 63], Some(3), &prompt[12..28], 4)),
+    ];
+    let state = |index: &KvIndex| {
+        let held: Vec<usize> = [&prompt[..], &range(300, 312), &range(100, 112)]
+            .iter()
+            .map(|p| held(index, 0, p, Adapter::Base))
+            .collect();
+        (held, index.stats(0), index.distinct_keys())
+    };
+    // Up to the clear, and all of it: the first leaves the long events' blocks to check.
+    for (events, held) in [(&events[..6], [4, 12, 0]), (&events[..], [28, 0, 0])] {
+        let batch = EventBatch {
+            ts: 0.0,
+            events: events.to_vec(),
+            data_parallel_rank: None,
+        };
+        let mut whole = KvIndex::default();
+        whole.apply_batch(0, &batch);
+        assert_eq!(state(&whole).0, held, "the batch is worth checking");
+        for step in [1, 2, 3, 4, 7, 100] {
+            let mut index = KvIndex::default();
+            let mut progress = BatchProgress::default();
+            let mut steps = 1;
+            while !index.apply_batch_step(0, &batch, &mut progress, step) {
+                steps += 1;
+                assert!(steps <= 40, "steps of {step} blocks end");
+            }
+            assert_eq!(state(&index), state(&whole), "steps of {step} blocks");
+            if step == 1 {
+                assert!(steps >= 20, "one block a step: {steps} steps");
+            }
+        }
+    }
 }

@@ -3,10 +3,11 @@
 //! it: each endpoint's cached prefix of the request's prompt.
 //!
 //! Zero cost without events: while no endpoint has a subscriber, a snapshot does no lookup
-//! and hashes nothing. With events, one lookup per attempt covers every endpoint. An endpoint
-//! whose index is stale (it served a prompt of at least a block and published nothing for
-//! `kv_events_stale_after`) shows `None`, as does one without events: a policy cannot tell a
-//! cold cache from an unknown one, and must not mistake the second for the first.
+//! and hashes nothing. With events, one lookup per attempt covers every trusted endpoint. An
+//! endpoint whose index is stale (it served a prompt of at least a block and published nothing
+//! for `kv_events_stale_after`) shows `None` and is left out of the lookup, as is one without
+//! events: a policy cannot tell a cold cache from an unknown one, and must not mistake the
+//! second for the first.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -81,18 +82,28 @@ impl KvCache {
         prompt: &[u32],
         now: Instant,
     ) {
+        // Untrusted endpoints stay out of the walk: a stale one holding a long prefix would
+        // keep it going for nothing.
+        let trusted: Vec<EndpointId> = snapshot
+            .iter()
+            .zip(handles)
+            .filter(|(_, handle)| handle.as_ref().is_some_and(|h| !h.is_stale(now)))
+            .map(|(endpoint, _)| endpoint.id)
+            .collect();
         let matches = self
             .index
             .read()
-            .lookup(prompt, Adapter::Base, MediumSet::GPU);
-        for (endpoint, handle) in snapshot.iter_mut().zip(handles) {
-            if handle.as_ref().is_none_or(|h| h.is_stale(now)) {
+            .lookup_among(prompt, Adapter::Base, MediumSet::GPU, |id| {
+                trusted.contains(&id)
+            });
+        for endpoint in snapshot.iter_mut() {
+            if !trusted.contains(&endpoint.id) {
                 continue;
             }
+            // Sorted by endpoint; an endpoint without events yet holds nothing.
             let tokens = matches
-                .iter()
-                .find(|m| m.endpoint == endpoint.id)
-                .map_or(0, |m| m.tokens);
+                .binary_search_by_key(&endpoint.id, |m| m.endpoint)
+                .map_or(0, |at| matches[at].tokens);
             endpoint.cached_prefix = Some(u32::try_from(tokens).unwrap_or(u32::MAX));
         }
     }

@@ -11,6 +11,7 @@
 //! | annotation `switchyard.io/device-rank` | MLC device rank (default: the prefix sum) |
 //! | annotation `switchyard.io/kv-events-port` | KV events at `tcp://<podIP>:<port>` (default: none) |
 //! | annotation `switchyard.io/kv-events-replay-port` | their replay socket, `tcp://<podIP>:<port>` |
+//! | annotation `switchyard.io/kv-events-topic` | the topic prefix subscribed to (default: every topic) |
 //!
 //! A pod is an endpoint while its `Ready` condition is true and it has no deletion timestamp.
 
@@ -34,6 +35,9 @@ pub const BOOTSTRAP_PORT_ANNOTATION: &str = "sglang.ai/bootstrap-port";
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "switchyard.io/kv-events-port";
 /// The port of the engine's KV-event replay socket.
 pub const KV_EVENTS_REPLAY_PORT_ANNOTATION: &str = "switchyard.io/kv-events-replay-port";
+/// The topic prefix the engine's KV events are published under (`--kv-events-config`'s
+/// `topic`), for engines sharing a publisher or publishing several topics.
+pub const KV_EVENTS_TOPIC_ANNOTATION: &str = "switchyard.io/kv-events-topic";
 /// The container port an engine serves on, by name.
 pub const PORT_NAME: &str = "http";
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -115,7 +119,7 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         bootstrap_port: bootstrap_port(pod)?,
         kv_events: kv_events(KV_EVENTS_PORT_ANNOTATION)?,
         kv_events_replay: kv_events(KV_EVENTS_REPLAY_PORT_ANNOTATION)?,
-        kv_events_topic: None,
+        kv_events_topic: annotation(pod, KV_EVENTS_TOPIC_ANNOTATION).map(str::to_owned),
     };
     spec.check().map_err(Skip::Unusable)?;
     Ok((uid.into(), spec))
@@ -406,6 +410,29 @@ mod tests {
         );
         let replay_alone = annotated(json!({"switchyard.io/kv-events-replay-port": "5558"}));
         let skip = endpoint(&replay_alone).expect_err("a replay socket needs the event socket");
+        assert!(
+            matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
+            "{skip}"
+        );
+    }
+
+    #[test]
+    fn the_kv_event_topic_comes_from_its_annotation() {
+        let annotated = |annotations: serde_json::Value| {
+            pod(move |p| p["metadata"]["annotations"] = annotations)
+        };
+        assert_eq!(
+            spec_of(&annotated(json!({"switchyard.io/kv-events-port": "5557"}))).kv_events_topic,
+            None,
+            "every topic"
+        );
+        let topic = spec_of(&annotated(json!({
+            "switchyard.io/kv-events-port": "5557",
+            "switchyard.io/kv-events-topic": "kv@decode-0",
+        })));
+        assert_eq!(topic.kv_events_topic.as_deref(), Some("kv@decode-0"));
+        let topic_alone = annotated(json!({"switchyard.io/kv-events-topic": "kv"}));
+        let skip = endpoint(&topic_alone).expect_err("a topic needs the event socket");
         assert!(
             matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
             "{skip}"
