@@ -55,7 +55,10 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-pub use admission::{Admission, AdmissionConfig, Refusal};
+pub use admission::{
+    Admission, AdmissionConfig, BadDeadline, Claim, DEFAULT_PRIORITY_HEADER, Fairness, FlowControl,
+    Refusal,
+};
 pub use connection::ConnectionLimits;
 pub use drain::{Drain, DrainConfig};
 pub use metrics::{AdmissionMetrics, Metrics};
@@ -445,9 +448,13 @@ async fn generate(
         Ok(bytes) => bytes,
         Err(e) => return reject(&state, shape, &e),
     };
+    let claim = match claim(&state, headers, &bytes, arrived) {
+        Ok(claim) => claim,
+        Err(e) => return reject(&state, shape, &e),
+    };
     // Admitted once the body is in and before any work on it: a slow client holds a
     // connection, never a place; the place is held until the response ends.
-    let permit = match state.admission.admit().await {
+    let permit = match state.admission.admit(claim).await {
         Ok(permit) => permit,
         Err(refusal) => {
             let retry_after = state.admission.retry_after();
@@ -462,6 +469,29 @@ async fn generate(
         admitted(state, shape, headers, bytes, arrived).await,
         permit,
     )
+}
+
+/// What admission reads of the request; its queue metrics are labelled with its model when
+/// the router serves it, else with the served model's name (so clients cannot mint series).
+fn claim(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+    arrived: Instant,
+) -> Result<Claim, ApiError> {
+    let flow = &state.admission.config().flow;
+    let mut claim = Claim::read(
+        flow,
+        headers,
+        body,
+        state.default_max_tokens,
+        arrived.elapsed(),
+    )
+    .map_err(|e| ApiError::invalid("x-request-deadline-ms", e.to_string()))?;
+    if !state.serves(&claim.model) {
+        claim.model.clone_from(&state.model);
+    }
+    Ok(claim)
 }
 
 /// An admitted request: parse, plan, run, answer.

@@ -227,7 +227,7 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
         .with_forward_headers(config.policies.forward_headers.clone())
         .with_limits(config.limits)
         .with_models(config.policies.models.keys().cloned().collect())
-        .with_edge(config.admission, config.connections),
+        .with_edge(config.admission.clone(), config.connections),
     );
 
     let (listener, addr) = bind(config.listen).await?;
