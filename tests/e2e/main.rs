@@ -5,6 +5,7 @@ mod edge;
 mod engine;
 mod examples;
 mod faults;
+mod flow_control;
 mod hardening;
 mod http;
 mod interop;
