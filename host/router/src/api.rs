@@ -73,7 +73,7 @@ use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
 use switchyard_wire::client::ClientBody;
 
 use crate::Event;
-use crate::{RouteRequest, Router, Routing};
+use crate::{Flow, RouteRequest, Router, Routing};
 
 /// Every response body the router writes.
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -452,6 +452,11 @@ async fn generate(
         Ok(claim) => claim,
         Err(e) => return reject(&state, shape, &e),
     };
+    let flow = Flow {
+        priority: claim.priority,
+        tenant: (!claim.tenant.is_empty()).then(|| Arc::clone(&claim.tenant)),
+        deadline: claim.deadline.map(|left| Instant::now() + left),
+    };
     // Admitted once the body is in and before any work on it: a slow client holds a
     // connection, never a place; the place is held until the response ends.
     let permit = match state.admission.admit(claim).await {
@@ -466,7 +471,7 @@ async fn generate(
         }
     };
     guarded::hold(
-        admitted(state, shape, headers, bytes, arrived).await,
+        admitted(state, shape, headers, bytes, arrived, flow).await,
         permit,
     )
 }
@@ -501,6 +506,7 @@ async fn admitted(
     headers: &HeaderMap,
     body: Bytes,
     arrived: Instant,
+    flow: Flow,
 ) -> Response<Body> {
     let raw = body.clone();
     let parsed = match parse(&state, shape, body).await {
@@ -558,6 +564,7 @@ async fn admitted(
         template: parsed.template,
         client: Some(Arc::new(ClientBody::new(shape.wire_route(), raw))),
         arrived,
+        flow,
     };
     let mut routing = state.router.start_with(route, Arc::new(selection));
     // Nothing is committed until the first event: a request that fails before any text gets

@@ -124,6 +124,7 @@ impl Simulation<'_> {
             model: MODEL,
             user: None,
             headers: &[],
+            flow: Default::default(),
         };
         let context = PolicyContext {
             attempt,
