@@ -230,6 +230,30 @@ pub fn request(prompt_len: u32) -> Request {
         model: "test-model".into(),
         user: None,
         headers: Vec::new(),
+        priority: 0,
+        tenant: None,
+        deadline_ms: None,
+    }
+}
+
+/// A test request's flow control, as the router's admission read it (contract 0.2.0).
+impl Request {
+    /// At `priority`: higher is more important, negative is sheddable.
+    pub fn with_priority(mut self, priority: i32) -> Request {
+        self.priority = priority;
+        self
+    }
+
+    /// Counted against `tenant`'s share.
+    pub fn with_tenant(mut self, tenant: &str) -> Request {
+        self.tenant = Some(tenant.to_owned());
+        self
+    }
+
+    /// Due to start within `ms` milliseconds of the call.
+    pub fn with_deadline_ms(mut self, ms: u32) -> Request {
+        self.deadline_ms = Some(ms);
+        self
     }
 }
 
@@ -427,6 +451,22 @@ fn resolve(position: i32, prompt_len: u32) -> Result<u32, String> {
 mod tests {
     use super::*;
     use crate::select::{balance_end, candidates, least_loaded};
+
+    #[test]
+    fn request_builders_set_its_flow_control() {
+        let plain = request(4);
+        assert_eq!(
+            (plain.priority, &plain.tenant, plain.deadline_ms),
+            (0, &None, None)
+        );
+        let req = request(4)
+            .with_priority(-2)
+            .with_tenant("acme")
+            .with_deadline_ms(250);
+        assert_eq!(req.priority, -2);
+        assert_eq!(req.tenant.as_deref(), Some("acme"));
+        assert_eq!(req.deadline_ms, Some(250));
+    }
 
     #[test]
     fn builders_set_what_they_say() {

@@ -6,6 +6,7 @@ mod engine;
 mod epp;
 mod examples;
 mod faults;
+mod flow_control;
 mod hardening;
 mod http;
 mod interop;

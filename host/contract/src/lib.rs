@@ -35,6 +35,7 @@ pub use endpoint::{EndpointSnapshot, Health, Protocol, Role, address_hash};
 pub use plan::{EndpointId, Plan, SendBegin, Step};
 pub use planner::{Planner, PlanningError};
 pub use policy::{
-    Failure, FailureKind, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, TranslateError,
+    Failure, FailureKind, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, RequestFlow,
+    TranslateError,
 };
 pub use validate::{PlanError, RemoteSend, ValidPlan, validate};

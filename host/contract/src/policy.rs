@@ -18,6 +18,19 @@ pub struct PolicyRequest<'a> {
     pub user: Option<&'a str>,
     /// The request's `x-*` headers, names lower-case.
     pub headers: &'a [(String, String)],
+    /// Flow control's view of it (0.2.0 policies see it).
+    pub flow: RequestFlow<'a>,
+}
+
+/// A request's priority, tenant and deadline, as the router's flow control read them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RequestFlow<'a> {
+    /// Higher is more important; negative is sheddable.
+    pub priority: i32,
+    /// `None`: the shared tenant.
+    pub tenant: Option<&'a str>,
+    /// Milliseconds left before its deadline when the policy is called.
+    pub deadline_ms: Option<u32>,
 }
 
 /// What the router knows when it plans one attempt.

@@ -130,6 +130,7 @@ fn translate_latency(policy: &Policy) -> Percentiles {
             model: "bench",
             user: (i % 4 == 0).then_some("priority-bench"),
             headers: &[],
+            flow: Default::default(),
         };
         let started = Instant::now();
         let plan = policy.translate(&request, &ctx);

@@ -60,6 +60,7 @@ fn translate(c: &mut Criterion) {
                 model: "model",
                 user: None,
                 headers: &headers,
+                flow: Default::default(),
             };
             black_box(policy.translate(&request, &context).expect("a plan"))
         })

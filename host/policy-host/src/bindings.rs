@@ -183,9 +183,14 @@ impl Guest {
 /// and which converts an endpoint itself (`fn endpoint(&EndpointSnapshot) ->
 /// Option<wit::Endpoint>`: 0.2.0's says why an endpoint is down and leaves removed ones out).
 /// A version whose types diverge further writes those parts itself. `steps_beyond_v0_1_0` holds the match arms converting a version's newer
-/// `step` cases.
+/// `step` cases; `request_beyond_v0_1_0` each newer `request` field, read from the host's request
+/// by a function.
 macro_rules! shared_with_v0_1_0 {
-    (stateless: $stateless:expr, steps_beyond_v0_1_0: { $($beyond:tt)* }) => {
+    (
+        stateless: $stateless:expr,
+        steps_beyond_v0_1_0: { $($beyond:tt)* },
+        request_beyond_v0_1_0: { $($field:ident: $read:expr),* $(,)? }
+    ) => {
         use switchyard_contract::{
             FailureKind, Outcome, OutcomeStatus, Plan, PolicyContext, PolicyRequest, Role,
             SendBegin, Step,
@@ -276,6 +281,7 @@ macro_rules! shared_with_v0_1_0 {
                         value: value.clone(),
                     })
                     .collect(),
+                $($field: ($read)(req),)*
             }
         }
 

@@ -159,6 +159,7 @@ fn run_case(
         model: "check",
         user: None,
         headers: &[],
+        flow: Default::default(),
     };
     match policy.translate(&request, &case.context) {
         Ok(plan) => validate(&plan, case.prompt_len, &case.context.endpoints)

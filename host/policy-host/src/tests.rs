@@ -104,6 +104,7 @@ pub(super) fn request<'a>(prompt: &'a [u32], headers: &'a [(String, String)]) ->
         model: "test",
         user: Some("u"),
         headers,
+        flow: Default::default(),
     }
 }
 

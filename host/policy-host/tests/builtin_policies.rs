@@ -89,6 +89,7 @@ fn translate(
         model: "m",
         user: None,
         headers: &[],
+        flow: Default::default(),
     };
     let plan = policy.translate(&request, ctx)?;
     if let Err(e) = validate(&plan, prompt_len, &ctx.endpoints) {

@@ -96,6 +96,7 @@ fn translate(
         model: "m",
         user: req.user,
         headers: req.headers,
+        flow: Default::default(),
     };
     let plan = policy.translate(&request, &ctx)?;
     let prompt_len = u32::try_from(req.prompt.len()).expect("test prompt fits u32");

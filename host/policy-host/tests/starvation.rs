@@ -153,6 +153,7 @@ fn serve(
         model: "m",
         user: None,
         headers: &[],
+        flow: Default::default(),
     };
     let context = PolicyContext {
         attempt: 1,

@@ -56,7 +56,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 pub(crate) use admission::Permit;
-pub use admission::{Admission, AdmissionConfig, Refusal};
+pub use admission::{
+    Admission, AdmissionConfig, BadDeadline, Claim, DEFAULT_PRIORITY_HEADER, Fairness, FlowControl,
+    Refusal,
+};
 pub use connection::ConnectionLimits;
 pub use drain::{Drain, DrainConfig};
 pub use metrics::{AdmissionMetrics, Metrics};
@@ -73,7 +76,7 @@ use switchyard_policy_host::{POLICY_HEADER, PolicyRegistry, SelectError};
 use switchyard_wire::client::ClientBody;
 
 use crate::Event;
-use crate::{RouteRequest, Router, Routing};
+use crate::{Flow, RouteRequest, Router, Routing};
 
 /// Every response body the router writes.
 pub type Body = UnsyncBoxBody<Bytes, Infallible>;
@@ -469,26 +472,63 @@ async fn generate(
     };
     // Admitted once the body is in and before any work on it: a slow client holds a
     // connection, never a place; the place is held until the response ends.
-    let permit = match admit(&state).await {
-        Ok(permit) => permit,
+    let (permit, flow) = match admit(&state, headers, &bytes, arrived).await {
+        Ok(admitted) => admitted,
         Err(error) => return reject(&state, shape, &error),
     };
     guarded::hold(
-        admitted(state, shape, headers, bytes, arrived).await,
+        admitted(state, shape, headers, bytes, arrived, flow).await,
         permit,
     )
 }
 
-/// A place among the requests served at once, or the 429 that says when to try again.
-pub(crate) async fn admit(state: &AppState) -> Result<admission::Permit, ApiError> {
-    state
+/// A place among the requests served at once, granted in flow-control order (priority band,
+/// tenant's share, deadline), or the 429 that says when to try again (504: the deadline
+/// passed while queued); with the request's flow, which its policy sees.
+pub(crate) async fn admit(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+    arrived: Instant,
+) -> Result<(admission::Permit, Flow), ApiError> {
+    let claim = claim(state, headers, body, arrived)?;
+    let flow = Flow {
+        priority: claim.priority,
+        tenant: (!claim.tenant.is_empty()).then(|| Arc::clone(&claim.tenant)),
+        deadline: claim.deadline.map(|left| Instant::now() + left),
+    };
+    let permit = state
         .admission
-        .admit()
+        .admit(claim)
         .await
         .map_err(|refusal| ApiError::Overloaded {
             refusal,
             retry_after: state.admission.retry_after(),
-        })
+        })?;
+    Ok((permit, flow))
+}
+
+/// What admission reads of the request; its queue metrics are labelled with its model when
+/// the router serves it, else with the served model's name (so clients cannot mint series).
+fn claim(
+    state: &AppState,
+    headers: &HeaderMap,
+    body: &[u8],
+    arrived: Instant,
+) -> Result<Claim, ApiError> {
+    let flow = &state.admission.config().flow;
+    let mut claim = Claim::read(
+        flow,
+        headers,
+        body,
+        state.default_max_tokens,
+        arrived.elapsed(),
+    )
+    .map_err(|e| ApiError::invalid("x-request-deadline-ms", e.to_string()))?;
+    if !state.serves(&claim.model) {
+        claim.model.clone_from(&state.model);
+    }
+    Ok(claim)
 }
 
 /// An admitted request: parse, plan, run, answer.
@@ -498,12 +538,13 @@ async fn admitted(
     headers: &HeaderMap,
     body: Bytes,
     arrived: Instant,
+    flow: Flow,
 ) -> Response<Body> {
     let Prepared {
         route,
         planner,
         include_usage,
-    } = match prepare(&state, shape, headers, body, arrived).await {
+    } = match prepare(&state, shape, headers, body, arrived, flow).await {
         Ok(prepared) => prepared,
         Err(e) => return reject(&state, shape, &e),
     };
@@ -562,6 +603,7 @@ pub(crate) async fn prepare(
     headers: &HeaderMap,
     body: Bytes,
     arrived: Instant,
+    flow: Flow,
 ) -> Result<Prepared, ApiError> {
     let raw = body.clone();
     let parsed = parse(state, shape, body).await?;
@@ -595,6 +637,7 @@ pub(crate) async fn prepare(
         template: parsed.template,
         client: Some(Arc::new(ClientBody::new(shape.wire_route(), raw))),
         arrived,
+        flow,
     };
     Ok(Prepared {
         route,

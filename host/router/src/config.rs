@@ -51,6 +51,14 @@
 //! kv_events_stale_after = "10s"               # an endpoint's KV events silent this long
 //!                                             # after it served a prompt: index not trusted
 //!
+//! [flow_control]                              # how the queue orders what waits
+//! enabled = true                              # false: first come, first served
+//! fairness = "round-robin"                    # or "least-service" (tokens), between tenants
+//! priority_header = "x-priority"              # an integer, higher first
+//!
+//! [flow_control.tenant_weights]               # a tenant's share (x-tenant, else `user`)
+//! acme = 3                                    # tenants not listed weigh 1
+//!
 //! [[endpoints]]
 //! url = "http://127.0.0.1:8081"
 //! protocol = "mlc"    # mlc (default) | vllm | sglang | openai (any OpenAI-compatible server)
@@ -86,6 +94,7 @@ mod discovery;
 mod endpoints;
 mod error;
 mod file;
+mod flow_control;
 mod model;
 mod policy;
 mod settings;
@@ -107,6 +116,7 @@ use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery};
 pub use endpoints::endpoints_in_file;
 pub use error::{ConfigError, Problem};
+pub use flow_control::FlowControlArgs;
 pub use model::ModelSource;
 pub use policy::PolicySettings;
 pub use settings::{
@@ -183,6 +193,7 @@ impl Config {
         let discovery = args.discovery.resolve(file.discovery)?.k8s()?;
         let endpoints = endpoints::resolve(args, file.endpoints, discovery.is_some())?;
         let s = args.router.resolve(file.router)?;
+        let flow = args.flow_control.resolve(file.flow_control)?.flow_control();
         let policy_path = policy::existing(&s.plugins.value, &s.policy)?;
         let policy_config = s
             .policy_config
@@ -235,6 +246,7 @@ impl Config {
                 max_concurrent: s.max_concurrent_requests.value,
                 max_queued: s.max_queued_requests.value,
                 queue_timeout: s.queue_timeout.value,
+                flow,
             },
             connections: ConnectionLimits {
                 header_read_timeout: s.header_read_timeout.value,

@@ -38,6 +38,6 @@ mod router;
 pub mod serve;
 
 pub use router::{
-    DEFAULT_REQUEST_TIMEOUT, Event, RetryBudgetConfig, RetryPolicy, RetryPolicyError, RouteError,
-    RouteRequest, Router, RouterConfig, Routing, Summary,
+    DEFAULT_REQUEST_TIMEOUT, Event, Flow, RetryBudgetConfig, RetryPolicy, RetryPolicyError,
+    RouteError, RouteRequest, Router, RouterConfig, Routing, Summary,
 };

@@ -47,7 +47,7 @@ use tokio::time::Instant;
 
 use switchyard_contract::{
     EndpointId, EndpointSnapshot, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner,
-    PlanningError, PolicyContext, PolicyRequest, TranslateError, ValidPlan, validate,
+    PlanningError, PolicyContext, PolicyRequest, RequestFlow, TranslateError, ValidPlan, validate,
 };
 use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
@@ -278,6 +278,33 @@ pub struct RouteRequest {
     /// The client's own body, for engines that take it as it came (vLLM, SGLang, OpenAI).
     pub client: Option<Arc<ClientBody>>,
     pub arrived: Instant,
+    /// Its priority, tenant and deadline, as flow control read them.
+    pub flow: Flow,
+}
+
+/// A request's priority, tenant and deadline, which the policy sees too.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Flow {
+    /// Higher is more important; negative is sheddable.
+    pub priority: i32,
+    /// `None`: the shared tenant.
+    pub tenant: Option<Arc<str>>,
+    /// When the request must have started by.
+    pub deadline: Option<Instant>,
+}
+
+impl Flow {
+    /// What the policy is told, now.
+    fn for_policy(&self) -> RequestFlow<'_> {
+        RequestFlow {
+            priority: self.priority,
+            tenant: self.tenant.as_deref(),
+            deadline_ms: self.deadline.map(|deadline| {
+                let left = deadline.saturating_duration_since(Instant::now());
+                u32::try_from(left.as_millis()).unwrap_or(u32::MAX)
+            }),
+        }
+    }
 }
 
 /// Plans, executes and relays requests. Shared by every connection. `E` is a test seam: the
@@ -671,6 +698,7 @@ impl<E: Execute> Router<E> {
             model: &req.model,
             user: req.user.as_deref(),
             headers: &req.headers,
+            flow: req.flow.for_policy(),
         };
         let planner = Arc::clone(&st.planner);
         let planned = match Self::ask(planner.as_ref(), &request, &context, st) {

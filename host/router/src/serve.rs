@@ -272,7 +272,7 @@ pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
         .with_forward_headers(config.policies.forward_headers.clone())
         .with_limits(config.limits)
         .with_models(config.policies.models.keys().cloned().collect())
-        .with_edge(config.admission, config.connections),
+        .with_edge(config.admission.clone(), config.connections),
     );
     Ok(Loaded {
         state,

@@ -173,6 +173,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
                 model: &model,
                 user: None,
                 headers: &[],
+                flow: Default::default(),
             };
             let plan = policy.translate(&request, &context)?;
             let resolved = validate(&plan, prompt_len, &context.endpoints).map_err(|error| {

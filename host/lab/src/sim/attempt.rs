@@ -139,6 +139,7 @@ impl Simulation<'_> {
             model: MODEL,
             user: None,
             headers: &[],
+            flow: Default::default(),
         };
         let context = PolicyContext {
             attempt,

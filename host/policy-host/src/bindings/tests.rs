@@ -1,7 +1,7 @@
 //! The bindings of each contract version: what crosses into a guest, and components of both
 //! versions loading and behaving as their version says.
 
-use switchyard_contract::{Plan, Step};
+use switchyard_contract::{Plan, PolicyRequest, RequestFlow, Step};
 use switchyard_tests::{Guest, guest_bytes};
 
 use super::{v0_1_0, v0_2_0};
@@ -17,6 +17,28 @@ fn only_the_requested_prompt_prefix_crosses_into_the_guest() {
     assert_eq!(wit.prompt_prefix, (0..8).collect::<Vec<u32>>());
     assert_eq!(v0_2_0::request(&request, u32::MAX).prompt_prefix.len(), 100);
     assert!(v0_2_0::request(&request, 0).prompt_prefix.is_empty());
+}
+
+#[test]
+fn flow_control_reaches_0_2_0_guests() {
+    let prompt = [1, 2, 3];
+    let plain = v0_2_0::request(&request(&prompt, &[]), 8);
+    assert_eq!(
+        (plain.priority, plain.tenant, plain.deadline_ms),
+        (0, None, None)
+    );
+    let request = PolicyRequest {
+        flow: RequestFlow {
+            priority: -3,
+            tenant: Some("acme"),
+            deadline_ms: Some(1_500),
+        },
+        ..request(&prompt, &[])
+    };
+    let wit = v0_2_0::request(&request, 8);
+    assert_eq!(wit.priority, -3);
+    assert_eq!(wit.tenant.as_deref(), Some("acme"));
+    assert_eq!(wit.deadline_ms, Some(1_500));
 }
 
 #[test]

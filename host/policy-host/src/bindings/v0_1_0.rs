@@ -13,7 +13,11 @@ pub(super) use generated::{Policy as Guest, PolicyImports as GuestImports, Polic
 
 use generated::switchyard::policy::types as wit;
 
-super::shared_with_v0_1_0!(stateless: |_| false, steps_beyond_v0_1_0: {});
+super::shared_with_v0_1_0!(
+    stateless: |_| false,
+    steps_beyond_v0_1_0: {},
+    request_beyond_v0_1_0: {}
+);
 
 /// Every endpoint, removed ones included (unhealthy): 0.1.0 promises `endpoints[id].id == id`.
 /// A 0.1.0 policy plans MLC microserving and nothing else, so an endpoint speaking another

@@ -3,8 +3,9 @@
 //! is down (`endpoint.down-reason`), the load each engine reports (`endpoint.running`,
 //! `endpoint.waiting`), a key every router replica agrees on (`endpoint.address-hash`), the
 //! prompt's cached prefix on each endpoint (`endpoint.cached-prefix`), the prompt tokens this
-//! router has sent each endpoint and it has not prefilled yet (`endpoint.pending-prefill`), and
-//! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any.
+//! router has sent each endpoint and it has not prefilled yet (`endpoint.pending-prefill`),
+//! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any,
+//! and the request's flow control (`request.priority`, `request.tenant`, `request.deadline-ms`).
 
 mod generated {
     wasmtime::component::bindgen!({
@@ -24,6 +25,11 @@ super::shared_with_v0_1_0!(
             prefill: h.prefill,
             decode: h.decode,
         },
+    },
+    request_beyond_v0_1_0: {
+        priority: |req: &PolicyRequest<'_>| req.flow.priority,
+        tenant: |req: &PolicyRequest<'_>| req.flow.tenant.map(str::to_owned),
+        deadline_ms: |req: &PolicyRequest<'_>| req.flow.deadline_ms,
     }
 );
 

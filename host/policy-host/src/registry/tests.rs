@@ -85,6 +85,7 @@ fn plan_with(
         model: "m",
         user: None,
         headers,
+        flow: Default::default(),
     };
     let context = PolicyContext {
         attempt: 1,

@@ -1,32 +1,43 @@
 //! Admission control: at most `max_concurrent` requests are served at once; up to
-//! `max_queued` more wait their turn in arrival order, each for at most `queue_timeout`; the
-//! rest are refused at once (429 with `Retry-After`, written by `respond`).
+//! `max_queued` more wait for a place, each for at most `queue_timeout`; the rest are refused
+//! at once (429 with `Retry-After`, written by `respond`).
 //!
-//! The limit is a [`tokio::sync::Semaphore`]: its waiters are served first come, first served,
-//! and a permit released while someone waits goes straight to the longest waiter, so a new
-//! arrival never overtakes the queue. A [`Permit`] is held by the response body, so a request
-//! counts until its last byte is written (its stream included) or its client leaves.
+//! What waits is ordered by [`queue`]'s flow control: by priority band, then fairly between
+//! tenants, then earliest deadline first; a full queue sheds its least important request, and
+//! a request whose deadline passes while it waits leaves then (504). [`class`] reads a
+//! request's priority, tenant and deadline from its headers and body. With flow control off,
+//! every request is of one band, one tenant and no deadline: first come, first served.
+//!
+//! A [`Permit`] is held by the response body, so a request counts until its last byte is
+//! written (its stream included) or its client leaves.
 //!
 //! ```
-//! # use switchyard_router::api::{Admission, AdmissionConfig, AdmissionMetrics};
+//! # use switchyard_router::api::{Admission, AdmissionConfig, AdmissionMetrics, Claim};
 //! # tokio::runtime::Runtime::new().expect("runtime").block_on(async {
 //! let admission = Admission::new(AdmissionConfig::default(), AdmissionMetrics::default());
-//! let permit = admission.admit().await.expect("an idle router admits");
+//! let permit = admission.admit(Claim::default()).await.expect("an idle router admits");
 //! drop(permit); // the response ended: the place is free again
 //! # });
 //! ```
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::collections::HashMap;
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::Instant;
+use http::HeaderName;
+use prometheus_client::metrics::gauge::Gauge;
 
 use super::metrics::AdmissionMetrics;
 
-/// How many requests are served at once, and how many may wait, for how long.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+mod class;
+mod queue;
+
+pub use class::{BadDeadline, Claim};
+pub use queue::Fairness;
+
+use queue::{Entry, Place, Queue, QueueConfig, Refused, Ticket};
+
+/// How many requests are served at once, and how many may wait, for how long, in which order.
+#[derive(Debug, Clone, PartialEq)]
 pub struct AdmissionConfig {
     /// Requests served at once (from admission to the end of their response).
     pub max_concurrent: u32,
@@ -34,6 +45,8 @@ pub struct AdmissionConfig {
     pub max_queued: u32,
     /// The longest a request waits for a place.
     pub queue_timeout: Duration,
+    /// How waiting requests are ordered.
+    pub flow: FlowControl,
 }
 
 /// Far above what a 32-client load needs, so defaults never throttle an ordinary load; low
@@ -44,6 +57,34 @@ impl Default for AdmissionConfig {
             max_concurrent: 1024,
             max_queued: 1024,
             queue_timeout: Duration::from_secs(5),
+            flow: FlowControl::default(),
+        }
+    }
+}
+
+/// The header a priority is read from unless configured otherwise.
+pub const DEFAULT_PRIORITY_HEADER: &str = "x-priority";
+
+/// Flow control: whether requests' priorities, tenants and deadlines order the queue, how
+/// tenants share, and where the priority is read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FlowControl {
+    /// Off: one band, one tenant, no deadline (first come, first served).
+    pub enabled: bool,
+    pub fairness: Fairness,
+    /// The header carrying a request's priority.
+    pub priority_header: HeaderName,
+    /// Tenant → weight; a tenant not listed weighs 1.
+    pub tenant_weights: HashMap<String, f64>,
+}
+
+impl Default for FlowControl {
+    fn default() -> Self {
+        FlowControl {
+            enabled: true,
+            fairness: Fairness::RoundRobin,
+            priority_header: HeaderName::from_static(DEFAULT_PRIORITY_HEADER),
+            tenant_weights: HashMap::new(),
         }
     }
 }
@@ -60,6 +101,14 @@ pub enum Refusal {
     },
     #[error("the router is at capacity: no place freed up within {waited:?}")]
     QueueTimeout { waited: Duration },
+    #[error(
+        "the router is at capacity: a request of higher priority took this one's place in the queue"
+    )]
+    Displaced,
+    #[error("the router is at capacity: the request's deadline of {deadline:?} cannot be met")]
+    DeadlineUnmeetable { deadline: Duration },
+    #[error("the request's deadline of {deadline:?} passed while it waited for admission")]
+    DeadlineExpired { deadline: Duration },
 }
 
 impl Refusal {
@@ -68,6 +117,9 @@ impl Refusal {
         match self {
             Refusal::QueueFull { .. } => "queue_full",
             Refusal::QueueTimeout { .. } => "queue_timeout",
+            Refusal::Displaced => "displaced",
+            Refusal::DeadlineUnmeetable { .. } => "deadline_unmeetable",
+            Refusal::DeadlineExpired { .. } => "deadline_expired",
         }
     }
 }
@@ -76,16 +128,15 @@ impl Refusal {
 #[derive(Debug)]
 pub struct Admission {
     config: AdmissionConfig,
-    places: Arc<Semaphore>,
-    queued: AtomicU32,
+    queue: Queue,
     metrics: AdmissionMetrics,
 }
 
 /// A place among the requests served at once; dropping it frees the place.
 #[derive(Debug)]
 pub struct Permit {
-    _place: OwnedSemaphorePermit,
-    in_flight: prometheus_client::metrics::gauge::Gauge,
+    _place: Place,
+    in_flight: Gauge,
 }
 
 impl Drop for Permit {
@@ -94,45 +145,52 @@ impl Drop for Permit {
     }
 }
 
+/// Priority labels are clamped to this range, so that clients cannot mint unbounded series.
+const PRIORITY_LABELS: std::ops::RangeInclusive<i32> = -100..=100;
+
 impl Admission {
     pub fn new(config: AdmissionConfig, metrics: AdmissionMetrics) -> Self {
+        let queue = Queue::new(QueueConfig {
+            max_concurrent: config.max_concurrent,
+            max_queued: config.max_queued,
+            queue_timeout: config.queue_timeout,
+            fairness: config.flow.fairness,
+            tenant_weights: config.flow.tenant_weights.clone(),
+        });
         Admission {
-            places: Arc::new(Semaphore::new(config.max_concurrent as usize)),
-            queued: AtomicU32::new(0),
             config,
+            queue,
             metrics,
         }
     }
 
-    pub fn config(&self) -> AdmissionConfig {
-        self.config
+    pub fn config(&self) -> &AdmissionConfig {
+        &self.config
     }
 
-    /// A place now, or after waiting in the queue; a [`Refusal`] when the queue is full or
-    /// the wait reached the queue timeout. A caller dropped while waiting leaves the queue.
-    pub async fn admit(&self) -> Result<Permit, Refusal> {
-        // Fails whenever anyone is queued, since freed places go to waiters first.
-        if let Ok(place) = Arc::clone(&self.places).try_acquire_owned() {
-            return Ok(self.admitted(place, Duration::ZERO));
-        }
-        let Some(_in_queue) = self.join_queue() else {
-            return Err(self.refuse(Refusal::QueueFull {
-                max_concurrent: self.config.max_concurrent,
-                max_queued: self.config.max_queued,
-            }));
+    /// A place now, or after waiting in the queue; a [`Refusal`] when the queue is full (and
+    /// nothing less important can leave it), when the request is displaced, when its deadline
+    /// cannot be met or passes, or when the wait reaches the queue timeout. A caller dropped
+    /// while waiting leaves the queue at once.
+    pub async fn admit(&self, claim: Claim) -> Result<Permit, Refusal> {
+        let deadline = claim.deadline;
+        let ticket = Ticket {
+            priority: claim.priority,
+            tenant: claim.tenant,
+            deadline,
+            cost: claim.cost,
         };
-        let started = Instant::now();
-        let waited = tokio::time::timeout(
-            self.config.queue_timeout,
-            Arc::clone(&self.places).acquire_owned(),
-        )
-        .await;
-        match waited {
-            // The semaphore is never closed, so a wait ends with a place or the timeout.
-            Ok(Ok(place)) => Ok(self.admitted(place, started.elapsed())),
-            Ok(Err(_)) | Err(_) => Err(self.refuse(Refusal::QueueTimeout {
-                waited: self.config.queue_timeout,
-            })),
+        let priority = ticket.priority;
+        let model = vec![("model", claim.model)];
+        let waiter = match self.queue.enter(ticket) {
+            Entry::Now(place) => return Ok(self.admitted(place, &model)),
+            Entry::Refused(refused) => return Err(self.refuse(refused, priority, deadline, &model)),
+            Entry::Queued(waiter) => waiter,
+        };
+        let _in_queue = InQueue::join(&self.metrics, &model);
+        match waiter.wait().await {
+            Ok(place) => Ok(self.admitted(place, &model)),
+            Err(refused) => Err(self.refuse(refused, priority, deadline, &model)),
         }
     }
 
@@ -142,9 +200,14 @@ impl Admission {
         Duration::from_secs(self.config.queue_timeout.as_secs_f64().ceil().max(1.0) as u64)
     }
 
-    fn admitted(&self, place: OwnedSemaphorePermit, waited: Duration) -> Permit {
+    fn admitted(&self, place: Place, model: &Labels) -> Permit {
+        let waited = place.waited().as_secs_f64();
         self.metrics.admitted.inc();
-        self.metrics.queue_wait.observe(waited.as_secs_f64());
+        self.metrics.queue_wait.observe(waited);
+        self.metrics
+            .model_queue_wait
+            .get_or_create(model)
+            .observe(waited);
         self.metrics.in_flight.inc();
         Permit {
             _place: place,
@@ -152,35 +215,73 @@ impl Admission {
         }
     }
 
-    fn refuse(&self, refusal: Refusal) -> Refusal {
+    fn refuse(
+        &self,
+        refused: Refused,
+        priority: i32,
+        deadline: Option<Duration>,
+        model: &Labels,
+    ) -> Refusal {
+        let deadline = deadline.unwrap_or_default();
+        let refusal = match refused {
+            Refused::Full => Refusal::QueueFull {
+                max_concurrent: self.config.max_concurrent,
+                max_queued: self.config.max_queued,
+            },
+            Refused::TimedOut => Refusal::QueueTimeout {
+                waited: self.config.queue_timeout,
+            },
+            Refused::Displaced => Refusal::Displaced,
+            Refused::Late => Refusal::DeadlineUnmeetable { deadline },
+            Refused::Expired => Refusal::DeadlineExpired { deadline },
+        };
         self.metrics
             .rejected
             .get_or_create(&vec![("reason", refusal.reason().to_owned())])
             .inc();
+        let by_priority = {
+            let mut labels = model.clone();
+            let label = priority.clamp(*PRIORITY_LABELS.start(), *PRIORITY_LABELS.end());
+            labels.push(("priority", label.to_string()));
+            labels
+        };
+        match refused {
+            Refused::Full | Refused::Displaced | Refused::Late => {
+                self.metrics.shed.get_or_create(&by_priority).inc();
+            }
+            Refused::Expired => {
+                self.metrics.expired.get_or_create(&by_priority).inc();
+            }
+            Refused::TimedOut => {}
+        }
         refusal
     }
+}
 
-    /// A place in the queue, if it has room.
-    fn join_queue(&self) -> Option<InQueue<'_>> {
-        self.queued
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.config.max_queued).then_some(n + 1)
-            })
-            .ok()?;
-        self.metrics.queued.inc();
-        Some(InQueue { admission: self })
+type Labels = Vec<(&'static str, String)>;
+
+/// A request counted as waiting, in the router's gauge and its model's, while it lives.
+struct InQueue {
+    queued: Gauge,
+    depth: Gauge,
+}
+
+impl InQueue {
+    fn join(metrics: &AdmissionMetrics, model: &Labels) -> InQueue {
+        let depth = metrics.queue_depth.get_or_create(model).clone();
+        metrics.queued.inc();
+        depth.inc();
+        InQueue {
+            queued: metrics.queued.clone(),
+            depth,
+        }
     }
 }
 
-/// A request waiting in the queue; leaves it when dropped (admitted, refused or abandoned).
-struct InQueue<'a> {
-    admission: &'a Admission,
-}
-
-impl Drop for InQueue<'_> {
+impl Drop for InQueue {
     fn drop(&mut self) {
-        self.admission.queued.fetch_sub(1, Ordering::AcqRel);
-        self.admission.metrics.queued.dec();
+        self.queued.dec();
+        self.depth.dec();
     }
 }
 

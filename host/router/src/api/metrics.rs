@@ -1,6 +1,7 @@
 //! Prometheus metrics for `/metrics`: requests by status, latency histograms, retries,
 //! preemptions, remote_sends skipped, policy call latency, admission (queued, in flight,
-//! admitted, rejected, queue wait), client connections, and per endpoint: legs in flight,
+//! admitted, rejected, queue wait; per model the queue's depth and wait, and the requests shed
+//! and expired per priority), client connections, and per endpoint: legs in flight,
 //! health (`1` healthy, `0` not ready, `-1` ejected, `-2` draining, `-3` removed) and
 //! ejections; for endpoints with KV events, the blocks indexed, events applied, gaps,
 //! replays, clears and whether the index is stale, and the index's heap.
@@ -53,6 +54,20 @@ pub struct AdmissionMetrics {
     pub rejected: Family<Labels, Counter>,
     /// Time admitted requests waited in the queue (0 for those admitted at once).
     pub queue_wait: Histogram,
+    /// Per `model`: requests waiting now.
+    pub queue_depth: Family<Labels, Gauge>,
+    /// Per `model`: `queue_wait`, for an autoscaler to read per model.
+    pub model_queue_wait: Family<Labels, Histogram, fn() -> Histogram>,
+    /// Per `model` and `priority`: refused when the queue was full, displaced from it, or
+    /// refused because their deadline could not be met.
+    pub shed: Family<Labels, Counter>,
+    /// Per `model` and `priority`: whose deadline passed while they waited (504).
+    pub expired: Family<Labels, Counter>,
+}
+
+/// 100 µs to ~13 s.
+fn queue_wait_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0001, 2.0, 18))
 }
 
 /// Unregistered handles (tests); [`Metrics::admission`] gives the registered ones.
@@ -63,8 +78,11 @@ impl Default for AdmissionMetrics {
             in_flight: Gauge::default(),
             admitted: Counter::default(),
             rejected: Family::default(),
-            // 100 µs to ~13 s.
-            queue_wait: Histogram::new(exponential_buckets(0.0001, 2.0, 18)),
+            queue_wait: queue_wait_histogram(),
+            queue_depth: Family::default(),
+            model_queue_wait: Family::new_with_constructor(queue_wait_histogram),
+            shed: Family::default(),
+            expired: Family::default(),
         }
     }
 }
@@ -384,13 +402,35 @@ fn register_admission(registry: &mut Registry, m: &AdmissionMetrics) {
     );
     registry.register(
         "admission_rejected",
-        "Requests refused with 429, by reason (queue_full, queue_timeout)",
+        "Requests refused with 429 (504 for deadline_expired), by reason (queue_full, \
+         queue_timeout, displaced, deadline_unmeetable, deadline_expired)",
         m.rejected.clone(),
     );
     registry.register(
         "admission_queue_wait_seconds",
         "Time an admitted request waited in the queue",
         m.queue_wait.clone(),
+    );
+    registry.register(
+        "queue_depth",
+        "Requests waiting for admission, per model",
+        m.queue_depth.clone(),
+    );
+    registry.register(
+        "queue_wait_seconds",
+        "Time an admitted request waited in the queue (0 when admitted at once), per model",
+        m.model_queue_wait.clone(),
+    );
+    registry.register(
+        "queue_shed",
+        "Requests refused 429 because the queue was full, displaced from it by a more important \
+         one, or whose deadline could not be met, per model and priority",
+        m.shed.clone(),
+    );
+    registry.register(
+        "queue_expired",
+        "Requests whose deadline passed while they waited (504), per model and priority",
+        m.expired.clone(),
     );
 }
 

@@ -77,6 +77,11 @@ impl ApiError {
             }
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            // The client's own deadline passed: the wait, not the capacity, is the answer.
+            ApiError::Overloaded {
+                refusal: Refusal::DeadlineExpired { .. },
+                ..
+            } => StatusCode::GATEWAY_TIMEOUT,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Draining | ApiError::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::NotFound { .. } => StatusCode::NOT_FOUND,
@@ -118,6 +123,10 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::BodyRead(_) => "invalid_body",
             ApiError::BodyTimeout(_) => "body_read_timeout",
+            ApiError::Overloaded {
+                refusal: Refusal::DeadlineExpired { .. },
+                ..
+            } => "deadline_exceeded",
             ApiError::Overloaded { .. } => "overloaded",
             ApiError::Draining => "draining",
             ApiError::ShuttingDown => "shutting_down",
@@ -158,7 +167,9 @@ impl ApiError {
     /// The error as a response.
     pub fn response(&self) -> Response<Body> {
         let mut response = json_response(self.status(), &self.body());
-        if let ApiError::Overloaded { retry_after, .. } = self {
+        if let ApiError::Overloaded { retry_after, .. } = self
+            && self.status() == StatusCode::TOO_MANY_REQUESTS
+        {
             response.headers_mut().insert(
                 header::RETRY_AFTER,
                 header::HeaderValue::from(retry_after.as_secs()),

@@ -112,6 +112,8 @@ pub enum Problem {
     Empty,
     #[error("{0:?} is not a header name")]
     HeaderName(String),
+    #[error("tenant {tenant:?}: weight {weight} is not a number above 0")]
+    Weight { tenant: String, weight: f64 },
     #[error("not valid JSON: {0}")]
     Json(String),
     #[error(transparent)]

@@ -16,6 +16,7 @@ use toml::de::{DeString, DeTable, DeValue, ValueDeserializer};
 use super::discovery::{DiscoveryKeys, DiscoveryKind};
 use super::endpoints;
 use super::error::{ConfigError, Problem};
+use super::flow_control::FlowControlKeys;
 use super::settings::RouterKeys;
 use super::source::{FileKey, Source, Sourced};
 use crate::cluster::EndpointSpec;
@@ -25,13 +26,14 @@ use crate::cluster::EndpointSpec;
 pub(super) struct ConfigFile {
     pub(super) router: RouterKeys,
     pub(super) discovery: DiscoveryKeys,
+    pub(super) flow_control: FlowControlKeys,
     pub(super) endpoints: Vec<Sourced<EndpointSpec>>,
     /// Model name → policy name.
     pub(super) model_policies: BTreeMap<String, Sourced<String>>,
 }
 
 /// The top-level keys that are tables of their own rather than settings.
-const TABLES: [&str; 3] = ["endpoints", "discovery", "model_policies"];
+const TABLES: [&str; 4] = ["endpoints", "discovery", "flow_control", "model_policies"];
 
 impl ConfigFile {
     pub(super) fn read(path: &Path) -> Result<ConfigFile, ConfigError> {
@@ -57,6 +59,13 @@ impl ConfigFile {
                     for (key, value) in file.table("", &key, value)? {
                         if config.discovery.take(&key, value, &file)?.is_some() {
                             return Err(file.unknown("discovery", &key, DiscoveryKeys::KEYS));
+                        }
+                    }
+                }
+                "flow_control" => {
+                    for (key, value) in file.table("", &key, value)? {
+                        if config.flow_control.take(&key, value, &file)?.is_some() {
+                            return Err(file.unknown("flow_control", &key, FlowControlKeys::KEYS));
                         }
                     }
                 }
@@ -199,7 +208,7 @@ as_serde_reads_them!(
 );
 
 /// `value` as serde reads a `T`, or the parser's words.
-fn deserialize<'de, T: serde::Deserialize<'de>>(
+pub(super) fn deserialize<'de, T: serde::Deserialize<'de>>(
     value: ValueDeserializer<'de>,
 ) -> Result<T, String> {
     T::deserialize(value).map_err(|e| e.message().to_owned())

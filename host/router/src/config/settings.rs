@@ -12,6 +12,7 @@ use switchyard_policy_host::QuarantineRule;
 use super::discovery::DiscoveryArgs;
 use super::error::Problem;
 use super::file::{FileValue as _, json_text};
+use super::flow_control::FlowControlArgs;
 use super::table::{at_least_one, longer_than_zero, not_empty, settings};
 use crate::RetryBudgetConfig;
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig};
@@ -40,6 +41,8 @@ pub struct ServeArgs {
     pub config: Option<PathBuf>,
     #[command(flatten)]
     pub discovery: DiscoveryArgs,
+    #[command(flatten)]
+    pub flow_control: FlowControlArgs,
     #[command(flatten)]
     pub router: RouterArgs,
 }
@@ -296,9 +299,9 @@ settings! {
         default: AdmissionConfig::default().max_concurrent,
         check: at_least_one,
     }
-    /// Requests that may wait, first come first served, while --max-concurrent-requests are in
-    /// flight; more are refused at once with 429 and Retry-After (0: none wait)
-    /// [default: 1024].
+    /// Requests that may wait while --max-concurrent-requests are in flight (ordered by flow
+    /// control: priority, tenant, deadline); more are refused at once with 429 and Retry-After,
+    /// or displace a less important waiter (0: none wait) [default: 1024].
     max_queued_requests: Option<u32> => u32 {
         flag: "max-queued-requests",
         key: "max_queued_requests",

@@ -7,6 +7,7 @@ use switchyard_policy_host::QuarantineRule;
 
 use super::*;
 use crate::RetryPolicyError;
+use crate::api::FlowControl;
 
 mod golden;
 
@@ -105,6 +106,7 @@ fn flags_give_a_config_with_defaults() {
             max_concurrent: 1024,
             max_queued: 1024,
             queue_timeout: Duration::from_secs(5),
+            flow: FlowControl::default(),
         }
     );
     assert_eq!(
@@ -228,6 +230,7 @@ fn edge_settings_come_from_flags_over_the_file_and_are_checked() {
             max_concurrent: 8,
             max_queued: 0,
             queue_timeout: Duration::from_millis(250),
+            flow: FlowControl::default(),
         }
     );
     assert_eq!(

@@ -93,9 +93,9 @@ fn shape(head: &Head) -> Option<Shape> {
 
 async fn plan(state: &Arc<AppState>, shape: Shape, req: Request) -> Result<Pick, ApiError> {
     // Admitted as the router admits: once the body is in, before any work on it.
-    let place = api::admit(state).await?;
+    let (place, flow) = api::admit(state, &req.head.headers, &req.body, req.arrived).await?;
     let Prepared { route, planner, .. } =
-        api::prepare(state, shape, &req.head.headers, req.body, req.arrived).await?;
+        api::prepare(state, shape, &req.head.headers, req.body, req.arrived, flow).await?;
     let cluster = state.router.executor().cluster();
     let mut endpoints = cluster.snapshot_for(&route.prompt);
     narrow(cluster, &mut endpoints, req.subset.as_deref());

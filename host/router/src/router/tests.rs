@@ -312,6 +312,7 @@ impl Harness {
             template: CompletionRequest::new(Vec::new(), 0, String::new()),
             client: None,
             arrived: Instant::now(),
+            flow: Flow::default(),
         }
     }
 
@@ -927,4 +928,22 @@ async fn broken_streams_count_against_their_endpoint_and_a_finish_clears_it() {
         status[0].outlier
     );
     assert_eq!(status[1].outlier.consecutive_failures, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_policy_is_told_the_time_left_before_the_deadline_when_it_plans() {
+    let flow = Flow {
+        priority: 3,
+        tenant: Some("acme".into()),
+        deadline: Some(Instant::now() + Duration::from_millis(1_500)),
+    };
+    tokio::time::advance(Duration::from_millis(500)).await;
+    let told = flow.for_policy();
+    assert_eq!(
+        (told.priority, told.tenant, told.deadline_ms),
+        (3, Some("acme"), Some(1_000))
+    );
+    tokio::time::advance(Duration::from_secs(5)).await;
+    assert_eq!(flow.for_policy().deadline_ms, Some(0), "past: none left");
+    assert_eq!(Flow::default().for_policy(), RequestFlow::default());
 }

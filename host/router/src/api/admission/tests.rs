@@ -11,6 +11,7 @@ fn admission(max_concurrent: u32, max_queued: u32, queue_timeout: Duration) -> A
             max_concurrent,
             max_queued,
             queue_timeout,
+            flow: FlowControl::default(),
         },
         AdmissionMetrics::default(),
     ))
@@ -34,7 +35,7 @@ async fn queued_request(
     let before = a.metrics.queued.get();
     let a2 = Arc::clone(a);
     tokio::spawn(async move {
-        let permit = a2.admit().await.expect("admitted");
+        let permit = a2.admit(Claim::default()).await.expect("admitted");
         admitted.send(id).expect("test listens");
         let _ = finished.recv().await;
         drop(permit);
@@ -51,8 +52,8 @@ async fn queued_request(
 #[tokio::test(start_paused = true)]
 async fn places_freed_go_to_the_longest_waiter_first() {
     let a = admission(2, 8, Duration::from_secs(60));
-    let first = a.admit().await.expect("a free place");
-    let second = a.admit().await.expect("a free place");
+    let first = a.admit(Claim::default()).await.expect("a free place");
+    let second = a.admit(Claim::default()).await.expect("a free place");
     assert_eq!(a.metrics.in_flight.get(), 2);
     let (tx, mut admitted) = mpsc::unbounded_channel();
     let mut finishers = Vec::new();
@@ -77,10 +78,13 @@ async fn places_freed_go_to_the_longest_waiter_first() {
 #[tokio::test(start_paused = true)]
 async fn a_full_queue_refuses_at_once() {
     let a = admission(1, 1, Duration::from_secs(60));
-    let _held = a.admit().await.expect("a free place");
+    let _held = a.admit(Claim::default()).await.expect("a free place");
     let (tx, _admitted) = mpsc::unbounded_channel();
     let _waiting = queued_request(&a, 1, tx).await;
-    let refused = a.admit().await.expect_err("no room to wait");
+    let refused = a
+        .admit(Claim::default())
+        .await
+        .expect_err("no room to wait");
     assert_eq!(
         refused,
         Refusal::QueueFull {
@@ -99,18 +103,27 @@ async fn a_full_queue_refuses_at_once() {
 #[tokio::test(start_paused = true)]
 async fn no_queue_refuses_whatever_finds_every_place_taken() {
     let a = admission(1, 0, Duration::from_secs(60));
-    let held = a.admit().await.expect("a free place");
-    assert!(matches!(a.admit().await, Err(Refusal::QueueFull { .. })));
+    let held = a.admit(Claim::default()).await.expect("a free place");
+    assert!(matches!(
+        a.admit(Claim::default()).await,
+        Err(Refusal::QueueFull { .. })
+    ));
     drop(held);
-    assert!(a.admit().await.is_ok(), "the freed place is taken again");
+    assert!(
+        a.admit(Claim::default()).await.is_ok(),
+        "the freed place is taken again"
+    );
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_request_still_queued_at_the_timeout_is_refused() {
     let a = admission(1, 4, Duration::from_millis(500));
-    let _held = a.admit().await.expect("a free place");
+    let _held = a.admit(Claim::default()).await.expect("a free place");
     let started = tokio::time::Instant::now();
-    let refused = a.admit().await.expect_err("no place frees up");
+    let refused = a
+        .admit(Claim::default())
+        .await
+        .expect_err("no place frees up");
     assert_eq!(
         refused,
         Refusal::QueueTimeout {
@@ -125,9 +138,9 @@ async fn a_request_still_queued_at_the_timeout_is_refused() {
 #[tokio::test(start_paused = true)]
 async fn a_client_that_leaves_while_queued_leaves_the_queue() {
     let a = admission(1, 1, Duration::from_secs(60));
-    let held = a.admit().await.expect("a free place");
+    let held = a.admit(Claim::default()).await.expect("a free place");
     let a2 = Arc::clone(&a);
-    let waiter = tokio::spawn(async move { a2.admit().await.map(drop) });
+    let waiter = tokio::spawn(async move { a2.admit(Claim::default()).await.map(drop) });
     while a.metrics.queued.get() == 0 {
         tokio::task::yield_now().await;
     }
@@ -136,7 +149,7 @@ async fn a_client_that_leaves_while_queued_leaves_the_queue() {
     assert_eq!(a.metrics.queued.get(), 0);
     drop(held);
     let _next = a
-        .admit()
+        .admit(Claim::default())
         .await
         .expect("the place is not lost to the client that left");
     assert_eq!(a.metrics.in_flight.get(), 1);
@@ -151,7 +164,7 @@ async fn defaults_admit_32_concurrent_clients_without_waiting() {
     );
     let mut permits = Vec::new();
     for _ in 0..32 {
-        permits.push(a.admit().await.expect("admitted"));
+        permits.push(a.admit(Claim::default()).await.expect("admitted"));
     }
     assert_eq!(a.metrics.queued.get(), 0);
     assert_eq!(a.metrics.in_flight.get(), 32);
