@@ -56,8 +56,8 @@ impl Simulation<'_> {
         }
         let last_failure = request.last_failure;
         let delivered_before = request.delivered.len();
-        let plan = match self.plan(r, &prompt, remaining, number, last_failure) {
-            Ok(plan) => plan,
+        let (plan, predicted) = match self.plan(r, &prompt, remaining, number, last_failure) {
+            Ok(planned) => planned,
             Err(message) => return self.fail(r, message),
         };
         let route = route(&plan);
@@ -79,6 +79,7 @@ impl Simulation<'_> {
             holds_generator: true,
             holds_prefill: false,
             cached_tokens: None,
+            predicted,
         });
         self.hold(route.generator());
         match route {
@@ -107,7 +108,8 @@ impl Simulation<'_> {
     }
 
     /// The policy's plan for the attempt, validated against the snapshot it saw; on a fault,
-    /// the fallback's. Errors are what the client hears.
+    /// the fallback's; with the generating endpoint's `cached-prefix` in that snapshot (the
+    /// index's prediction, as the router records it). Errors are what the client hears.
     fn plan(
         &mut self,
         r: usize,
@@ -115,7 +117,7 @@ impl Simulation<'_> {
         max_tokens: u32,
         attempt: u32,
         last_failure: Option<Failure>,
-    ) -> Result<ValidPlan, String> {
+    ) -> Result<(ValidPlan, Option<u32>), String> {
         let request = PolicyRequest {
             id: r as u64,
             prompt,
@@ -140,7 +142,12 @@ impl Simulation<'_> {
             }
             planned => planned,
         };
-        planned.map_err(|e| e.to_string())
+        let plan = planned.map_err(|e| e.to_string())?;
+        let predicted = context
+            .endpoints
+            .get(plan.generator() as usize)
+            .and_then(|e| e.cached_prefix);
+        Ok((plan, predicted))
     }
 
     /// prep_recv on `decode` for `[0, end)` of the attempt's `prompt`, under the attempt's
@@ -531,9 +538,19 @@ impl Simulation<'_> {
         self.agenda.schedule(at, super::Event::Retry(r));
     }
 
-    /// Request `r` has its whole response.
+    /// Request `r` has its whole response; the index's prediction for its last attempt is
+    /// checked against what the engines served from cache.
     fn complete(&mut self, r: usize) {
-        let cached = self.attempt(r).and_then(|a| a.cached_tokens);
+        let page_size = self.cluster.page_size;
+        let Some(attempt) = self.attempt(r) else {
+            return self.end(r, None);
+        };
+        let (cached, predicted, prompt_len) =
+            (attempt.cached_tokens, attempt.predicted, attempt.prompt_len);
+        if let (Some(predicted), Some(cached)) = (predicted, cached) {
+            self.kv_predictions
+                .count(predicted as usize, cached, prompt_len, page_size);
+        }
         if let (Some(request), Some(cached)) = (self.requests[r].as_mut(), cached) {
             request.cached_tokens = Some(cached);
         }

@@ -166,6 +166,8 @@ pub(super) struct Attempt {
     pub holds_prefill: bool,
     /// Prompt tokens the engine that computed the prompt found in its cache.
     pub cached_tokens: Option<usize>,
+    /// The generator's `cached-prefix` in the snapshot the attempt was planned on.
+    pub predicted: Option<u32>,
 }
 
 /// How one request ended.
