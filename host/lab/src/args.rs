@@ -21,6 +21,8 @@ const MAX_ENGINES: u32 = 4096;
 const MAX_REQUESTS: u64 = 1_000_000;
 const MAX_SPEEDUP: f64 = 1e6;
 const MAX_TOKENS_PER_PROMPT: u32 = 1 << 20;
+/// The router's request timeout: an index later than that is no index.
+const MAX_KV_EVENTS_DELAY_MS: u64 = ROUTER_REQUEST_TIMEOUT.as_secs() * 1000;
 
 /// Replay a request trace on a simulated cluster, once per policy, and compare the policies.
 ///
@@ -112,6 +114,11 @@ pub struct LabArgs {
     /// policy sees the last one.
     #[arg(long, value_name = "MS", default_value_t = ROUTER_PROBE_INTERVAL.as_millis() as u64)]
     pub probe_interval_ms: u64,
+
+    /// How long after an engine publishes a step's KV events (at the step's end) the router's
+    /// index has them, in milliseconds: policies see `cached-prefix` that much later.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub kv_events_delay_ms: u64,
 
     /// Arrivals X times faster than recorded (2: twice the load).
     #[arg(long, value_name = "X", default_value_t = 1.0)]
@@ -272,6 +279,9 @@ impl LabArgs {
         check(self.probe_interval_ms > 0, || {
             "--probe-interval-ms must be positive".into()
         })?;
+        check(self.kv_events_delay_ms <= MAX_KV_EVENTS_DELAY_MS, || {
+            format!("--kv-events-delay-ms must be at most {MAX_KV_EVENTS_DELAY_MS}")
+        })?;
         let profile = Profile::by_name(&self.profile)
             .ok_or_else(|| LabError::Config(format!("unknown --profile {:?}", self.profile)))?;
         let engine = engine_defaults();
@@ -295,6 +305,7 @@ impl LabArgs {
             max_batch: engine.max_batch,
             reservation_ttl: Duration::from_millis(engine.reservation_ttl_ms),
             probe_interval: Duration::from_millis(self.probe_interval_ms),
+            kv_events_delay: Duration::from_millis(self.kv_events_delay_ms),
             retry: ROUTER_RETRY,
             request_timeout: ROUTER_REQUEST_TIMEOUT,
         })

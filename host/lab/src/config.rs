@@ -57,6 +57,9 @@ pub struct ClusterSpec {
     /// How often the router reads each engine's load (`running`, `waiting`, `kv-usage`):
     /// between probes a policy sees the last reading, as in production.
     pub probe_interval: Duration,
+    /// How long after an engine publishes a step's KV events (at the step's end) the router's
+    /// index has them: the wire and the router's subscriber.
+    pub kv_events_delay: Duration,
     pub retry: RetryRules,
     /// From arrival to the end of the response, over every attempt.
     pub request_timeout: Duration,

@@ -70,7 +70,7 @@ pub use config::{
 };
 pub use policies::{Planners, SimClock};
 pub use report::{LabReport, PolicyReport, to_json, write_table};
-pub use sim::{Ended, EngineStats, SimResult, Transfers, simulate};
+pub use sim::{Ended, EngineStats, KvPredictions, SimResult, Transfers, simulate};
 
 /// Why a lab run could not be done.
 #[derive(Debug, thiserror::Error)]

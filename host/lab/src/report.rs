@@ -114,6 +114,12 @@ pub fn to_json(config: &LabConfig, report: &LabReport) -> Value {
                 fields.entry(key).or_insert(value);
             }
             fields.insert("policy_faults".into(), json!(p.sim.policy_faults));
+            let predictions = &p.sim.kv_predictions;
+            fields.insert("prefix_predictions".into(), json!(predictions.made));
+            fields.insert(
+                "prefix_prediction_accuracy".into(),
+                json!(predictions.accuracy()),
+            );
             fields.insert("kv_transfers".into(), json!(p.sim.transfers.completed));
             fields.insert("kv_moved_tokens".into(), json!(p.sim.transfers.tokens));
             fields.insert("kv_moved_bytes".into(), json!(p.sim.transfers.bytes));
@@ -155,6 +161,7 @@ pub fn to_json(config: &LabConfig, report: &LabReport) -> Value {
             "page_size": cluster.page_size,
             "prefix_cache": cluster.prefix_cache,
             "probe_interval_ms": cluster.probe_interval.as_millis() as u64,
+            "kv_events_delay_ms": cluster.kv_events_delay.as_millis() as u64,
         },
         "fallback_policy": config.fallback.as_ref().map(|f| f.name.clone()),
         "slo_ttft_ms": config.slo.map(|s| s.ttft_ms),
@@ -235,6 +242,11 @@ const ROWS: &[Row] = &[
     Row {
         title: "prefix hit rate",
         value: |p| p.metrics.prefix_hit_rate.unwrap_or(0.0),
+        format: Format::Share,
+    },
+    Row {
+        title: "prefix prediction accuracy",
+        value: |p| p.sim.kv_predictions.accuracy().unwrap_or(0.0),
         format: Format::Share,
     },
     Row {

@@ -25,8 +25,11 @@
 mod attempt;
 mod audit;
 mod engine;
+mod kv;
 mod queue;
 mod request;
+#[cfg(test)]
+mod tests;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,9 +46,11 @@ use crate::config::ClusterSpec;
 use crate::policies::{Planners, SimClock};
 use audit::Audit;
 use engine::{Engine, Leg, Load, Waiter};
+use kv::{KvView, Published};
 use queue::Agenda;
 use request::Request;
 
+pub use kv::KvPredictions;
 pub use request::Ended;
 
 /// What happens at a point of virtual time.
@@ -70,6 +75,8 @@ enum Event {
     Deadline(usize),
     /// The router reads every engine's load.
     Probe,
+    /// The oldest batch of KV events in transit reaches the router's index.
+    KvEventsArrive,
 }
 
 /// Everything one simulation produced.
@@ -84,6 +91,8 @@ pub struct SimResult {
     pub transfers: Transfers,
     /// Attempts the policy faulted on (the fallback, if any, planned them).
     pub policy_faults: u64,
+    /// How well the index's `cached-prefix` foretold what engines served from cache.
+    pub kv_predictions: KvPredictions,
     /// Every broken invariant, described (none, unless the lab has a bug).
     pub violations: Vec<String>,
 }
@@ -133,6 +142,9 @@ struct Simulation<'a> {
     engines: Vec<Engine>,
     /// The endpoints as policies see them, their load filled in per call.
     endpoints: Vec<EndpointSnapshot>,
+    /// The router's index of the caches, with prefix caches on.
+    kv: Option<KvView>,
+    kv_predictions: KvPredictions,
     /// Requests in flight, by replay index.
     requests: Vec<Option<Request>>,
     outcomes: Vec<Option<(RequestOutcome, Ended)>>,
@@ -155,10 +167,13 @@ impl<'a> Simulation<'a> {
         seed: u64,
         progress: &'a ProgressBar,
     ) -> Self {
-        let engines = cluster
-            .roles
-            .iter()
-            .map(|_| Engine::new(Core::new(cluster.core_config(), Backend::costless())))
+        // Each engine's block hashes chain from a seed of its own, as each engine process draws
+        // one; the index keys blocks by their tokens, whatever the hashes.
+        let engines = (0..cluster.engines())
+            .map(|e| {
+                let core = Core::new(cluster.core_config(), Backend::costless());
+                Engine::new(core.with_kv_events(seed ^ e as u64))
+            })
             .collect();
         let endpoints = cluster
             .roles
@@ -184,6 +199,10 @@ impl<'a> Simulation<'a> {
             agenda: Agenda::default(),
             engines,
             endpoints,
+            kv: cluster
+                .prefix_cache
+                .then(|| KvView::new(cluster.engines(), cluster.kv_events_delay)),
+            kv_predictions: KvPredictions::default(),
             requests: std::iter::repeat_with(|| None)
                 .take(arrivals.len())
                 .collect(),
@@ -201,18 +220,25 @@ impl<'a> Simulation<'a> {
     }
 
     fn run(mut self) -> SimResult {
-        self.agenda.schedule(Time::ZERO, Event::Probe);
-        self.schedule_arrival(0);
-        while !self.all_ended() {
-            // Every request in flight has its deadline on the agenda.
-            let Some((at, event)) = self.agenda.pop() else {
-                break;
-            };
-            self.advance(at);
-            self.handle(event);
-        }
+        self.start();
+        // Every request in flight has its deadline on the agenda.
+        while !self.all_ended() && self.next_event().is_some() {}
         self.settle();
         self.finish()
+    }
+
+    /// The first probe and the first arrival go on the agenda.
+    fn start(&mut self) {
+        self.agenda.schedule(Time::ZERO, Event::Probe);
+        self.schedule_arrival(0);
+    }
+
+    /// Takes the earliest event on the agenda, if there is one, and says which it was.
+    fn next_event(&mut self) -> Option<Event> {
+        let (at, event) = self.agenda.pop()?;
+        self.advance(at);
+        self.handle(event);
+        Some(event)
     }
 
     fn advance(&mut self, at: Time) {
@@ -270,6 +296,11 @@ impl<'a> Simulation<'a> {
                     self.agenda.schedule(next, Event::Probe);
                 }
             }
+            Event::KvEventsArrive => {
+                if let Some(kv) = self.kv.as_mut() {
+                    kv.arrive();
+                }
+            }
         }
     }
 
@@ -284,7 +315,10 @@ impl<'a> Simulation<'a> {
             }
             if matches!(
                 event,
-                Event::Turn { .. } | Event::StepEnd(_) | Event::TransferDone { .. }
+                Event::Turn { .. }
+                    | Event::StepEnd(_)
+                    | Event::TransferDone { .. }
+                    | Event::KvEventsArrive
             ) {
                 self.advance(at);
                 self.handle(event);
@@ -400,9 +434,19 @@ impl<'a> Simulation<'a> {
                         self.poke(e);
                     }
                 },
-                // The lab's cores are not built with_kv_events: snapshots read the caches.
-                Output::KvEvents(_) => {}
+                Output::KvEvents(events) => self.publish(e, events),
             }
+        }
+    }
+
+    /// Engine `e` publishes its step's KV events: the index has them now, or after the delay.
+    fn publish(&mut self, e: usize, events: Vec<switchyard_wire::kv_events::Event>) {
+        let Some(kv) = self.kv.as_mut() else {
+            return;
+        };
+        if let Published::InTransit(delay) = kv.publish(e, events) {
+            self.agenda
+                .schedule(self.now + delay, Event::KvEventsArrive);
         }
     }
 
@@ -414,20 +458,22 @@ impl<'a> Simulation<'a> {
     }
 
     /// The endpoints as the router would show them now to an attempt sending `prompt`:
-    /// in-flight counts and pending prefill tokens exact, the engines' load as last probed, and with prefix caches on,
-    /// how much of `prompt` each engine's cache holds (what the router's KV index learns
-    /// from the engines' events; here read from the caches themselves, so never stale).
+    /// in-flight counts and pending prefill tokens exact, the engines' load as last probed,
+    /// and with prefix caches on, how much of `prompt` each engine's cache holds as the
+    /// router's KV index knows it (from the events published so far: `kv`).
     fn snapshot(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
+        let cached = self.kv.as_ref().map(|kv| kv.cached_prefixes(prompt));
         self.endpoints
             .iter()
             .zip(&self.engines)
-            .map(|(endpoint, engine)| EndpointSnapshot {
+            .enumerate()
+            .map(|(e, (endpoint, engine))| EndpointSnapshot {
                 in_flight: engine.in_flight,
                 pending_prefill: engine.pending_prefill,
                 kv_usage: Some(engine.probed.kv_usage),
                 running: Some(engine.probed.running),
                 waiting: Some(engine.probed.waiting),
-                cached_prefix: self.cached_prefix(engine, prompt),
+                cached_prefix: cached.as_ref().map(|c| c[e]),
                 ..endpoint.clone()
             })
             .collect()
@@ -435,12 +481,6 @@ impl<'a> Simulation<'a> {
 
     /// What the router's KV index says `engine`'s cache holds of `prompt`: none without
     /// prefix caches.
-    fn cached_prefix(&self, engine: &Engine, prompt: &[u32]) -> Option<u32> {
-        self.cluster
-            .prefix_cache
-            .then(|| u32::try_from(engine.core.cached_prefix(prompt)).unwrap_or(u32::MAX))
-    }
-
     fn finish(mut self) -> SimResult {
         self.audit
             .at_end(&self.engines, &self.transfers, self.cluster);
@@ -470,6 +510,7 @@ impl<'a> Simulation<'a> {
                 .collect(),
             transfers: self.transfers,
             policy_faults: self.policy_faults,
+            kv_predictions: self.kv_predictions,
             violations: self.audit.into_violations(),
         }
     }

@@ -26,7 +26,7 @@ mod runs;
 
 /// Forwards each request to the endpoint serving alone with the fewest legs in flight.
 #[derive(Debug, Default)]
-struct LeastLoaded {
+pub(crate) struct LeastLoaded {
     outcomes: Mutex<Vec<Outcome>>,
 }
 
@@ -110,7 +110,7 @@ impl Planner for Split {
 
 /// A seeded conversation trace: sessions of 3 turns sharing group prefixes, `requests` of
 /// them at `rate` per second.
-fn synthetic(seed: u64, requests: usize, rate: f64) -> Trace {
+pub(crate) fn synthetic(seed: u64, requests: usize, rate: f64) -> Trace {
     Trace::synthetic(&SynthConfig {
         seed,
         requests,
@@ -131,7 +131,7 @@ fn synthetic(seed: u64, requests: usize, rate: f64) -> Trace {
 
 /// A cluster of `roles` speaking `protocol` on the llama3-8b-h100 profile, `kv_pages` pages of
 /// 16 per engine.
-fn cluster(protocol: Protocol, roles: Vec<Role>, kv_pages: u32) -> ClusterSpec {
+pub(crate) fn cluster(protocol: Protocol, roles: Vec<Role>, kv_pages: u32) -> ClusterSpec {
     let latency = Latency {
         profile: Profile::LLAMA3_8B_H100,
         time_scale: 1.0,
@@ -149,6 +149,7 @@ fn cluster(protocol: Protocol, roles: Vec<Role>, kv_pages: u32) -> ClusterSpec {
         max_batch: engine.max_batch,
         reservation_ttl: Duration::from_millis(engine.reservation_ttl_ms),
         probe_interval: config::ROUTER_PROBE_INTERVAL,
+        kv_events_delay: Duration::ZERO,
         retry: config::ROUTER_RETRY,
         request_timeout: config::ROUTER_REQUEST_TIMEOUT,
     }

@@ -56,10 +56,11 @@ impl Simulation<'_> {
         }
         let last_failure = request.last_failure;
         let delivered_before = request.delivered.len();
-        let plan = match self.plan(r, &prompt, remaining, number, last_failure) {
-            Ok(plan) => plan,
+        let (plan, cached) = match self.plan(r, &prompt, remaining, number, last_failure) {
+            Ok(planned) => planned,
             Err(message) => return self.fail(r, message),
         };
+        let predicted = cached.get(plan.generator() as usize).copied().flatten();
         let route = route(&plan);
         let Some(request) = self.requests[r].as_mut() else {
             return;
@@ -80,6 +81,8 @@ impl Simulation<'_> {
             holds_prefill: false,
             cached_tokens: None,
             prefilling: Vec::new(),
+            predicted,
+            cached,
         });
         self.hold(route.generator());
         // What the router counts as pending prefill from the moment it sends the legs.
@@ -92,9 +95,9 @@ impl Simulation<'_> {
                 decode: e,
                 send: None,
                 ..
-            } => self.prefilling(r, e, &prompt, 0, len),
+            } => self.prefilling(r, e, 0, len),
             // P's window is counted when its remote_send goes out; D computes the rest.
-            Route::Mlc { decode, end, .. } => self.prefilling(r, decode, &prompt, end, len),
+            Route::Mlc { decode, end, .. } => self.prefilling(r, decode, end, len),
         }
         match route {
             Route::Forward { engine } => {
@@ -122,7 +125,8 @@ impl Simulation<'_> {
     }
 
     /// The policy's plan for the attempt, validated against the snapshot it saw; on a fault,
-    /// the fallback's. Errors are what the client hears.
+    /// the fallback's; with the generating endpoint's `cached-prefix` in that snapshot (the
+    /// index's prediction, as the router records it). Errors are what the client hears.
     fn plan(
         &mut self,
         r: usize,
@@ -130,7 +134,7 @@ impl Simulation<'_> {
         max_tokens: u32,
         attempt: u32,
         last_failure: Option<Failure>,
-    ) -> Result<ValidPlan, String> {
+    ) -> Result<(ValidPlan, Vec<Option<u32>>), String> {
         let request = PolicyRequest {
             id: r as u64,
             prompt,
@@ -156,7 +160,9 @@ impl Simulation<'_> {
             }
             planned => planned,
         };
-        planned.map_err(|e| e.to_string())
+        let plan = planned.map_err(|e| e.to_string())?;
+        let cached = context.endpoints.iter().map(|e| e.cached_prefix).collect();
+        Ok((plan, cached))
     }
 
     /// prep_recv on `decode` for `[0, end)` of the attempt's `prompt`, under the attempt's
@@ -234,13 +240,15 @@ impl Simulation<'_> {
         id
     }
 
-    /// Counts the tokens of `prompt[begin..end]` engine `e` computes itself (past what its
-    /// cache holds) as pending prefill there, for attempt `r`, until [`Self::prefilled`] or the
-    /// attempt's end: the router's `Prefilling` guard.
-    fn prefilling(&mut self, r: usize, e: usize, prompt: &[u32], begin: usize, end: usize) {
-        let cached = self.cached_prefix(&self.engines[e], prompt).unwrap_or(0) as usize;
-        let tokens = u32::try_from(end - cached.max(begin).min(end)).unwrap_or(u32::MAX);
+    /// Counts the tokens `[begin, end)` of attempt `r`'s prompt that engine `e` computes itself
+    /// (past what its cache held when the attempt was planned) as pending prefill there, until
+    /// [`Self::prefilled`] or the attempt's end: the router's `Prefilling` guard.
+    fn prefilling(&mut self, r: usize, e: usize, begin: usize, end: usize) {
         if let Some(a) = self.attempt(r) {
+            // What the snapshot the attempt was planned on said `e` holds, as the router's
+            // guards count it (not the cache as it is by now).
+            let cached = a.cached.get(e).copied().flatten().unwrap_or(0) as usize;
+            let tokens = u32::try_from(end - cached.max(begin).min(end)).unwrap_or(u32::MAX);
             a.prefilling.push((e, tokens));
             self.engines[e].pending_prefill += tokens;
         }
@@ -374,7 +382,7 @@ impl Simulation<'_> {
                 let mut tokens = request.continued_prompt();
                 tokens.truncate(end);
                 self.hold_prefill(r, prefill);
-                self.prefilling(r, prefill, &tokens, 0, end);
+                self.prefilling(r, prefill, 0, end);
                 let id = self.engines[prefill].core.prefill_for_send(tokens, begin);
                 let id = self.wait(prefill, id, r, number, Leg::SendPrefill);
                 if let Some(a) = self.attempt(r) {
@@ -591,9 +599,19 @@ impl Simulation<'_> {
         self.agenda.schedule(at, super::Event::Retry(r));
     }
 
-    /// Request `r` has its whole response.
+    /// Request `r` has its whole response; the index's prediction for its last attempt is
+    /// checked against what the engines served from cache.
     fn complete(&mut self, r: usize) {
-        let cached = self.attempt(r).and_then(|a| a.cached_tokens);
+        let page_size = self.cluster.page_size;
+        let Some(attempt) = self.attempt(r) else {
+            return self.end(r, None);
+        };
+        let (cached, predicted, prompt_len) =
+            (attempt.cached_tokens, attempt.predicted, attempt.prompt_len);
+        if let (Some(predicted), Some(cached)) = (predicted, cached) {
+            self.kv_predictions
+                .count(predicted as usize, cached, prompt_len, page_size);
+        }
         if let (Some(request), Some(cached)) = (self.requests[r].as_mut(), cached) {
             request.cached_tokens = Some(cached);
         }

@@ -90,11 +90,15 @@ fn the_same_seed_gives_byte_identical_json() {
             "p99_e2el_ms",
             "prefix_hit_rate",
             "preemptions",
+            "prefix_prediction_accuracy",
         ] {
             assert!(policy[field].is_number(), "{name}.{field}: {policy}");
         }
-        let hit = policy["prefix_hit_rate"].as_f64().unwrap();
-        assert!((0.0..=1.0).contains(&hit), "{hit}");
+        for share in ["prefix_hit_rate", "prefix_prediction_accuracy"] {
+            let share = policy[share].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&share), "{share}");
+        }
+        assert_eq!(policy["prefix_predictions"], 80, "{policy}");
         assert_eq!(policy["completed"], 80, "{policy}");
     }
     // round-robin forwards (no KV moves), disagg hands every prompt over.
