@@ -69,6 +69,16 @@ impl ValidPlan {
             | ValidPlan::Sglang { decode, .. } => *decode,
         }
     }
+
+    /// The endpoint that computes prompt KV for the generator, when another one does: a
+    /// handoff's prefill endpoint, or the source of MLC's `remote-send` (none without one).
+    pub fn prefiller(&self) -> Option<EndpointId> {
+        match self {
+            ValidPlan::Forward { .. } => None,
+            ValidPlan::Disagg { remote_send, .. } => remote_send.map(|send| send.prefill),
+            ValidPlan::Vllm { prefill, .. } | ValidPlan::Sglang { prefill, .. } => Some(*prefill),
+        }
+    }
 }
 
 /// Check `plan` for a prompt of `prompt_len` tokens against `endpoints` (ordered by id).

@@ -837,18 +837,7 @@ fn report(req: &RouteRequest, st: &State, status: OutcomeStatus) {
 
 /// The endpoints a plan sends the prompt to: every one of them caches its blocks.
 fn served_by(plan: &ValidPlan) -> impl Iterator<Item = EndpointId> {
-    let (first, second) = match *plan {
-        ValidPlan::Forward { endpoint } => (endpoint, None),
-        ValidPlan::Disagg {
-            decode,
-            remote_send,
-            ..
-        } => (decode, remote_send.map(|send| send.prefill)),
-        ValidPlan::Vllm { prefill, decode } | ValidPlan::Sglang { prefill, decode } => {
-            (decode, Some(prefill))
-        }
-    };
-    std::iter::once(first).chain(second)
+    std::iter::once(plan.generator()).chain(plan.prefiller())
 }
 
 fn failure_of(error: &ExecError) -> Failure {

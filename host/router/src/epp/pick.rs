@@ -156,17 +156,7 @@ fn least_loaded(state: &Arc<AppState>, req: &Request) -> Result<Pick, ApiError> 
 /// MLC's disaggregated plan is a handoff too when it sends KV: the decode endpoint's sidecar
 /// runs the prefill.
 fn legs(plan: &ValidPlan) -> (EndpointId, Option<EndpointId>) {
-    match *plan {
-        ValidPlan::Forward { endpoint } => (endpoint, None),
-        ValidPlan::Disagg {
-            decode,
-            remote_send,
-            ..
-        } => (decode, remote_send.map(|send| send.prefill)),
-        ValidPlan::Vllm { prefill, decode } | ValidPlan::Sglang { prefill, decode } => {
-            (decode, Some(prefill))
-        }
-    }
+    (plan.generator(), plan.prefiller())
 }
 
 /// Endpoints outside the gateway's subset are shown to the policy as draining: it may not
