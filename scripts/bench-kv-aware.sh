@@ -67,31 +67,7 @@ mkdir -p "$OUT/logs" "$OUT/plugins"
 cp plugins/kv-aware.wasm plugins/round-robin.wasm "$OUT/plugins/"
 cp "$AFFINITY" "$OUT/plugins/affinity.wasm"
 
-
-PIDS=()
-stop_all() {
-    local pid
-    for pid in "${PIDS[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${PIDS[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    PIDS=()
-}
-trap stop_all EXIT
-trap 'exit 130' INT TERM
-
-# wait_ok URL: poll until URL answers 2xx, for at most 30 s.
-wait_ok() {
-    local url=$1 i
-    for ((i = 0; i < 300; i++)); do
-        curl -sf -o /dev/null --max-time 1 "$url" && return 0
-        sleep 0.1
-    done
-    echo "$url did not become ready within 30 s (logs in $OUT/logs)" >&2
-    return 1
-}
+source scripts/lib.sh
 
 # start_engines NAME: ENGINES engines, each a TCP KV peer of every other one.
 start_engines() {

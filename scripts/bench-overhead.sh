@@ -53,33 +53,9 @@ done
 command -v curl >/dev/null || { echo "curl is needed to wait for readiness" >&2; exit 1; }
 mkdir -p "$OUT/logs"
 
-PIDS=()
+source scripts/lib.sh
+# The router's pid, set each time a scenario starts one (`switchyard bench --router-pid`).
 ROUTER_PID=
-
-stop_all() {
-    local pid
-    for pid in "${PIDS[@]}"; do
-        kill "$pid" 2>/dev/null || true
-    done
-    for pid in "${PIDS[@]}"; do
-        wait "$pid" 2>/dev/null || true
-    done
-    PIDS=()
-    ROUTER_PID=
-}
-trap stop_all EXIT
-trap 'exit 130' INT TERM
-
-# wait_ok URL: poll until URL answers 2xx, for at most 30 s.
-wait_ok() {
-    local url=$1 i
-    for ((i = 0; i < 300; i++)); do
-        curl -sf -o /dev/null --max-time 1 "$url" && return 0
-        sleep 0.1
-    done
-    echo "$url did not become ready within 30 s (logs in $OUT/logs)" >&2
-    return 1
-}
 
 # start_engines NAME PROFILE [EXTRA ENGINE ARGS...]: two engines that move KV to each other
 # over TCP (device ranks 0 and 1).

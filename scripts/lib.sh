@@ -1,0 +1,30 @@
+# Process handling the benchmark scripts share: `source "scripts/lib.sh"` from the repository
+# root, after setting OUT (where the logs go). Every process a script starts goes into PIDS;
+# stop_all ends them all, on exit too.
+
+PIDS=()
+
+# stop_all: end every process in PIDS and wait for each, so the next scenario's ports are free.
+stop_all() {
+    local pid
+    for pid in "${PIDS[@]}"; do
+        kill "$pid" 2>/dev/null || true
+    done
+    for pid in "${PIDS[@]}"; do
+        wait "$pid" 2>/dev/null || true
+    done
+    PIDS=()
+}
+trap stop_all EXIT
+trap 'exit 130' INT TERM
+
+# wait_ok URL: poll until URL answers 2xx, for at most 30 s.
+wait_ok() {
+    local url=$1 i
+    for ((i = 0; i < 300; i++)); do
+        curl -sf -o /dev/null --max-time 1 "$url" && return 0
+        sleep 0.1
+    done
+    echo "$url did not become ready within 30 s (logs in $OUT/logs)" >&2
+    return 1
+}
