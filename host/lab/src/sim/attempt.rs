@@ -60,7 +60,6 @@ impl Simulation<'_> {
             Ok(planned) => planned,
             Err(message) => return self.fail(r, message),
         };
-        let predicted = cached.get(plan.generator() as usize).copied().flatten();
         let route = route(&plan);
         let Some(request) = self.requests[r].as_mut() else {
             return;
@@ -81,7 +80,6 @@ impl Simulation<'_> {
             holds_prefill: false,
             cached_tokens: None,
             prefilling: Vec::new(),
-            predicted,
             cached,
         });
         self.hold(route.generator());
@@ -606,8 +604,13 @@ impl Simulation<'_> {
         let Some(attempt) = self.attempt(r) else {
             return self.end(r, None);
         };
-        let (cached, predicted, prompt_len) =
-            (attempt.cached_tokens, attempt.predicted, attempt.prompt_len);
+        // The prediction for the generator, from the snapshot the attempt was planned on.
+        let predicted = attempt
+            .cached
+            .get(attempt.route.generator())
+            .copied()
+            .flatten();
+        let (cached, prompt_len) = (attempt.cached_tokens, attempt.prompt_len);
         if let (Some(predicted), Some(cached)) = (predicted, cached) {
             self.kv_predictions
                 .count(predicted as usize, cached, prompt_len, page_size);

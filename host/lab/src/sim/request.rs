@@ -169,10 +169,9 @@ pub(super) struct Attempt {
     /// `(engine, tokens)`: prompt tokens counted in an engine's pending prefill until that
     /// prefill ends, as the router's `Prefilling` guards count them.
     pub prefilling: Vec<(usize, u32)>,
-    /// The generator's `cached-prefix` in the snapshot the attempt was planned on.
-    pub predicted: Option<u32>,
-    /// Each endpoint's `cached-prefix` in that snapshot (by engine): what the router's
-    /// pending-prefill guards count as already held.
+    /// Each endpoint's `cached-prefix` in the snapshot the attempt was planned on (by engine):
+    /// the generator's is the index's prediction, and the router's pending-prefill guards count
+    /// them as already held.
     pub cached: Vec<Option<u32>>,
 }
 
