@@ -39,9 +39,11 @@
 mod index;
 mod key;
 mod medium;
+mod prediction;
 mod stats;
 
 pub use index::{BatchProgress, DEFAULT_BLOCKS_PER_ENDPOINT, KvIndex, PrefixMatch};
 pub use key::{Adapter, BlockKey, prompt_keys};
 pub use medium::{Medium, MediumSet};
+pub use prediction::prediction_hit;
 pub use stats::EndpointStats;

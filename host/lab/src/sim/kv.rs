@@ -98,15 +98,11 @@ pub struct KvPredictions {
 
 impl KvPredictions {
     /// Counts the prediction `predicted` of an attempt's `prompt_len`-token prompt against the
-    /// `cached` tokens its engine reported serving from cache, with `page_size`-token pages:
-    /// a hit when they agree in whole pages. An engine computes the prompt's last token itself,
-    /// so it reports at most the pages before it: a prediction of more counts as that much (the
-    /// router's rule, `KvCache::prediction_hit`).
+    /// `cached` tokens its engine reported serving from cache, with `page_size`-token pages, by
+    /// the router's rule ([`switchyard_kv_index::prediction_hit`]).
     pub fn count(&mut self, predicted: usize, cached: usize, prompt_len: usize, page_size: usize) {
-        let whole = |tokens: usize| tokens - tokens % page_size.max(1);
-        let reportable = whole(prompt_len.saturating_sub(1));
         self.made += 1;
-        if predicted.min(reportable) == whole(cached) {
+        if switchyard_kv_index::prediction_hit(predicted, cached, prompt_len, page_size) {
             self.hits += 1;
         }
     }

@@ -117,10 +117,8 @@ impl KvCache {
     }
 
     /// Whether `predicted`, `id`'s cached prefix of an attempt's `prompt_len`-token prompt, is
-    /// what its engine then reported having cached: `cached` rounded down to a block (an
-    /// engine may count tokens of a partial block that no event announces). An engine computes
-    /// the last prompt token itself (vLLM, SGLang, the reference engine), so it reports at most
-    /// the whole blocks before it: a prediction of more counts as that much.
+    /// what its engine then reported having cached, in whole blocks of `id`'s size
+    /// ([`switchyard_kv_index::prediction_hit`]).
     pub(super) fn prediction_hit(
         &self,
         id: EndpointId,
@@ -128,9 +126,12 @@ impl KvCache {
         cached: u32,
         prompt_len: u32,
     ) -> bool {
-        let block_size = self.block_size(id);
-        let reportable = whole_blocks(prompt_len.saturating_sub(1), block_size);
-        predicted.min(reportable) == whole_blocks(cached, block_size)
+        switchyard_kv_index::prediction_hit(
+            predicted as usize,
+            cached as usize,
+            prompt_len as usize,
+            self.block_size(id),
+        )
     }
 
     /// `id`'s block size as its events say, or vLLM's default before it published a block.
@@ -181,12 +182,6 @@ impl KvCache {
     pub(super) fn heap_bytes(&self) -> usize {
         self.index.read().heap_bytes()
     }
-}
-
-/// `tokens` rounded down to a multiple of `block_size`.
-fn whole_blocks(tokens: u32, block_size: usize) -> u32 {
-    let block_size = u32::try_from(block_size.max(1)).unwrap_or(u32::MAX);
-    tokens - tokens % block_size
 }
 
 impl std::fmt::Debug for KvCache {
