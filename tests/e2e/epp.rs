@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -23,7 +22,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value as PbValue, value::Kind};
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, EppProcess, free_port, venv_tool};
+use switchyard_tests::{EngineProcess, EnvoyProcess, EppProcess, free_port};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::pb::HealthCheckRequest;
@@ -473,7 +472,8 @@ async fn the_epp_speaks_ext_proc_at_its_edges() {
 
 /// Envoy as a child process, killed when dropped.
 struct Envoy {
-    child: Child,
+    /// First, so Envoy stops before its config directory goes.
+    _process: EnvoyProcess,
     /// `http://127.0.0.1:PORT`
     url: String,
     /// The listener that sets the subset hint.
@@ -497,18 +497,10 @@ impl Envoy {
         let log = dir.path().join("access.log");
         std::fs::write(&config, envoy_config(ports, epp, subset, &log).to_string())
             .expect("write the Envoy config");
-        let child = Command::new(venv_tool("envoy"))
-            .arg("--config-path")
-            .arg(&config)
-            .args(["--disable-hot-restart", "--concurrency", "1"])
-            // The access log is the test's record of where each request went.
-            .args(["--file-flush-interval-msec", "20", "--log-level", "error"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start envoy");
+        // The access log is the test's record of where each request went.
+        let process = EnvoyProcess::spawn(&config, &["--file-flush-interval-msec", "20"]);
         let envoy = Envoy {
-            child,
+            _process: process,
             url: format!("http://127.0.0.1:{}", ports.gateway),
             hinted: format!("http://127.0.0.1:{}", ports.hinted),
             log,
@@ -550,13 +542,6 @@ impl Envoy {
         })
         .await;
         line
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

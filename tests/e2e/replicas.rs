@@ -8,12 +8,11 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, RouterProcess, free_port, venv_tool};
+use switchyard_tests::{EngineProcess, EnvoyProcess, RouterProcess, free_port};
 
 use crate::examples::built_example;
 use crate::faults::{Answer, Load, SLOW, Truth, let_run, reservations_expired, wait_engines_idle};
@@ -30,7 +29,8 @@ const ROUTER_IN_FLIGHT: &str = "switchyard_admission_in_flight";
 
 /// Envoy as a child process, killed when dropped.
 struct Envoy {
-    child: Child,
+    /// First, so Envoy stops before its config directory goes.
+    _process: EnvoyProcess,
     /// `http://127.0.0.1:PORT`
     url: String,
     /// Its admin interface (stats), on another port.
@@ -47,17 +47,8 @@ impl Envoy {
         let config = dir.path().join("envoy.json");
         std::fs::write(&config, envoy_config(port, admin, upstreams).to_string())
             .expect("write the Envoy config");
-        let child = Command::new(venv_tool("envoy"))
-            .arg("--config-path")
-            .arg(&config)
-            .args(["--disable-hot-restart", "--concurrency", "1", "--log-level"])
-            .arg("error")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start envoy");
         let envoy = Envoy {
-            child,
+            _process: EnvoyProcess::spawn(&config, &[]),
             url: format!("http://127.0.0.1:{port}"),
             admin: format!("http://127.0.0.1:{admin}"),
             _config: dir,
@@ -89,13 +80,6 @@ impl Envoy {
         text.lines()
             .find_map(|line| line.strip_prefix(&format!("{stat}: "))?.parse().ok())
             .unwrap_or_else(|| panic!("no {stat} in {text:?}"))
-    }
-}
-
-impl Drop for Envoy {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

