@@ -9,7 +9,8 @@
 # `make bench-peers` builds them first.
 #
 # Knobs: ROUNDS (3), WRK_SECONDS (5), BENCH_SECONDS (3), BASE_PORT (18300, 20 ports from it),
-# SKIP=name,name (targets to leave out; `pd`: the vLLM P/D comparison), OUT (target/bench-peers), BASE_BIN (another switchyard
+# SKIP=name,name (targets to leave out; `pd`: the vLLM P/D comparison; `closes`: the
+# engine-closes-connections pass), OUT (target/bench-peers), BASE_BIN (another switchyard
 # binary, run beside BIN as "switchyard-base": before/after in one run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -53,12 +54,21 @@ mkdir -p "$OUT"
     echo "uptime before: $(uptime)"
 } | tee "$OUT/machine.txt"
 python3 scripts/bench_peers.py "$OUT"
+# The wrk loads again with the null engine closing each connection after 1,000 requests and idle
+# ones after 5 s (nginx's and uvicorn's habits): the routers' reconnects cost what they cost.
+# SKIP=closes leaves it out.
+if [[ ,${SKIP:-}, != *,closes,* ]]; then
+    ENGINE_CLOSES=1 LOADS=wrk python3 scripts/bench_peers.py "$OUT/engine-closes"
+fi
 # Then vLLM's P/D mode: switchyard's handoff against vllm-router's, in front of two reference
 # engines speaking vLLM's protocol (scripts/bench_pd_peers.py; SKIP=pd leaves it out).
 if [[ ,${SKIP:-}, != *,pd,* ]]; then
     python3 scripts/bench_pd_peers.py "$OUT"
 fi
 cat "$OUT/machine.txt" "$OUT/summary.md" >"$OUT/summary.tmp" && mv "$OUT/summary.tmp" "$OUT/summary.md"
+if [[ -f $OUT/engine-closes/summary.md && ,${SKIP:-}, != *,closes,* ]]; then
+    { echo; echo "Engine closes connections:"; cat "$OUT/engine-closes/summary.md"; } >>"$OUT/summary.md"
+fi
 if [[ -f $OUT/pd-summary.md && ,${SKIP:-}, != *,pd,* ]]; then
     { echo; cat "$OUT/pd-summary.md"; } >>"$OUT/summary.md"
 fi

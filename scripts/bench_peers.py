@@ -65,6 +65,14 @@ VENV_SMG = os.environ.get("VENV_SMG", "target/bench-peers/venv-smg")
 BASE_BIN = os.environ.get("BASE_BIN")
 # Targets to leave out, comma-separated names (e.g. SKIP=sglang-router).
 SKIP = set(filter(None, os.environ.get("SKIP", "").split(",")))
+# Loads to run, comma-separated name prefixes (e.g. LOADS=wrk); all when unset.
+LOAD_PREFIXES = tuple(filter(None, os.environ.get("LOADS", "").split(",")))
+# ENGINE_CLOSES=1: the responder closes each connection after 1,000 requests and idle ones after
+# 5 s, as nginx does by default and uvicorn (vLLM's and SGLang's server) does with idle ones, so
+# the routers' reconnects are measured too. Unset: it keeps every connection open.
+ENGINE_CLOSES = os.environ.get("ENGINE_CLOSES") == "1"
+ENGINE_KEEPALIVE = ("keepalive_requests 1000; keepalive_timeout 5s;" if ENGINE_CLOSES
+                    else "keepalive_requests 1000000;")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -89,12 +97,14 @@ http {{
         return common + f"""
     server {{
         listen 127.0.0.1:{port("null-json")};
+        {ENGINE_KEEPALIVE}
         location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
         location = /metrics {{ default_type text/plain; return 200 ''; }}
         location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
     }}
     server {{
         listen 127.0.0.1:{port("null-sse")};
+        {ENGINE_KEEPALIVE}
         location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
         location = /metrics {{ default_type text/plain; return 200 ''; }}
         location / {{ default_type text/event-stream; return 200 '{SSE}'; }}
@@ -347,8 +357,9 @@ def proc_for(fleet: Fleet, target: str, kind: str) -> Proc:
 def measure(fleet: Fleet, out: Path) -> list[dict]:
     runs = []
     targets = [t for t in TARGETS if t not in SKIP]
+    loads = [entry for entry in LOADS if not LOAD_PREFIXES or entry[0].startswith(LOAD_PREFIXES)]
     for round_no in range(1, ROUNDS + 1):
-        for load, kind, run in LOADS:
+        for load, kind, run in loads:
             for target in targets:
                 proc = proc_for(fleet, target, kind)
                 tag = f"{target.replace(' ', '-')}-{load.replace(' ', '-').replace('=', '')}-{round_no}"
@@ -411,7 +422,9 @@ def main() -> None:
     header = (f"{os.cpu_count()} vCPUs; load average before {load_before[0]:.2f}, after "
               f"{os.getloadavg()[0]:.2f}; {ROUNDS} interleaved rounds, medians; wrk -t1 "
               f"{WRK_SECONDS} s, switchyard bench {BENCH_SECONDS:g} s per run. p50/p99: wrk's "
-              "latency, bench's E2E (non-streaming) or TTFT (streaming).")
+              "latency, bench's E2E (non-streaming) or TTFT (streaming). The null engine "
+              + ("closes each connection after 1,000 requests and idle ones after 5 s."
+                 if ENGINE_CLOSES else "keeps every connection open."))
     table = summary(runs, header)
     (out / "summary.md").write_text(table)
     print(table)
