@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, RouterProcess};
+use switchyard_tests::{EngineProcess, RouterProcess, free_port};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -324,4 +324,76 @@ async fn deadlines_order_the_queue_and_expire_at_their_moment() {
         1.0
     );
     stage.assert_no_kv_left().await;
+}
+
+/// Sends a short completion to `router`; its status and how long the answer took.
+fn complete(router: &RouterProcess, name: &str) -> JoinHandle<(u16, Duration)> {
+    let request = client()
+        .post(router.endpoint("/v1/completions"))
+        .json(&json!({"prompt": format!("{name}: scale from zero"), "max_tokens": 8}));
+    tokio::spawn(async move {
+        let sent = Instant::now();
+        let response = request.send().await.expect("the router answers");
+        let status = response.status().as_u16();
+        response.text().await.expect("a whole body");
+        (status, sent.elapsed())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_from_zero_holds_requests_until_an_engine_is_ready() {
+    // The engine's port, reserved: nothing listens there until the engine starts.
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let router = RouterProcess::serve_listening(
+        &[url.as_str()],
+        &["--scale-from-zero-timeout-ms", "60000"],
+        &[],
+    );
+    let metrics = router.endpoint("/metrics");
+    let requests: Vec<_> = (0..3)
+        .map(|i| complete(&router, &format!("held{i}")))
+        .collect();
+    // Held, and counted where an autoscaler looks for demand on a model with no replica.
+    eventually(Duration::from_secs(10), || async {
+        let depth = metric(&metrics, "switchyard_queue_depth").await;
+        (depth != 3.0).then(|| format!("queue depth {depth}, not 3"))
+    })
+    .await;
+    assert!(requests.iter().all(|r| !r.is_finished()));
+    let engine = EngineProcess::spawn_on(port, &[]);
+    for request in requests {
+        let (status, _) = request.await.expect("no client panicked");
+        assert_eq!(status, 200, "released once the engine is ready");
+    }
+    assert_eq!(metric(&metrics, "switchyard_queue_depth").await, 0.0);
+    drop(engine);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_from_zero_answers_503_when_no_engine_is_ready_in_time() {
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let held = RouterProcess::serve_listening(
+        &[url.as_str()],
+        &["--scale-from-zero-timeout-ms", "700"],
+        &[],
+    );
+    let (status, took) = complete(&held, "late").await.expect("no client panicked");
+    assert_eq!(status, 503);
+    assert!(
+        took >= Duration::from_millis(700),
+        "503 before the timeout: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "not left to a later timeout: {took:?}"
+    );
+    // Off (the default): 503 without waiting for anything.
+    let off = RouterProcess::serve_listening(&[url.as_str()], &[], &[]);
+    let (status, _) = complete(&off, "off").await.expect("no client panicked");
+    assert_eq!(status, 503);
+    assert_eq!(
+        metric(&off.endpoint("/metrics"), "switchyard_queue_depth").await,
+        0.0
+    );
 }
