@@ -273,6 +273,71 @@ async fn a_tenants_burst_does_not_take_more_than_its_weighted_share() {
     stage.assert_no_kv_left().await;
 }
 
+/// What `least-service` charges a request, in tokens: its `max_tokens` plus its body's bytes
+/// / 4 (the router's estimate of its prompt, as the flow-control page says).
+fn charged(name: &str, max_tokens: u64) -> f64 {
+    let body = json!({"prompt": format!("{name}: flow control"), "max_tokens": max_tokens});
+    (max_tokens + body.to_string().len() as u64 / 4) as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_service_shares_tokens_by_weight_when_one_tenant_sends_ten_times_more() {
+    let stage = Stage::start(
+        48,
+        &["--fairness", "least-service", "--tenant-weight", "chat=2"],
+    );
+    let mut requests = vec![stage.block().await];
+    // Bulk sends ten small requests for each large one of chat's, four times over.
+    let (bulk_tokens, chat_tokens) = (4, 64);
+    let mut cost = std::collections::HashMap::new();
+    for round in 0..4 {
+        for i in 0..10 {
+            let name = format!("bulk{}", round * 10 + i);
+            cost.insert(name.clone(), charged(&name, bulk_tokens));
+            requests.push(stage.send(
+                &name,
+                &[("x-tenant", "bulk")],
+                json!({"max_tokens": bulk_tokens}),
+            ));
+        }
+        let name = format!("chat{round}");
+        cost.insert(name.clone(), charged(&name, chat_tokens));
+        requests.push(stage.send(
+            &name,
+            &[("x-tenant", "chat")],
+            json!({"max_tokens": chat_tokens}),
+        ));
+        stage
+            .wait_for("switchyard_queue_depth", f64::from(11 * (round + 1)))
+            .await;
+    }
+    let answers = stage.answers(requests).await;
+    assert!(answers.iter().all(|a| a.status == 200), "{answers:#?}");
+    let last_chat = answers
+        .iter()
+        .rposition(|a| a.name.starts_with("chat"))
+        .expect("chat was served");
+    let window = &answers[1..=last_chat];
+    let service = |tenant: &str| -> f64 {
+        window
+            .iter()
+            .filter(|a| a.name.starts_with(tenant))
+            .map(|a| cost[&a.name])
+            .sum()
+    };
+    // Tokens served while both waited, over each tenant's weight.
+    let shares = [service("chat") / 2.0, service("bulk") / 1.0];
+    let index = jain(&shares);
+    // Round-robin (two of chat's turns per bulk's, by weight) would give chat about five
+    // times bulk's weighted share: Jain's index about 0.70.
+    println!("least-service: weighted token shares {shares:?}, Jain's index {index:.3}");
+    assert!(
+        index >= 0.95,
+        "Jain's index {index} over {shares:?}: {window:#?}"
+    );
+    stage.assert_no_kv_left().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadlines_order_the_queue_and_expire_at_their_moment() {
     let stage = Stage::start(8, &[]);
