@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, RouterProcess, free_port};
+use switchyard_tests::{EngineProcess, Guest, RouterProcess, free_port, guest};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -460,5 +460,69 @@ async fn scale_from_zero_answers_503_when_no_engine_is_ready_in_time() {
     assert_eq!(
         metric(&off.endpoint("/metrics"), "switchyard_queue_depth").await,
         0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_routes_by_the_priority_tenant_and_deadline_flow_control_read() {
+    let plugins = tempfile::tempdir().expect("a temporary plugins directory");
+    std::fs::copy(
+        guest(Guest::FLOW_ROUTE),
+        plugins.path().join("flow-route.wasm"),
+    )
+    .expect("install the test policy");
+    let (reserved, other) = (EngineProcess::spawn(&[]), EngineProcess::spawn(&[]));
+    let plugins_arg = plugins.path().display().to_string();
+    let router = RouterProcess::serve(
+        &[reserved.url.as_str(), other.url.as_str()],
+        &[
+            "--plugins",
+            &plugins_arg,
+            "--policy",
+            "flow-route",
+            "--policy-config",
+            r#"{"tenant": "vip", "deadline_ms": 2000}"#,
+            "--fallback-policy",
+            "none",
+        ],
+    );
+    let urgent: [(&[(&str, &str)], Value); 5] = [
+        (&[("x-priority", "3")], json!({})),
+        // vLLM's priority, lower first: -2 is priority 2 here.
+        (&[], json!({"priority": -2})),
+        (&[("x-tenant", "vip")], json!({})),
+        (&[], json!({"user": "vip"})),
+        (&[("x-request-deadline-ms", "1500")], json!({})),
+    ];
+    let plain: [(&[(&str, &str)], Value); 4] = [
+        (&[], json!({})),
+        (&[("x-tenant", "batch")], json!({})),
+        (&[("x-priority", "-1")], json!({})),
+        (&[("x-request-deadline-ms", "60000")], json!({})),
+    ];
+    for (i, (headers, body)) in urgent.iter().chain(&plain).enumerate() {
+        let mut request = client().post(router.endpoint("/v1/completions"));
+        for &(name, value) in *headers {
+            request = request.header(name, value);
+        }
+        let mut json = json!({"prompt": format!("request {i}"), "max_tokens": 4});
+        for (key, value) in body.as_object().into_iter().flatten() {
+            json[key] = value.clone();
+        }
+        let response = request
+            .json(&json)
+            .send()
+            .await
+            .expect("the router answers");
+        assert_eq!(response.status().as_u16(), 200, "request {i}");
+    }
+    let calls = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_calls_received").await }
+    };
+    assert_eq!(
+        (calls(&reserved).await, calls(&other).await),
+        (5.0, 4.0),
+        "urgent work on the reserved engine, the rest on the other"
     );
 }
