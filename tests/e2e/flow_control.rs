@@ -526,3 +526,78 @@ async fn a_policy_routes_by_the_priority_tenant_and_deadline_flow_control_read()
         "urgent work on the reserved engine, the rest on the other"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_engine_is_left_out_while_another_has_room() {
+    // One request at a time, each ~6 s: requests sent to it directly queue in the engine.
+    let busy = EngineProcess::spawn(&[
+        "--max-batch",
+        "1",
+        "--profile",
+        "llama3-8b-h100",
+        "--time-scale",
+        "4",
+    ]);
+    let idle = EngineProcess::spawn(&[]);
+    let router = RouterProcess::serve(
+        &[busy.url.as_str(), idle.url.as_str()],
+        &["--policy", "round-robin"],
+    );
+    let prompt = "saturation ".repeat(40);
+    let direct: Vec<_> = (0..7)
+        .map(|_| {
+            let request = client()
+                .post(busy.endpoint("/v1/completions"))
+                .json(&json!({"prompt": prompt, "max_tokens": 300}));
+            tokio::spawn(async move { request.send().await.map(|r| r.status().as_u16()) })
+        })
+        .collect();
+    // The router reads the engine's queue from its /metrics (every probe interval, 2 s).
+    let admin = router.endpoint("/admin/endpoints");
+    eventually(Duration::from_secs(10), || async {
+        let endpoints: Value = client()
+            .get(&admin)
+            .send()
+            .await
+            .expect("admin reachable")
+            .json()
+            .await
+            .expect("a JSON list");
+        let waiting = endpoints["endpoints"][0]["waiting"].as_u64().unwrap_or(0);
+        (waiting < 5).then(|| format!("the busy engine reports {waiting} waiting, not 5 or more"))
+    })
+    .await;
+    let calls = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_calls_received").await }
+    };
+    let before = (calls(&busy).await, calls(&idle).await);
+    for i in 0..6 {
+        let response = client()
+            .post(router.endpoint("/v1/completions"))
+            .json(&json!({"prompt": format!("routed {i}"), "max_tokens": 4}))
+            .send()
+            .await
+            .expect("the router answers");
+        assert_eq!(response.status().as_u16(), 200);
+    }
+    let after = (calls(&busy).await, calls(&idle).await);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (0.0, 6.0),
+        "every routed request on the engine with room"
+    );
+    let metrics = router.endpoint("/metrics");
+    let desired = metric(
+        &metrics,
+        r#"switchyard_desired_replicas{model="switchyard-reference",role="any"}"#,
+    )
+    .await;
+    assert!(
+        desired >= 2.0,
+        "one engine's backlog asks for more: {desired}"
+    );
+    for request in direct {
+        request.abort();
+    }
+}
