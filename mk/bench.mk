@@ -6,6 +6,8 @@
 #                         sglang-router in front of one nginx static responder (ROUNDS=3 ...)
 #   make bench-kv-aware   release build + plugins + the affinity example, then scripts/bench-kv-aware.sh:
 #                         four policies on a Mooncake trace window, 4 engines (LOAD=0.7 LIMIT=600 ...)
+#   make bench-flow       release build + plugins + the test venv, then scripts/bench-flow.sh: the
+#                         same 3x overload with and without flow control, goodput per class
 # Included by the top-level Makefile.
 
 .PHONY: bench-overhead
@@ -30,3 +32,10 @@ bench-peers: plugins release
 # The example's file is named, not $(EXAMPLES_OUT)/...: mk/examples.mk is read after this file.
 bench-kv-aware: plugins release target/examples/affinity-rust.wasm
 	scripts/bench-kv-aware.sh
+
+.PHONY: bench-flow
+
+## bench-flow: 3x overload of one reference engine, first come first served vs flow control,
+## goodput under a TTFT SLO per class -> target/bench-flow/summary.md
+bench-flow: plugins release venv
+	SWITCHYARD_VENV=$(CURDIR)/$(VENV) scripts/bench-flow.sh

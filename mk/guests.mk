@@ -41,4 +41,4 @@ plugins: wasm-target
 ## guests: build the test guests the host's tests load (misbehaving policy, other world, ...)
 guests: wasm-target
 	$(GUEST_BUILD) -p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy \
-		-p policy-v0-1-0
+		-p flow-route-policy -p policy-v0-1-0

@@ -23,7 +23,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, RouterProcess};
+use switchyard_tests::{EngineProcess, Guest, RouterProcess, free_port, guest};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -273,6 +273,71 @@ async fn a_tenants_burst_does_not_take_more_than_its_weighted_share() {
     stage.assert_no_kv_left().await;
 }
 
+/// What `least-service` charges a request, in tokens: its `max_tokens` plus its body's bytes
+/// / 4 (the router's estimate of its prompt, as the flow-control page says).
+fn charged(name: &str, max_tokens: u64) -> f64 {
+    let body = json!({"prompt": format!("{name}: flow control"), "max_tokens": max_tokens});
+    (max_tokens + body.to_string().len() as u64 / 4) as f64
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_service_shares_tokens_by_weight_when_one_tenant_sends_ten_times_more() {
+    let stage = Stage::start(
+        48,
+        &["--fairness", "least-service", "--tenant-weight", "chat=2"],
+    );
+    let mut requests = vec![stage.block().await];
+    // Bulk sends ten small requests for each large one of chat's, four times over.
+    let (bulk_tokens, chat_tokens) = (4, 64);
+    let mut cost = std::collections::HashMap::new();
+    for round in 0..4 {
+        for i in 0..10 {
+            let name = format!("bulk{}", round * 10 + i);
+            cost.insert(name.clone(), charged(&name, bulk_tokens));
+            requests.push(stage.send(
+                &name,
+                &[("x-tenant", "bulk")],
+                json!({"max_tokens": bulk_tokens}),
+            ));
+        }
+        let name = format!("chat{round}");
+        cost.insert(name.clone(), charged(&name, chat_tokens));
+        requests.push(stage.send(
+            &name,
+            &[("x-tenant", "chat")],
+            json!({"max_tokens": chat_tokens}),
+        ));
+        stage
+            .wait_for("switchyard_queue_depth", f64::from(11 * (round + 1)))
+            .await;
+    }
+    let answers = stage.answers(requests).await;
+    assert!(answers.iter().all(|a| a.status == 200), "{answers:#?}");
+    let last_chat = answers
+        .iter()
+        .rposition(|a| a.name.starts_with("chat"))
+        .expect("chat was served");
+    let window = &answers[1..=last_chat];
+    let service = |tenant: &str| -> f64 {
+        window
+            .iter()
+            .filter(|a| a.name.starts_with(tenant))
+            .map(|a| cost[&a.name])
+            .sum()
+    };
+    // Tokens served while both waited, over each tenant's weight.
+    let shares = [service("chat") / 2.0, service("bulk") / 1.0];
+    let index = jain(&shares);
+    // Round-robin (two of chat's turns per bulk's, by weight) would give chat about five
+    // times bulk's weighted share: Jain's index about 0.70.
+    println!("least-service: weighted token shares {shares:?}, Jain's index {index:.3}");
+    assert!(
+        index >= 0.95,
+        "Jain's index {index} over {shares:?}: {window:#?}"
+    );
+    stage.assert_no_kv_left().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadlines_order_the_queue_and_expire_at_their_moment() {
     let stage = Stage::start(8, &[]);
@@ -324,4 +389,215 @@ async fn deadlines_order_the_queue_and_expire_at_their_moment() {
         1.0
     );
     stage.assert_no_kv_left().await;
+}
+
+/// Sends a short completion to `router`; its status and how long the answer took.
+fn complete(router: &RouterProcess, name: &str) -> JoinHandle<(u16, Duration)> {
+    let request = client()
+        .post(router.endpoint("/v1/completions"))
+        .json(&json!({"prompt": format!("{name}: scale from zero"), "max_tokens": 8}));
+    tokio::spawn(async move {
+        let sent = Instant::now();
+        let response = request.send().await.expect("the router answers");
+        let status = response.status().as_u16();
+        response.text().await.expect("a whole body");
+        (status, sent.elapsed())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_from_zero_holds_requests_until_an_engine_is_ready() {
+    // The engine's port, reserved: nothing listens there until the engine starts.
+    let port = free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let router = RouterProcess::serve_listening(
+        &[url.as_str()],
+        &["--scale-from-zero-timeout-ms", "60000"],
+        &[],
+    );
+    let metrics = router.endpoint("/metrics");
+    let requests: Vec<_> = (0..3)
+        .map(|i| complete(&router, &format!("held{i}")))
+        .collect();
+    // Held, and counted where an autoscaler looks for demand on a model with no replica.
+    eventually(Duration::from_secs(10), || async {
+        let depth = metric(&metrics, "switchyard_queue_depth").await;
+        (depth != 3.0).then(|| format!("queue depth {depth}, not 3"))
+    })
+    .await;
+    assert!(requests.iter().all(|r| !r.is_finished()));
+    let engine = EngineProcess::spawn_on(port, &[]);
+    for request in requests {
+        let (status, _) = request.await.expect("no client panicked");
+        assert_eq!(status, 200, "released once the engine is ready");
+    }
+    assert_eq!(metric(&metrics, "switchyard_queue_depth").await, 0.0);
+    drop(engine);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_from_zero_answers_503_when_no_engine_is_ready_in_time() {
+    let url = format!("http://127.0.0.1:{}", free_port());
+    let held = RouterProcess::serve_listening(
+        &[url.as_str()],
+        &["--scale-from-zero-timeout-ms", "700"],
+        &[],
+    );
+    let (status, took) = complete(&held, "late").await.expect("no client panicked");
+    assert_eq!(status, 503);
+    assert!(
+        took >= Duration::from_millis(700),
+        "503 before the timeout: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(30),
+        "not left to a later timeout: {took:?}"
+    );
+    // Off (the default): 503 without waiting for anything.
+    let off = RouterProcess::serve_listening(&[url.as_str()], &[], &[]);
+    let (status, _) = complete(&off, "off").await.expect("no client panicked");
+    assert_eq!(status, 503);
+    assert_eq!(
+        metric(&off.endpoint("/metrics"), "switchyard_queue_depth").await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_policy_routes_by_the_priority_tenant_and_deadline_flow_control_read() {
+    let plugins = tempfile::tempdir().expect("a temporary plugins directory");
+    std::fs::copy(
+        guest(Guest::FLOW_ROUTE),
+        plugins.path().join("flow-route.wasm"),
+    )
+    .expect("install the test policy");
+    let (reserved, other) = (EngineProcess::spawn(&[]), EngineProcess::spawn(&[]));
+    let plugins_arg = plugins.path().display().to_string();
+    let router = RouterProcess::serve(
+        &[reserved.url.as_str(), other.url.as_str()],
+        &[
+            "--plugins",
+            &plugins_arg,
+            "--policy",
+            "flow-route",
+            "--policy-config",
+            r#"{"tenant": "vip", "deadline_ms": 2000}"#,
+            "--fallback-policy",
+            "none",
+        ],
+    );
+    let urgent: [(&[(&str, &str)], Value); 5] = [
+        (&[("x-priority", "3")], json!({})),
+        // vLLM's priority, lower first: -2 is priority 2 here.
+        (&[], json!({"priority": -2})),
+        (&[("x-tenant", "vip")], json!({})),
+        (&[], json!({"user": "vip"})),
+        (&[("x-request-deadline-ms", "1500")], json!({})),
+    ];
+    let plain: [(&[(&str, &str)], Value); 4] = [
+        (&[], json!({})),
+        (&[("x-tenant", "batch")], json!({})),
+        (&[("x-priority", "-1")], json!({})),
+        (&[("x-request-deadline-ms", "60000")], json!({})),
+    ];
+    for (i, (headers, body)) in urgent.iter().chain(&plain).enumerate() {
+        let mut request = client().post(router.endpoint("/v1/completions"));
+        for &(name, value) in *headers {
+            request = request.header(name, value);
+        }
+        let mut json = json!({"prompt": format!("request {i}"), "max_tokens": 4});
+        for (key, value) in body.as_object().into_iter().flatten() {
+            json[key] = value.clone();
+        }
+        let response = request
+            .json(&json)
+            .send()
+            .await
+            .expect("the router answers");
+        assert_eq!(response.status().as_u16(), 200, "request {i}");
+    }
+    let calls = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_calls_received").await }
+    };
+    assert_eq!(
+        (calls(&reserved).await, calls(&other).await),
+        (5.0, 4.0),
+        "urgent work on the reserved engine, the rest on the other"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_saturated_engine_is_left_out_while_another_has_room() {
+    // One request at a time, each ~6 s: requests sent to it directly queue in the engine.
+    let busy = EngineProcess::spawn(&[
+        "--max-batch",
+        "1",
+        "--profile",
+        "llama3-8b-h100",
+        "--time-scale",
+        "4",
+    ]);
+    let idle = EngineProcess::spawn(&[]);
+    let router = RouterProcess::serve(
+        &[busy.url.as_str(), idle.url.as_str()],
+        &["--policy", "round-robin"],
+    );
+    let prompt = "saturation ".repeat(40);
+    let direct: Vec<_> = (0..7)
+        .map(|_| {
+            let request = client()
+                .post(busy.endpoint("/v1/completions"))
+                .json(&json!({"prompt": prompt, "max_tokens": 300}));
+            tokio::spawn(async move { request.send().await.map(|r| r.status().as_u16()) })
+        })
+        .collect();
+    // The router reads the engine's queue from its /metrics (every probe interval, 2 s).
+    let admin = router.endpoint("/admin/endpoints");
+    eventually(Duration::from_secs(10), || async {
+        let endpoints: Value = client()
+            .get(&admin)
+            .send()
+            .await
+            .expect("admin reachable")
+            .json()
+            .await
+            .expect("a JSON list");
+        let waiting = endpoints["endpoints"][0]["waiting"].as_u64().unwrap_or(0);
+        (waiting < 5).then(|| format!("the busy engine reports {waiting} waiting, not 5 or more"))
+    })
+    .await;
+    let calls = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_calls_received").await }
+    };
+    let before = (calls(&busy).await, calls(&idle).await);
+    for i in 0..6 {
+        let response = client()
+            .post(router.endpoint("/v1/completions"))
+            .json(&json!({"prompt": format!("routed {i}"), "max_tokens": 4}))
+            .send()
+            .await
+            .expect("the router answers");
+        assert_eq!(response.status().as_u16(), 200);
+    }
+    let after = (calls(&busy).await, calls(&idle).await);
+    assert_eq!(
+        (after.0 - before.0, after.1 - before.1),
+        (0.0, 6.0),
+        "every routed request on the engine with room"
+    );
+    let metrics = router.endpoint("/metrics");
+    let desired = metric(
+        &metrics,
+        r#"switchyard_desired_replicas{model="switchyard-reference",role="any"}"#,
+    )
+    .await;
+    assert!(
+        desired >= 2.0,
+        "one engine's backlog asks for more: {desired}"
+    );
+    for request in direct {
+        request.abort();
+    }
 }

@@ -36,6 +36,8 @@ impl Guest {
     pub const OTHER_WORLD: Guest = Guest::new("other-world", "other-world.wasm");
     /// A policy of the `stateful-policy` world.
     pub const STATEFUL: Guest = Guest::new("stateful-policy", "stateful_policy.wasm");
+    /// A policy that routes by a request's priority, tenant and deadline.
+    pub const FLOW_ROUTE: Guest = Guest::new("flow-route-policy", "flow_route_policy.wasm");
     /// A policy whose `init` refuses its config.
     pub const INIT_FAILS: Guest = Guest::new("init-fails-policy", "init_fails_policy.wasm");
     /// A policy built against the frozen `switchyard:policy@0.1.0` contract.

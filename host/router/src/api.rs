@@ -39,7 +39,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures::StreamExt;
@@ -491,7 +491,11 @@ pub(crate) async fn admit(
     body: &[u8],
     arrived: Instant,
 ) -> Result<(admission::Permit, Flow), ApiError> {
-    let claim = claim(state, headers, body, arrived)?;
+    let mut claim = claim(state, headers, body, arrived)?;
+    if !state.is_ready() {
+        let held = hold_until_ready(state, &claim.model).await?;
+        claim.deadline = claim.deadline.map(|left| left.saturating_sub(held));
+    }
     let flow = Flow {
         priority: claim.priority,
         tenant: (!claim.tenant.is_empty()).then(|| Arc::clone(&claim.tenant)),
@@ -506,6 +510,23 @@ pub(crate) async fn admit(
             retry_after: state.admission.retry_after(),
         })?;
     Ok((permit, flow))
+}
+
+/// Scale from zero: while no endpoint is ready, a request is held until one is, up to
+/// `scale_from_zero_timeout_ms`, and then admitted as any other; how long it was held. 503 when
+/// the timeout passes first; without one, nothing is held (`prepare` answers 503).
+async fn hold_until_ready(state: &AppState, model: &str) -> Result<Duration, ApiError> {
+    let Some(timeout) = state.admission.config().flow.scale_from_zero else {
+        return Ok(Duration::ZERO);
+    };
+    let cluster = state.router.executor().cluster();
+    state
+        .admission
+        .hold(model.to_owned(), timeout, cluster.until_ready())
+        .await
+        .ok_or(ApiError::NotReady(
+            "no endpoint became ready within scale_from_zero_timeout_ms",
+        ))
 }
 
 /// What admission reads of the request; its queue metrics are labelled with its model when

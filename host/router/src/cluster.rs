@@ -3,7 +3,10 @@
 //!
 //! ```text
 //! Cluster::new(Vec<EndpointSpec>, OutlierConfig)   ids in order, device ranks = prefix sums of GPUs (as MLC)
-//!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id
+//!   snapshot() -> Vec<EndpointSnapshot>  what a policy sees, ordered by id (saturated endpoints
+//!                                        shown draining while others have room: `saturation`)
+//!   demand() -> Vec<(model, role, Demand)>   saturation and desired replicas, for autoscalers
+//!   until_ready().await                  woken when the router becomes ready (scale from zero)
 //!   snapshot_for(prompt)                 the same with each endpoint's cached prefix (see `kv`)
 //!   subscribe_kv_events(id) / note_served(ids, len) / resync_kv_events(id, why)   KV events
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
@@ -27,6 +30,7 @@ mod health;
 mod inflight;
 mod kv;
 mod outlier;
+mod saturation;
 
 use std::fmt::Display;
 use std::sync::Arc;
@@ -46,6 +50,7 @@ pub use health::{ProbeConfig, spawn_probe, spawn_probes};
 pub use inflight::{InFlight, Prefilling};
 pub use kv::{IndexCounts, KvEventsStatus};
 pub use outlier::{OutlierConfig, OutlierView};
+pub use saturation::{Demand, SaturationConfig};
 
 /// An endpoint as the operator configured it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -418,6 +423,10 @@ pub struct Cluster {
     discovered: AtomicBool,
     /// The endpoints' KV caches, from their events.
     kv: KvCache,
+    /// When an endpoint has no room for more; `None`: never judged (flow control off).
+    saturation: Option<SaturationConfig>,
+    /// Woken whenever an endpoint turns healthy or discovery syncs: readiness may have come.
+    readiness_changed: tokio::sync::Notify,
 }
 
 /// What `/health` says: whether the router can serve, and which endpoints are down.
@@ -489,6 +498,8 @@ impl Cluster {
             min_healthy: 1,
             discovered: AtomicBool::new(true),
             kv: KvCache::new(SubscriberConfig::default()),
+            saturation: None,
+            readiness_changed: tokio::sync::Notify::new(),
         };
         for spec in &specs {
             cluster.push(spec, Owner::Static);
@@ -508,6 +519,12 @@ impl Cluster {
         self
     }
 
+    /// Judge endpoints' saturation by `config` (see [`SaturationConfig`]).
+    pub fn with_saturation(mut self, config: Option<SaturationConfig>) -> Self {
+        self.saturation = config;
+        self
+    }
+
     /// Not ready until [`Cluster::discovery_synced`]: endpoints come from a discovery source.
     pub fn awaiting_discovery(self) -> Self {
         self.discovered.store(false, Ordering::Release);
@@ -518,6 +535,7 @@ impl Cluster {
     pub fn discovery_synced(&self) {
         if !self.discovered.swap(true, Ordering::AcqRel) {
             tracing::info!("endpoint discovery synced");
+            self.readiness_changed.notify_waiters();
         }
     }
 
@@ -660,8 +678,54 @@ impl Cluster {
             .collect()
     }
 
-    /// What a policy sees, ordered by id.
+    /// What a policy sees, ordered by id: each endpoint's health, with a saturated one shown
+    /// draining while another of its role has room.
     pub fn snapshot(&self) -> Vec<EndpointSnapshot> {
+        let mut snapshot = self.engines_snapshot();
+        if let Some(saturation) = &self.saturation {
+            saturation.hide_saturated(&mut snapshot);
+        }
+        snapshot
+    }
+
+    /// Per model (each endpoint counts for every model its `/v1/models` lists) and role, what
+    /// an autoscaler reads of the healthy endpoints; empty when saturation is not judged.
+    pub fn demand(&self) -> Vec<(String, Role, Demand)> {
+        let Some(saturation) = &self.saturation else {
+            return Vec::new();
+        };
+        let snapshot = self.engines_snapshot();
+        let endpoints = self.endpoints.read();
+        // A group is kept with no endpoint ready: its hint is then 0.
+        let mut groups: Vec<(String, Role, Vec<&EndpointSnapshot>)> = Vec::new();
+        for (e, seen) in endpoints.iter().zip(&snapshot) {
+            if e.is_removed() {
+                continue;
+            }
+            for model in e.models.read().iter() {
+                let at = match groups
+                    .iter()
+                    .position(|(m, r, _)| m == model && *r == e.role)
+                {
+                    Some(at) => at,
+                    None => {
+                        groups.push((model.clone(), e.role, Vec::new()));
+                        groups.len() - 1
+                    }
+                };
+                if seen.health.is_healthy() {
+                    groups[at].2.push(seen);
+                }
+            }
+        }
+        groups
+            .into_iter()
+            .map(|(model, role, ready)| (model, role, saturation.demand(ready)))
+            .collect()
+    }
+
+    /// Each endpoint as it is, saturated or not.
+    fn engines_snapshot(&self) -> Vec<EndpointSnapshot> {
         let now = Instant::now();
         self.endpoints
             .read()
@@ -857,6 +921,11 @@ impl Cluster {
     pub fn set_health(&self, id: u32, healthy: bool) {
         if let Some(e) = self.endpoint(id) {
             let was = e.ready.swap(healthy, Ordering::AcqRel);
+            // Every healthy probe, not only a change: an ejection that ran out makes the router
+            // ready without any endpoint changing its readiness.
+            if healthy {
+                self.readiness_changed.notify_waiters();
+            }
             if was != healthy {
                 tracing::info!(
                     endpoint = id,
@@ -929,6 +998,22 @@ impl Cluster {
     /// At least `min_healthy` endpoints are healthy now.
     pub fn is_ready(&self) -> bool {
         self.readiness().ready
+    }
+
+    /// Returns once the router is ready: at once if it is, else when an endpoint turning
+    /// healthy (or discovery syncing) makes it so. Woken by those events, never by a timer.
+    pub async fn until_ready(&self) {
+        loop {
+            // Registered before the check, so an endpoint turning healthy in between still
+            // wakes us.
+            let changed = self.readiness_changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.is_ready() {
+                return;
+            }
+            changed.await;
+        }
     }
 
     pub(crate) fn endpoint(&self, id: u32) -> Option<Arc<EndpointState>> {
@@ -1062,6 +1147,93 @@ mod tests {
         // What the admin API and SIGHUP reconciliation compare and show: never the key.
         let shown = serde_json::to_string(&parse("\"sk-123\"").expect("a key")).expect("JSON");
         assert!(!shown.contains("sk-"), "{shown}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn until_ready_wakes_when_an_endpoint_turns_healthy_not_on_a_timer() {
+        let cluster = Arc::new(Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        ));
+        let waiting = tokio::spawn({
+            let cluster = Arc::clone(&cluster);
+            async move { cluster.until_ready().await }
+        });
+        // Hours of paused time: nothing but an event can end the wait.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        assert!(!waiting.is_finished());
+        cluster.set_health(1, false);
+        tokio::task::yield_now().await;
+        assert!(
+            !waiting.is_finished(),
+            "an endpoint still down wakes nobody"
+        );
+        cluster.set_health(0, true);
+        tokio::time::timeout(Duration::from_millis(1), waiting)
+            .await
+            .expect("woken by the endpoint turning healthy")
+            .expect("the waiter does not panic");
+        // Ready already: no wait at all.
+        tokio::time::timeout(Duration::ZERO, cluster.until_ready())
+            .await
+            .expect("ready at once");
+    }
+
+    #[test]
+    fn saturated_endpoints_are_hidden_from_policies_and_counted_for_autoscalers() {
+        let decode = |url: &str| EndpointSpec {
+            role: Role::Decode,
+            ..spec(url, 1)
+        };
+        let cluster = Cluster::new(
+            vec![decode("http://a"), decode("http://b"), decode("http://c")],
+            OutlierConfig::default(),
+        )
+        .with_saturation(Some(SaturationConfig::default()));
+        for id in 0..3 {
+            cluster.set_models(id, vec!["m".into()]);
+        }
+        cluster.set_health(0, true);
+        cluster.set_health(1, true);
+        let load = |waiting| EngineLoad {
+            running: Some(8),
+            waiting: Some(waiting),
+            kv_usage: Some(0.5),
+        };
+        cluster.set_engine_load(0, load(10));
+        cluster.set_engine_load(1, load(1));
+        let health = |c: &Cluster| c.snapshot().iter().map(|e| e.health).collect::<Vec<_>>();
+        assert_eq!(
+            health(&cluster),
+            [Health::Draining, Health::Healthy, Health::NotReady]
+        );
+        assert_eq!(
+            cluster.status()[0].health,
+            Health::Healthy,
+            "the operator sees the truth"
+        );
+        let [(model, role, demand)] = &cluster.demand()[..] else {
+            panic!("one model, one role: {:?}", cluster.demand());
+        };
+        assert_eq!((model.as_str(), *role), ("m", Role::Decode));
+        // Loads 2 (10 of 5 waiting) and 0.53 (KV 0.5 of 0.95): 3.2 endpoints at 0.8.
+        assert_eq!((demand.ready, demand.desired_replicas), (2, 4));
+        assert!((demand.saturation - (1.0 + 0.5 / 0.95) / 2.0).abs() < 1e-6);
+        cluster.set_engine_load(1, load(6));
+        assert_eq!(
+            health(&cluster),
+            [Health::Healthy, Health::Healthy, Health::NotReady],
+            "all saturated: all plannable"
+        );
+        let off = Cluster::new(
+            vec![decode("http://a"), decode("http://b")],
+            OutlierConfig::default(),
+        );
+        off.set_health(0, true);
+        off.set_health(1, true);
+        off.set_engine_load(0, load(10));
+        assert_eq!(health(&off), [Health::Healthy, Health::Healthy]);
+        assert!(off.demand().is_empty());
     }
 
     #[tokio::test(start_paused = true)]

@@ -56,6 +56,13 @@
 //! fairness = "round-robin"                    # or "least-service" (tokens), between tenants
 //! priority_header = "x-priority"              # an integer, higher first
 //!
+//! saturation_waiting = 5                      # an engine with this many waiting is saturated,
+//! saturation_kv_usage = 0.95                  # or with this share of its KV cache in use:
+//!                                             # left out of plans while another has room
+//! # saturation_in_flight = 64                 # or this many legs in flight (unset: not judged)
+//! target_saturation = 0.8                     # what switchyard_desired_replicas aims at
+//! # scale_from_zero_timeout_ms = 120000       # hold requests while no endpoint is ready
+//!
 //! [flow_control.tenant_weights]               # a tenant's share (x-tenant, else `user`)
 //! acme = 3                                    # tenants not listed weigh 1
 //!
@@ -108,7 +115,7 @@ use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
-use crate::cluster::{EndpointSpec, OutlierConfig};
+use crate::cluster::{EndpointSpec, OutlierConfig, SaturationConfig};
 use crate::engine_client::Timeouts;
 use crate::kv_events::SubscriberConfig;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
@@ -164,6 +171,8 @@ pub struct Config {
     pub limits: RequestLimits,
     /// How many requests are served at once, and how many may wait.
     pub admission: AdmissionConfig,
+    /// When an endpoint is saturated; `None` with flow control off.
+    pub saturation: Option<SaturationConfig>,
     /// Client connections: deadlines and a cap.
     pub connections: ConnectionLimits,
     /// What SIGTERM does, step by step.
@@ -193,7 +202,8 @@ impl Config {
         let discovery = args.discovery.resolve(file.discovery)?.k8s()?;
         let endpoints = endpoints::resolve(args, file.endpoints, discovery.is_some())?;
         let s = args.router.resolve(file.router)?;
-        let flow = args.flow_control.resolve(file.flow_control)?.flow_control();
+        let flow_control = args.flow_control.resolve(file.flow_control)?;
+        let flow = flow_control.flow_control();
         let policy_path = policy::existing(&s.plugins.value, &s.policy)?;
         let policy_config = s
             .policy_config
@@ -248,6 +258,7 @@ impl Config {
                 queue_timeout: s.queue_timeout.value,
                 flow,
             },
+            saturation: flow_control.saturation(),
             connections: ConnectionLimits {
                 header_read_timeout: s.header_read_timeout.value,
                 body_read_timeout: s.body_read_timeout.value,

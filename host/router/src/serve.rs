@@ -231,7 +231,8 @@ pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
 
     let mut cluster = Cluster::new(config.endpoints.clone(), config.outlier)
         .with_min_healthy(config.min_healthy_endpoints)
-        .with_kv_events(config.kv_events);
+        .with_kv_events(config.kv_events)
+        .with_saturation(config.saturation);
     if config.discovery.is_some() {
         cluster = cluster.awaiting_discovery();
     }

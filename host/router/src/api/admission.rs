@@ -21,6 +21,7 @@
 //! ```
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::time::Duration;
 
 use http::HeaderName;
@@ -76,6 +77,9 @@ pub struct FlowControl {
     pub priority_header: HeaderName,
     /// Tenant → weight; a tenant not listed weighs 1.
     pub tenant_weights: HashMap<String, f64>,
+    /// While no endpoint is ready, how long a request is held for one to become ready (scale
+    /// from zero); `None`: answered 503 at once.
+    pub scale_from_zero: Option<Duration>,
 }
 
 impl Default for FlowControl {
@@ -85,6 +89,7 @@ impl Default for FlowControl {
             fairness: Fairness::RoundRobin,
             priority_header: HeaderName::from_static(DEFAULT_PRIORITY_HEADER),
             tenant_weights: HashMap::new(),
+            scale_from_zero: None,
         }
     }
 }
@@ -192,6 +197,23 @@ impl Admission {
             Ok(place) => Ok(self.admitted(place, &model)),
             Err(refused) => Err(self.refuse(refused, priority, deadline, &model)),
         }
+    }
+
+    /// Scale from zero: waits for `ready` (no endpoint is ready now) for at most `timeout`,
+    /// counted in the model's queue depth meanwhile, so that an autoscaler sees demand for a
+    /// model with no replica ready. How long it waited, or `None` when the timeout passed first.
+    pub async fn hold(
+        &self,
+        model: String,
+        timeout: Duration,
+        ready: impl Future<Output = ()>,
+    ) -> Option<Duration> {
+        let since = tokio::time::Instant::now();
+        let _in_queue = InQueue::join(&self.metrics, &vec![("model", model)]);
+        tokio::time::timeout(timeout, ready)
+            .await
+            .ok()
+            .map(|()| since.elapsed())
     }
 
     /// How long a refused client should wait before trying again: by then every request now

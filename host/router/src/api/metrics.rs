@@ -4,9 +4,11 @@
 //! and expired per priority), client connections, and per endpoint: legs in flight,
 //! health (`1` healthy, `0` not ready, `-1` ejected, `-2` draining, `-3` removed) and
 //! ejections; for endpoints with KV events, the blocks indexed, events applied, gaps,
-//! replays, clears and whether the index is stale, and the index's heap.
+//! replays, clears and whether the index is stale, and the index's heap. For autoscalers, per
+//! model and role the endpoints' saturation and a desired-replica hint (see
+//! `cluster::SaturationConfig`), read from the cluster at each scrape.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::text::encode;
@@ -16,7 +18,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
-use switchyard_contract::Health;
+use switchyard_contract::{Health, Role};
 
 use crate::Summary;
 use crate::cluster::{Cluster, KvEventsStatus};
@@ -42,6 +44,14 @@ pub struct Metrics {
     kv: KvMetrics,
     admission: AdmissionMetrics,
     connections: ConnectionMetrics,
+    autoscale: AutoscaleMetrics,
+}
+
+/// What an autoscaler reads per `model` and `role`, mirrored from the cluster at each scrape.
+#[derive(Debug, Default)]
+struct AutoscaleMetrics {
+    saturation: Family<Labels, Gauge<f64, AtomicU64>>,
+    desired_replicas: Family<Labels, Gauge>,
 }
 
 /// What admission control reports; cloned into [`super::admission::Admission`].
@@ -118,6 +128,19 @@ impl Metrics {
         let kv = KvMetrics::register(&mut registry);
         let admission = AdmissionMetrics::default();
         let connections = ConnectionMetrics::default();
+        let autoscale = AutoscaleMetrics::default();
+        registry.register(
+            "saturation",
+            "Mean saturation (0..1) of the ready endpoints, per model and role: each endpoint's \
+             highest of engine queue, KV usage and in-flight legs over its threshold",
+            autoscale.saturation.clone(),
+        );
+        registry.register(
+            "desired_replicas",
+            "Endpoints needed for each to run at target_saturation, per model and role: \
+             ceil(sum of the ready endpoints' loads / target); 0 with none ready",
+            autoscale.desired_replicas.clone(),
+        );
         register_admission(&mut registry, &admission);
         register_connections(&mut registry, &connections);
         registry.register(
@@ -185,6 +208,7 @@ impl Metrics {
             kv,
             admission,
             connections,
+            autoscale,
         }
     }
 
@@ -262,6 +286,17 @@ impl Metrics {
                 self.kv.endpoint(&labels, kv);
             }
         }
+        for (model, role, demand) in cluster.demand() {
+            let labels = vec![("model", model), ("role", role_label(role).to_owned())];
+            self.autoscale
+                .saturation
+                .get_or_create(&labels)
+                .set(demand.saturation);
+            self.autoscale
+                .desired_replicas
+                .get_or_create(&labels)
+                .set(i64::from(demand.desired_replicas));
+        }
         self.kv
             .index_bytes
             .set(i64::try_from(cluster.kv_index_bytes()).unwrap_or(i64::MAX));
@@ -269,6 +304,15 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// A role as configuration writes it.
+fn role_label(role: Role) -> &'static str {
+    match role {
+        Role::Any => "any",
+        Role::Prefill => "prefill",
+        Role::Decode => "decode",
     }
 }
 
@@ -463,6 +507,61 @@ mod tests {
             .find_map(|line| line.strip_prefix(name)?.strip_prefix(' '))
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{name} not in\n{rendered}"))
+    }
+
+    #[test]
+    fn saturation_and_desired_replicas_are_read_per_model_and_role_at_each_scrape() {
+        use crate::cluster::{EndpointSpec, SaturationConfig};
+        use switchyard_wire::metrics::EngineLoad;
+        let spec = |url: &str, role| EndpointSpec {
+            role,
+            ..EndpointSpec::new(url)
+        };
+        let cluster = Cluster::new(
+            vec![
+                spec("http://a", Role::Prefill),
+                spec("http://b", Role::Decode),
+                spec("http://c", Role::Decode),
+            ],
+            OutlierConfig::default(),
+        )
+        .with_saturation(Some(SaturationConfig::default()));
+        for id in 0..3 {
+            cluster.set_models(id, vec!["m".into()]);
+            cluster.set_health(id, true);
+        }
+        let waiting = |n| EngineLoad {
+            waiting: Some(n),
+            ..EngineLoad::default()
+        };
+        cluster.set_engine_load(1, waiting(20));
+        cluster.set_engine_load(2, waiting(4));
+        let metrics = Metrics::new();
+        let rendered = metrics.render(&cluster);
+        let decode = r#"{model="m",role="decode"}"#;
+        let prefill = r#"{model="m",role="prefill"}"#;
+        assert_eq!(
+            value(&rendered, &format!("switchyard_saturation{decode}")),
+            0.9
+        );
+        assert_eq!(
+            value(&rendered, &format!("switchyard_saturation{prefill}")),
+            0.0
+        );
+        // Loads 4 + 0.8 over a target of 0.8: six decode endpoints.
+        let desired = |rendered: &str, labels| {
+            value(rendered, &format!("switchyard_desired_replicas{labels}"))
+        };
+        assert_eq!(desired(&rendered, decode), 6.0);
+        assert_eq!(desired(&rendered, prefill), 1.0);
+        cluster.set_health(1, false);
+        cluster.set_health(2, false);
+        let rendered = metrics.render(&cluster);
+        assert_eq!(
+            desired(&rendered, decode),
+            0.0,
+            "none ready: the queue depth scales from zero"
+        );
     }
 
     #[test]

@@ -110,11 +110,13 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         if process.probed(ok, now_started) {
             c.resync_kv_events(id, ResyncReason::EngineRestarted);
         }
-        c.set_health(id, ok);
-        c.set_engine_load(id, load.unwrap_or_default());
+        // Models and load first: a request held for readiness (scale from zero) is released
+        // by `set_health` and then asks which models are served.
         if let Some(models) = models {
             c.set_models(id, models);
         }
+        c.set_engine_load(id, load.unwrap_or_default());
+        c.set_health(id, ok);
         drop(c);
         let wait = if ok {
             backoff = config.min_backoff;

@@ -108,6 +108,8 @@ pub enum Problem {
     ZeroDuration,
     #[error("{0} is not a number from 0 to 100")]
     NotAPercentage(f64),
+    #[error("{0} is not a share above 0 and at most 1")]
+    NotAShare(f64),
     #[error("must not be empty")]
     Empty,
     #[error("{0:?} is not a header name")]

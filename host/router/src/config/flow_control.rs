@@ -1,11 +1,13 @@
 //! Flow control: `switchyard serve`'s flags, or the file's `[flow_control]` table.
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use super::error::Problem;
 use super::file::{FileValue, deserialize};
-use super::table::settings;
+use super::table::{at_least_one, settings};
 use crate::api::{DEFAULT_PRIORITY_HEADER, Fairness, FlowControl};
+use crate::cluster::SaturationConfig;
 
 settings! {
     /// How the admission queue orders what waits: by priority, by tenant, by deadline
@@ -47,6 +49,47 @@ settings! {
         default: Vec::new(),
         check: |weights| positive_weights(weights),
     }
+    /// An endpoint is saturated with this many requests waiting in its engine's queue (its
+    /// `/metrics`): left out of new plans while another of its role has room [default: 5].
+    #[arg(value_name = "N")]
+    saturation_waiting: Option<u32> => u32 {
+        flag: "saturation-waiting",
+        key: "saturation_waiting",
+        default: SaturationConfig::default().waiting,
+        check: at_least_one,
+    }
+    /// An endpoint is saturated at this share of its engine's KV cache in use [default: 0.95].
+    #[arg(value_name = "SHARE")]
+    saturation_kv_usage: Option<f64> => f64 {
+        flag: "saturation-kv-usage",
+        key: "saturation_kv_usage",
+        default: SaturationConfig::default().kv_usage,
+        check: share,
+    }
+    /// An endpoint is saturated with this many legs of this router in flight on it; not
+    /// judged unless given.
+    #[arg(value_name = "N")]
+    saturation_in_flight: Option<u32> => u32 {
+        flag: "saturation-in-flight",
+        key: "saturation_in_flight",
+        check: at_least_one,
+    }
+    /// The saturation `switchyard_desired_replicas` aims each endpoint at [default: 0.8].
+    #[arg(value_name = "SHARE")]
+    target_saturation: Option<f64> => f64 {
+        flag: "target-saturation",
+        key: "target_saturation",
+        default: SaturationConfig::default().target,
+        check: share,
+    }
+    /// While no endpoint is ready, hold requests up to this long until one is (scale from
+    /// zero) instead of answering 503 at once; off unless given.
+    #[arg(value_name = "MS")]
+    scale_from_zero_timeout_ms: Option<u64> => u64 {
+        flag: "scale-from-zero-timeout-ms",
+        key: "scale_from_zero_timeout_ms",
+        check: at_least_one,
+    }
 }
 
 impl FlowControlSettings {
@@ -62,7 +105,21 @@ impl FlowControlSettings {
                 .iter()
                 .cloned()
                 .collect::<HashMap<_, _>>(),
+            scale_from_zero: self
+                .scale_from_zero_timeout_ms
+                .as_ref()
+                .map(|ms| Duration::from_millis(ms.value)),
         }
+    }
+
+    /// When endpoints are saturated; `None` with flow control off (nothing is judged).
+    pub(super) fn saturation(&self) -> Option<SaturationConfig> {
+        (!self.no_flow_control.value).then(|| SaturationConfig {
+            waiting: self.saturation_waiting.value,
+            kv_usage: self.saturation_kv_usage.value,
+            in_flight: self.saturation_in_flight.as_ref().map(|n| n.value),
+            target: self.target_saturation.value,
+        })
     }
 }
 
@@ -95,6 +152,14 @@ fn header_name(name: &str) -> Result<(), Problem> {
     match http::HeaderName::from_bytes(name.as_bytes()) {
         Ok(_) => Ok(()),
         Err(_) => Err(Problem::HeaderName(name.to_owned())),
+    }
+}
+
+/// KV usage and saturation are shares: 0 would saturate every endpoint at once.
+fn share(value: &f64) -> Result<(), Problem> {
+    match *value > 0.0 && *value <= 1.0 {
+        true => Ok(()),
+        false => Err(Problem::NotAShare(*value)),
     }
 }
 

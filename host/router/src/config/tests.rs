@@ -734,3 +734,51 @@ fn endpoint_flags_take_kv_event_sockets_and_check_them() {
     let (at, _) = invalid(Config::from_args(&a).expect_err("zero"));
     assert_eq!(at, Source::Flag("kv-events-stale-after"));
 }
+
+#[test]
+fn saturation_and_scale_from_zero_come_from_flags_over_the_flow_control_table() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let mut a = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n[flow_control]\n\
+             saturation_waiting = 12\nsaturation_kv_usage = 0.9\nscale_from_zero_timeout_ms = 90000\n",
+            dir.path()
+        ),
+    );
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(
+        config.saturation,
+        Some(SaturationConfig {
+            waiting: 12,
+            kv_usage: 0.9,
+            ..SaturationConfig::default()
+        })
+    );
+    assert_eq!(
+        config.admission.flow.scale_from_zero,
+        Some(Duration::from_secs(90))
+    );
+
+    a.flow_control.saturation_in_flight = Some(32);
+    a.flow_control.target_saturation = Some(0.5);
+    let saturation = Config::from_args(&a).expect("valid").saturation;
+    assert_eq!(
+        saturation.map(|s| (s.waiting, s.in_flight, s.target)),
+        Some((12, Some(32), 0.5))
+    );
+
+    a.flow_control.no_flow_control = true;
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(
+        config.saturation, None,
+        "flow control off: nothing is judged"
+    );
+
+    a.flow_control.no_flow_control = false;
+    a.flow_control.saturation_kv_usage = Some(1.5);
+    let (at, problem) = invalid(Config::from_args(&a).expect_err("KV usage above 1"));
+    assert_eq!(at, Source::Flag("saturation-kv-usage"));
+    assert_eq!(problem, Problem::NotAShare(1.5));
+}

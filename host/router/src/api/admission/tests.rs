@@ -179,3 +179,39 @@ fn retry_after_is_whole_seconds_and_at_least_one() {
     assert_eq!(after(1500), Duration::from_secs(2));
     assert_eq!(after(10), Duration::from_secs(1));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_held_request_counts_in_its_models_queue_until_ready_or_the_timeout() {
+    let a = admission(4, 4, Duration::from_secs(5));
+    let depth = |a: &Admission| {
+        a.metrics
+            .queue_depth
+            .get_or_create(&vec![("model", "m".to_owned())])
+            .get()
+    };
+    let (ready, readied) = tokio::sync::oneshot::channel::<()>();
+    let held = tokio::spawn({
+        let a = Arc::clone(&a);
+        async move {
+            let ready = async {
+                let _ = readied.await;
+            };
+            a.hold("m".into(), Duration::from_secs(60), ready).await
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert_eq!(depth(&a), 1, "held: demand an autoscaler can see");
+    ready.send(()).expect("still held");
+    let waited = held.await.expect("no panic");
+    assert_eq!(
+        waited,
+        Some(Duration::from_secs(20)),
+        "released by the event"
+    );
+    assert_eq!(depth(&a), 0);
+
+    let never = std::future::pending::<()>();
+    let timed_out = a.hold("m".into(), Duration::from_secs(60), never).await;
+    assert_eq!(timed_out, None);
+    assert_eq!(depth(&a), 0);
+}
