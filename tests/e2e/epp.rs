@@ -468,6 +468,78 @@ async fn the_epp_speaks_ext_proc_at_its_edges() {
     assert!(destination(&s.next().await).contains_key(DESTINATION));
 }
 
+/// The answer's destinations, in order.
+fn destinations(answer: &ProcessingResponse) -> Vec<String> {
+    destination(answer)
+        .get(DESTINATION)
+        .map(|list| list.split(',').map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// A whole completion request on a fresh stream (with `metadata`), and the answer's
+/// destinations.
+async fn picked(epp: &EppProcess, metadata: Option<Metadata>) -> Vec<String> {
+    let mut s = Stream::open(epp).await;
+    s.send(post("/v1/completions"), metadata).await;
+    s.send(
+        Message::RequestBody(body(br#"{"prompt": "x"}"#, true)),
+        None,
+    )
+    .await;
+    destinations(&s.next().await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_fallbacks_the_destination_is_the_policys_next_picks_in_order() {
+    let engines = [
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+    ];
+    let [a, b, c] = [0, 1, 2].map(|i| address(&engines[i]));
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    // More fallbacks than endpoints: the list ends when the policy has none left to plan on.
+    let epp = EppProcess::start(
+        &urls,
+        &["--policy", "round-robin", "--destination-fallbacks", "5"],
+    );
+
+    // round-robin plans on the least-loaded healthy endpoint, ties to the first; asked again
+    // with it failed, on the next: every endpoint once, in the policy's order.
+    assert_eq!(
+        picked(&epp, None).await,
+        [a.as_str(), b.as_str(), c.as_str()]
+    );
+    // The subset hint holds for the fallbacks too.
+    assert_eq!(
+        picked(&epp, Some(subset(&[&c, &b]))).await,
+        [b.clone(), c.clone()]
+    );
+    assert_eq!(picked(&epp, Some(subset(&[&c]))).await, [c.as_str()]);
+
+    // A request no policy plans: the healthy endpoints by requests in flight.
+    let mut s = Stream::open(&epp).await;
+    s.send(
+        headers(&[(":method", "GET"), (":path", "/v1/models")], true),
+        None,
+    )
+    .await;
+    let mut all = destinations(&s.next().await);
+    all.sort();
+    let mut expected = vec![a.clone(), b.clone(), c.clone()];
+    expected.sort();
+    assert_eq!(all, expected, "each endpoint once");
+    drop(s);
+
+    // Two fallbacks configured in the file's [epp] table.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("epp.toml");
+    std::fs::write(&config, "[epp]\ndestination_fallbacks = 1\n").expect("write the config");
+    let config = config.display().to_string();
+    let one = EppProcess::start(&urls, &["--policy", "round-robin", "--config", &config]);
+    assert_eq!(picked(&one, None).await, [a.as_str(), b.as_str()]);
+}
+
 // === behind a real Envoy ===
 
 /// Envoy as a child process, killed when dropped.
@@ -483,10 +555,25 @@ struct Envoy {
     _dir: tempfile::TempDir,
 }
 
+/// How Envoy finds the host the EPP names.
+enum Pool {
+    /// The reference wiring: an `ORIGINAL_DST` cluster connects to the one `ip:port` in
+    /// `x-gateway-destination-endpoint`.
+    OriginalDst,
+    /// A static cluster of these engines with the `override_host` load balancer, which takes
+    /// the header's ordered list and walks it on retries (one retry on a 5xx or a failed
+    /// connection).
+    OverrideHost(Vec<SocketAddr>),
+}
+
 impl Envoy {
     /// Envoy on free loopback ports with `epp` as its ext_proc server, its `hinted` listener
     /// restricting picks to `subset`; returns once its admin interface says it is live.
     async fn start(epp: SocketAddr, subset: &str) -> Envoy {
+        Self::start_with(epp, subset, &Pool::OriginalDst).await
+    }
+
+    async fn start_with(epp: SocketAddr, subset: &str, pool: &Pool) -> Envoy {
         let ports = Ports {
             gateway: free_port(),
             hinted: free_port(),
@@ -495,8 +582,11 @@ impl Envoy {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = dir.path().join("envoy.json");
         let log = dir.path().join("access.log");
-        std::fs::write(&config, envoy_config(ports, epp, subset, &log).to_string())
-            .expect("write the Envoy config");
+        std::fs::write(
+            &config,
+            envoy_config(ports, epp, pool, subset, &log).to_string(),
+        )
+        .expect("write the Envoy config");
         // The access log is the test's record of where each request went.
         let process = EnvoyProcess::spawn(&config, &["--file-flush-interval-msec", "20"]);
         let envoy = Envoy {
@@ -550,28 +640,25 @@ impl Envoy {
 /// named in `x-gateway-destination-endpoint` (`ORIGINAL_DST`). The EPP failing closes the
 /// request (no `failure_mode_allow`). A second listener, `hinted`, first sets the
 /// `envoy.lb.subset_hint` metadata to `subset` with Envoy's `set_metadata` filter. The access
-/// log records each request's upstream host and the prefiller header it carried.
-fn envoy_config(ports: Ports, epp: SocketAddr, subset: &str, log: &std::path::Path) -> Value {
-    let address =
-        |host: &str, port: u16| json!({"socket_address": {"address": host, "port_value": port}});
+/// log records each request's upstream host (the last tried), the prefiller header it carried
+/// and its status.
+fn envoy_config(
+    ports: Ports,
+    epp: SocketAddr,
+    pool: &Pool,
+    subset: &str,
+    log: &std::path::Path,
+) -> Value {
+    let retries = matches!(pool, Pool::OverrideHost(_));
     json!({
-        "admin": {"address": address("127.0.0.1", ports.admin)},
+        "admin": {"address": socket("127.0.0.1", ports.admin)},
         "static_resources": {
             "listeners": [
-                listener("gateway", address("127.0.0.1", ports.gateway), None, log),
-                listener("hinted", address("127.0.0.1", ports.hinted), Some(subset), log),
+                listener("gateway", socket("127.0.0.1", ports.gateway), None, retries, log),
+                listener("hinted", socket("127.0.0.1", ports.hinted), Some(subset), retries, log),
             ],
             "clusters": [
-                {
-                    "name": "pool",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "2s",
-                    "original_dst_lb_config": {
-                        "use_http_header": true,
-                        "http_header_name": DESTINATION,
-                    },
-                },
+                pool_cluster(pool),
                 {
                     "name": "epp",
                     "type": "STATIC",
@@ -585,13 +672,55 @@ fn envoy_config(ports: Ports, epp: SocketAddr, subset: &str, log: &std::path::Pa
                     "load_assignment": {
                         "cluster_name": "epp",
                         "endpoints": [{"lb_endpoints": [{"endpoint": {
-                            "address": address(&epp.ip().to_string(), epp.port()),
+                            "address": socket(&epp.ip().to_string(), epp.port()),
                         }}]}],
                     },
                 },
             ],
         },
     })
+}
+
+fn socket(host: &str, port: u16) -> Value {
+    json!({"socket_address": {"address": host, "port_value": port}})
+}
+
+fn pool_cluster(pool: &Pool) -> Value {
+    match pool {
+        Pool::OriginalDst => json!({
+            "name": "pool",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "2s",
+            "original_dst_lb_config": {
+                "use_http_header": true,
+                "http_header_name": DESTINATION,
+            },
+        }),
+        Pool::OverrideHost(engines) => {
+            let endpoints: Vec<Value> = engines
+                .iter()
+                .map(|e| json!({"endpoint": {"address": socket(&e.ip().to_string(), e.port())}}))
+                .collect();
+            json!({
+                "name": "pool",
+                "type": "STATIC",
+                "connect_timeout": "2s",
+                "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
+                "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "override_host_sources": [{"header": DESTINATION}],
+                        "fallback_policy": {"policies": [{"typed_extension_config": {
+                            "name": "envoy.load_balancing_policies.round_robin",
+                            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+                        }}]},
+                    },
+                }}]},
+            })
+        }
+    }
 }
 
 /// Envoy's ports: its listeners' and its admin interface's.
@@ -602,7 +731,13 @@ struct Ports {
     admin: u16,
 }
 
-fn listener(name: &str, address: Value, subset: Option<&str>, log: &std::path::Path) -> Value {
+fn listener(
+    name: &str,
+    address: Value,
+    subset: Option<&str>,
+    retries: bool,
+    log: &std::path::Path,
+) -> Value {
     let ext_proc = json!({
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -661,13 +796,21 @@ fn listener(name: &str, address: Value, subset: Option<&str>, log: &std::path::P
                     "domains": ["*"],
                     "routes": [{
                         "match": {"prefix": "/"},
-                        "route": {"cluster": "pool", "timeout": "0s"},
+                        "route": route(retries),
                     }],
                 }]},
                 "http_filters": filters,
             },
         }]}],
     })
+}
+
+fn route(retries: bool) -> Value {
+    let mut route = json!({"cluster": "pool", "timeout": "0s"});
+    if retries {
+        route["retry_policy"] = json!({"retry_on": "5xx,connect-failure", "num_retries": 1});
+    }
+    route
 }
 
 /// A completion through `url` (`x-switchyard-policy: policy` when given): its status and the
@@ -870,4 +1013,45 @@ async fn behind_envoy_the_epp_killed_fails_closed_and_serves_again_when_back() {
         }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_with_override_host_a_failing_pick_falls_back_to_the_next() {
+    // The first and last engines answer every completion 500 but their probes 200: the EPP
+    // keeps picking the first first, and the second after it.
+    let failing = ["--fail-rate", "1"];
+    let engines = [
+        EngineProcess::spawn(&failing),
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&failing),
+    ];
+    let b = address(&engines[1]);
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let epp = EppProcess::start(
+        &urls,
+        &["--policy", "round-robin", "--destination-fallbacks", "1"],
+    );
+    let pool = Pool::OverrideHost(engines.iter().map(|e| e.http_addr).collect());
+    let envoy = Envoy::start_with(epp.grpc, &b, &pool).await;
+    let prompt = json!({"prompt": "Walk the list", "max_tokens": 4});
+
+    // Each retry goes to the list's next endpoint, never where Envoy's own round-robin
+    // (the override's fallback) would take it: over three requests that would reach the
+    // third engine too.
+    const REQUESTS: usize = 3;
+    for n in 1..=REQUESTS {
+        let (status, body) = complete(&envoy.url, None, &prompt).await;
+        assert_eq!(status, 200, "{body:?}");
+        assert_eq!(envoy.request(n).await, format!("{b} - 200"));
+    }
+    let injected = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_injected_failures_total").await }
+    };
+    assert_eq!(
+        injected(&engines[0]).await,
+        REQUESTS as f64,
+        "the first pick, each time"
+    );
+    assert_eq!(injected(&engines[2]).await, 0.0, "not on the list");
 }
