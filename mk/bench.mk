@@ -6,6 +6,8 @@
 #                         sglang-router in front of one nginx static responder (ROUNDS=3 ...)
 #   make bench-kv-aware   release build + plugins + the affinity example, then scripts/bench-kv-aware.sh:
 #                         four policies on a Mooncake trace window, 4 engines (LOAD=0.7 LIMIT=600 ...)
+#   make bench-epp        release build + plugins + the test venv's Envoy, then scripts/bench-epp.sh:
+#                         Envoy with switchyard's EPP vs Envoy round-robin alone (ROUNDS=5 ...)
 # Included by the top-level Makefile.
 
 .PHONY: bench-overhead
@@ -30,3 +32,10 @@ bench-peers: plugins release
 # The example's file is named, not $(EXAMPLES_OUT)/...: mk/examples.mk is read after this file.
 bench-kv-aware: plugins release target/examples/affinity-rust.wasm
 	scripts/bench-kv-aware.sh
+
+.PHONY: bench-epp
+
+## bench-epp: Envoy with switchyard's Endpoint Picker against Envoy's round-robin alone, in front
+## of one nginx static responder, wrk interleaved -> target/bench-epp/summary.md
+bench-epp: plugins release venv
+	SWITCHYARD_VENV=$(CURDIR)/$(VENV) scripts/bench-epp.sh
