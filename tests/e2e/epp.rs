@@ -1055,3 +1055,278 @@ async fn behind_envoy_with_override_host_a_failing_pick_falls_back_to_the_next()
     );
     assert_eq!(injected(&engines[2]).await, 0.0, "not on the list");
 }
+
+// === a request's life through Envoy ===
+
+/// A request through `url` whose response is read as it comes.
+async fn open_stream(url: &str, body: &Value) -> reqwest::Response {
+    let response = client()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(response.status().as_u16(), 200);
+    response
+}
+
+/// The rest of a response's body, as text.
+async fn rest(mut response: reqwest::Response) -> String {
+    let mut text = String::new();
+    while let Some(chunk) = response.chunk().await.expect("the body arrives") {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    text
+}
+
+/// A streamed completion long enough to hold open while a test looks around: ~16 ms per
+/// token on a paced engine.
+fn long_stream(tokens: u32) -> Value {
+    json!({"prompt": "Keep it open", "max_tokens": tokens, "stream": true})
+}
+
+/// `name`'s entry in the EPP's `/admin/policies`.
+async fn policy_entry(admin: &str, name: &str) -> Value {
+    let policies: Vec<Value> = client()
+        .get(format!("{admin}/admin/policies"))
+        .send()
+        .await
+        .expect("admin answers")
+        .json()
+        .await
+        .expect("a JSON list");
+    policies
+        .into_iter()
+        .find(|p| p["name"] == name)
+        .unwrap_or_else(|| panic!("no policy {name} in /admin/policies"))
+}
+
+const PACED: [&str; 4] = ["--profile", "llama3-8b-h100", "--time-scale", "3"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_the_epps_refusals_reach_the_client_as_openai_errors() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    // One request at a time, none waiting: a second is shed while the first streams.
+    let epp = EppProcess::start(
+        &[&engines[0].url],
+        &[
+            "--policy",
+            "round-robin",
+            "--max-concurrent-requests",
+            "1",
+            "--max-queued-requests",
+            "0",
+        ],
+    );
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+
+    // The client's mistake: 400 from the EPP, through Envoy, with the OpenAI error body.
+    let response = client()
+        .post(format!("{}/v1/completions", envoy.url))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(response.status().as_u16(), 400);
+    let error: Value = response.json().await.expect("a JSON body");
+    assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+
+    // The one place taken by an open stream: the next request is shed with 429 and the
+    // router's Retry-After.
+    let mut first = open_stream(&envoy.url, &long_stream(64)).await;
+    first.chunk().await.expect("a first chunk");
+    let shed = client()
+        .post(format!("{}/v1/completions", envoy.url))
+        .json(&json!({"prompt": "And me?", "max_tokens": 4}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(shed.status().as_u16(), 429);
+    let retry_after = shed
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(retry_after.is_some_and(|s| s > 0), "{:?}", shed.headers());
+    let error: Value = shed.json().await.expect("a JSON body");
+    assert!(error["error"]["message"].is_string(), "{error}");
+    assert!(rest(first).await.contains("[DONE]"));
+
+    // The stream over, its place is free again.
+    let prompt = json!({"prompt": "Now?", "max_tokens": 4});
+    assert_eq!(complete(&envoy.url, None, &prompt).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_on_complete_is_called_when_the_response_stream_ends() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    // The misbehaving policy plans well but spins in on-complete, so each call of on-complete
+    // is a fault /admin/policies counts: the call is seen, and when it happened.
+    let plugins = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(
+        switchyard_tests::guest(switchyard_tests::Guest::MISBEHAVE),
+        plugins.path().join("spin.wasm"),
+    )
+    .expect("install the policy");
+    std::fs::write(
+        plugins.path().join("spin.json"),
+        r#"{"mode": "spin-on-complete"}"#,
+    )
+    .expect("its config");
+    let admin_port = free_port().to_string();
+    let dir = plugins.path().display().to_string();
+    let epp = EppProcess::start(
+        &[&engines[0].url],
+        &[
+            "--plugins",
+            &dir,
+            "--policy",
+            "spin",
+            "--fallback-policy",
+            "none",
+            "--admin-port",
+            &admin_port,
+        ],
+    );
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let faults = || async { policy_entry(&admin, "spin").await["errors"].clone() };
+
+    let mut stream = open_stream(&envoy.url, &long_stream(32)).await;
+    stream.chunk().await.expect("a first chunk");
+    assert_eq!(faults().await, 0, "on-complete before the response ended");
+    let text = rest(stream).await;
+    assert!(text.contains("[DONE]"), "{text}");
+    eventually(Duration::from_secs(10), || async {
+        let errors = faults().await;
+        (errors != 1).then(|| format!("on-complete calls seen: {errors}"))
+    })
+    .await;
+    assert_eq!(
+        policy_entry(&admin, "spin").await["calls"],
+        1,
+        "one plan, its fault in on-complete alone"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_a_client_leaving_mid_stream_leaves_nothing_in_flight() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    let admin_port = free_port().to_string();
+    let epp = EppProcess::start(
+        &[&engines[0].url],
+        &["--policy", "round-robin", "--admin-port", &admin_port],
+    );
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let metrics = format!("{}/metrics", epp.metrics_url);
+    let engine_metrics = engines[0].endpoint("/metrics");
+    let cancelled = metric(&metrics, CANCELLED).await;
+
+    let mut stream = open_stream(&envoy.url, &long_stream(200)).await;
+    stream.chunk().await.expect("a first chunk");
+    assert_eq!(in_flight(&admin).await, [1]);
+    assert_eq!(
+        metric(&engine_metrics, "switchyard_engine_running_requests").await,
+        1.0
+    );
+    drop(stream);
+
+    idle(&admin, "the client left mid-stream").await;
+    assert_eq!(metric(&metrics, CANCELLED).await, cancelled + 1.0);
+    eventually(Duration::from_secs(10), || {
+        let url = engine_metrics.clone();
+        async move {
+            let running = metric(&url, "switchyard_engine_running_requests").await;
+            (running != 0.0).then(|| format!("the engine still runs {running}"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_sigterm_drains_the_epp_and_it_exits_by_itself() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    let mut epp = EppProcess::start(
+        &[&engines[0].url],
+        &[
+            "--policy",
+            "round-robin",
+            "--drain-delay",
+            "2s",
+            "--shutdown-grace",
+            "20s",
+        ],
+    );
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", epp.grpc_health))
+        .expect("a URI")
+        .connect()
+        .await
+        .expect("connect to the EPP's health port");
+    let health = HealthClient::new(channel);
+    let readiness = || {
+        let mut health = health.clone();
+        async move {
+            let request = HealthCheckRequest {
+                service: "readiness".to_owned(),
+            };
+            health.check(request).await.map(|r| r.into_inner().status)
+        }
+    };
+    // Ready once the health reporter has seen the endpoint healthy.
+    eventually(Duration::from_secs(5), || async {
+        match readiness().await {
+            Ok(status) if status == ServingStatus::Serving as i32 => None,
+            other => Some(format!("readiness: {other:?}")),
+        }
+    })
+    .await;
+
+    // A stream open across the whole drain (~6 s of tokens).
+    let mut open = open_stream(&envoy.url, &long_stream(400)).await;
+    let first = open.chunk().await.expect("a first chunk").expect("data");
+    epp.signal(rustix::process::Signal::TERM);
+
+    // At once: not ready (the gateway's probes stop sending).
+    eventually(Duration::from_secs(2), || async {
+        match readiness().await {
+            Ok(status) if status == ServingStatus::NotServing as i32 => None,
+            other => Some(format!("readiness while draining: {other:?}")),
+        }
+    })
+    .await;
+    // After the drain delay the EPP takes no new stream: Envoy fails the request closed,
+    // while the open stream goes on.
+    let prompt = json!({"prompt": "Still there?", "max_tokens": 4});
+    eventually(Duration::from_secs(10), || {
+        let (envoy, prompt) = (&envoy, &prompt);
+        async move {
+            let (status, _) = complete(&envoy.url, None, prompt).await;
+            (status < 500).then(|| format!("a new request while draining: {status}"))
+        }
+    })
+    .await;
+    let text = String::from_utf8_lossy(&first).into_owned() + &rest(open).await;
+    assert!(
+        text.contains("[DONE]"),
+        "the open stream finished whole: {text}"
+    );
+    let last = sse_payloads(&text)
+        .iter()
+        .rev()
+        .filter(|p| *p != "[DONE]")
+        .find_map(|p| serde_json::from_str::<Value>(p).ok())
+        .expect("events");
+    assert_eq!(
+        last["choices"][0]["finish_reason"], "length",
+        "the stream ran to its max_tokens: {last}"
+    );
+
+    // Then the EPP exits by itself, well before its grace period is over.
+    let status = tokio::task::spawn_blocking(move || epp.wait_exit(Duration::from_secs(15)))
+        .await
+        .expect("the wait ran");
+    assert!(status.is_some_and(|s| s.success()), "exit: {status:?}");
+}
