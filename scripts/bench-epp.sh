@@ -8,7 +8,7 @@
 # (or BIN=another build), plugins/round-robin.wasm and Envoy from the test venv (`make venv`;
 # ENVOY=another binary): `make bench-epp` builds them first.
 #
-# Knobs: ROUNDS (5), WRK_SECONDS (5), CONNECTIONS (1,16), BASE_PORT (18400, 8 ports from it),
+# Knobs: ROUNDS (5), WRK_SECONDS (5), CONNECTIONS (1,16), BASE_PORT (18400, 10 ports from it),
 # OUT (target/bench-epp), BIN, ENVOY.
 set -euo pipefail
 cd "$(dirname "$0")/.."

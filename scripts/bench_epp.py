@@ -7,7 +7,11 @@ One nginx static responder is the null engine (it answers every completion with 
 - `envoy-rr`: Envoy alone, a static cluster of the responder with round-robin;
 - `envoy-epp`: the Inference Extension's reference wiring (the test's, docs/src/kubernetes/epp.md):
   ext_proc in FULL_DUPLEX_STREAMED mode to `switchyard epp` (round-robin policy, the responder
-  its one endpoint), then an ORIGINAL_DST cluster on `x-gateway-destination-endpoint`.
+  its one endpoint), then an ORIGINAL_DST cluster on `x-gateway-destination-endpoint`;
+- `envoy-epp-req`: the same with the response not sent to the EPP (response headers SKIP,
+  body NONE), for the breakdown: what the response's two round trips through the EPP cost
+  (the EPP then hears no response end: its requests count as cancelled, and on-complete
+  reports them so; not a configuration to deploy).
 
 wrk (-t1, the same POST as bench_peers.py) visits both in turn, round by round, so whatever
 else the machine does hits both alike. Added latency: envoy-epp's p50/p99 minus envoy-rr's, in
@@ -41,9 +45,11 @@ BASE_PORT = int(os.environ.get("BASE_PORT", "18400"))
 BIN = os.environ.get("BIN", "target/release/switchyard")
 ENVOY = os.environ.get("ENVOY", ".venv/bin/envoy")
 
-PORT_NAMES = ["null", "envoy-rr", "envoy-epp", "envoy-rr-admin", "envoy-epp-admin",
-              "epp-grpc", "epp-health", "epp-metrics"]
-TARGETS = ["envoy-rr", "envoy-epp"]
+PORT_NAMES = ["null", "envoy-rr", "envoy-epp", "envoy-epp-req", "envoy-rr-admin",
+              "envoy-epp-admin", "envoy-epp-req-admin", "epp-grpc", "epp-health", "epp-metrics"]
+TARGETS = ["envoy-rr", "envoy-epp", "envoy-epp-req"]
+LABELS = {"envoy-rr": "Envoy round-robin alone", "envoy-epp": "Envoy + switchyard EPP",
+          "envoy-epp-req": "Envoy + EPP, request path only"}
 
 
 def port(name: str) -> int:
@@ -85,15 +91,17 @@ def envoy_conf(name: str) -> dict:
         "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}
     filters = [router]
     clusters = []
-    if name == "envoy-epp":
+    if name.startswith("envoy-epp"):
+        response = ({"response_header_mode": "SEND", "response_body_mode": "FULL_DUPLEX_STREAMED",
+                     "response_trailer_mode": "SEND"} if name == "envoy-epp" else
+                    {"response_header_mode": "SKIP", "response_body_mode": "NONE",
+                     "response_trailer_mode": "SKIP"})
         filters.insert(0, {"name": "envoy.filters.http.ext_proc", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
             "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
             "processing_mode": {
-                "request_header_mode": "SEND", "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+                "request_header_mode": "SEND", "request_body_mode": "FULL_DUPLEX_STREAMED",
+                "request_trailer_mode": "SEND", **response},
             "message_timeout": "10s"}})
         clusters.append({"name": "pool", "type": "ORIGINAL_DST", "lb_policy": "CLUSTER_PROVIDED",
                          "connect_timeout": "2s", "original_dst_lb_config": {
@@ -171,7 +179,8 @@ def policy_call_mean_us() -> float:
 
 def measure(fleet: Fleet, out: Path) -> list[dict]:
     runs = []
-    cpu_of = {"envoy-rr": ["envoy-rr"], "envoy-epp": ["envoy-epp", "epp"]}
+    cpu_of = {"envoy-rr": ["envoy-rr"], "envoy-epp": ["envoy-epp", "epp"],
+              "envoy-epp-req": ["envoy-epp-req", "epp"]}
     for round_no in range(1, ROUNDS + 1):
         for connections in CONNECTIONS:
             for target in TARGETS:
@@ -183,7 +192,7 @@ def measure(fleet: Fleet, out: Path) -> list[dict]:
                     result[key] = ticks / CLK_TCK * 1e6 / max(1, result["requests"])
                 result.update(target=target, connections=connections, round=round_no)
                 runs.append(result)
-                print(f"round {round_no} c={connections:<3} {target:10} {result['rps']:8.0f} req/s "
+                print(f"round {round_no} c={connections:<3} {target:13} {result['rps']:8.0f} req/s "
                       f"p50 {result['p50_us']:6.0f} µs p99 {result['p99_us']:6.0f} µs "
                       f"envoy {result['envoy_cpu_us']:4.0f} µs/req "
                       f"epp {result.get('epp_cpu_us', 0):4.0f} µs/req failed {result['failed']}",
@@ -197,23 +206,24 @@ def summary(runs: list[dict], header: str) -> str:
                     if r["target"] == target and r["connections"] == c and r["round"] == rnd)
 
     lines = [header, "",
-             "| wrk connections | Envoy alone p50 / p99 µs | Envoy + EPP p50 / p99 µs "
-             "| added p50 / p99 µs | req/s alone / + EPP | Envoy CPU µs/req alone / + EPP "
-             "| EPP CPU µs/req | failed |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| wrk connections | gateway | req/s | p50 µs | p99 µs | added p50 µs | added p99 µs "
+             "| Envoy CPU µs/req | EPP CPU µs/req | failed |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rounds = range(1, ROUNDS + 1)
     for c in CONNECTIONS:
-        rounds = range(1, ROUNDS + 1)
-        med = lambda target, key: statistics.median(pick(target, c, r)[key] for r in rounds)
-        added = {k: statistics.median(pick("envoy-epp", c, r)[k] - pick("envoy-rr", c, r)[k]
-                                      for r in rounds) for k in ("p50_us", "p99_us")}
-        failed = sum(r["failed"] for r in runs if r["connections"] == c)
-        lines.append(
-            f"| {c} | {med('envoy-rr', 'p50_us'):.0f} / {med('envoy-rr', 'p99_us'):.0f} "
-            f"| {med('envoy-epp', 'p50_us'):.0f} / {med('envoy-epp', 'p99_us'):.0f} "
-            f"| {added['p50_us']:.0f} / {added['p99_us']:.0f} "
-            f"| {med('envoy-rr', 'rps'):.0f} / {med('envoy-epp', 'rps'):.0f} "
-            f"| {med('envoy-rr', 'envoy_cpu_us'):.0f} / {med('envoy-epp', 'envoy_cpu_us'):.0f} "
-            f"| {med('envoy-epp', 'epp_cpu_us'):.0f} | {failed} |")
+        for target in TARGETS:
+            def med(key):
+                return statistics.median(pick(target, c, r).get(key, 0) for r in rounds)
+
+            def added(key):
+                if target == "envoy-rr":
+                    return "–"
+                return f"{statistics.median(pick(target, c, r)[key] - pick('envoy-rr', c, r)[key] for r in rounds):.0f}"
+            epp = f"{med('epp_cpu_us'):.0f}" if target != "envoy-rr" else "–"
+            failed = sum(r["failed"] for r in runs if r["connections"] == c and r["target"] == target)
+            lines.append(f"| {c} | {LABELS[target]} | {med('rps'):.0f} | {med('p50_us'):.0f} "
+                         f"| {med('p99_us'):.0f} | {added('p50_us')} | {added('p99_us')} "
+                         f"| {med('envoy_cpu_us'):.0f} | {epp} | {failed} |")
     return "\n".join(lines) + "\n"
 
 

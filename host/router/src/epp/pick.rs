@@ -119,13 +119,17 @@ async fn plan(
         last_failure: None,
         endpoints,
     };
+    // The snapshot is kept for the fallbacks' asks only: most picks name none.
+    let again = (fallbacks > 0).then(|| first.clone());
     let plan = state
         .router
-        .plan_only(&route, Arc::clone(&planner), first.clone())?;
+        .plan_only(&route, Arc::clone(&planner), first)?;
     let (decode, prefill) = legs(&plan);
     let mut destinations = vec![address_of(cluster, decode)?];
-    let next = next_picks(&state.router, &route, &planner, first, decode, fallbacks);
-    destinations.extend(next.into_iter().filter_map(|id| address(cluster, id)));
+    if let Some(context) = again {
+        let next = next_picks(&state.router, &route, &planner, context, decode, fallbacks);
+        destinations.extend(next.into_iter().filter_map(|id| address(cluster, id)));
+    }
     let prefiller = prefill.map(|p| address_of(cluster, p)).transpose()?;
     let ids = std::iter::once(decode).chain(prefill);
     cluster.note_served(ids.clone(), route.prompt.len());
