@@ -9,7 +9,7 @@
 # ENVOY=another binary): `make bench-epp` builds them first.
 #
 # Knobs: ROUNDS (5), WRK_SECONDS (5), CONNECTIONS (1,16), BASE_PORT (18400, 10 ports from it),
-# OUT (target/bench-epp), BIN, ENVOY.
+# OUT (target/bench-epp), BIN, ENVOY, EPP_WORKERS (1: the EPP's --workers).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -20,7 +20,7 @@ the same round, then the median over rounds. CPU per request: each process's use
 The EPP's own /metrics says where its time goes: the mean policy call.
 
 Usage: bench_epp.py OUT  (scripts/bench-epp.sh sets it up; knobs ROUNDS, WRK_SECONDS,
-CONNECTIONS, BASE_PORT, BIN, ENVOY)
+CONNECTIONS, BASE_PORT, BIN, ENVOY, EPP_WORKERS)
 """
 
 import json
@@ -44,6 +44,8 @@ CONNECTIONS = [int(c) for c in os.environ.get("CONNECTIONS", "1,16").split(",")]
 BASE_PORT = int(os.environ.get("BASE_PORT", "18400"))
 BIN = os.environ.get("BIN", "target/release/switchyard")
 ENVOY = os.environ.get("ENVOY", ".venv/bin/envoy")
+# The EPP's threads (`--workers`): one leaves the box's other core to Envoy, nginx and wrk.
+EPP_WORKERS = os.environ.get("EPP_WORKERS", "1")
 
 PORT_NAMES = ["null", "envoy-rr", "envoy-epp", "envoy-epp-req", "envoy-rr-admin",
               "envoy-epp-admin", "envoy-epp-req-admin", "epp-grpc", "epp-health", "epp-metrics"]
@@ -143,7 +145,7 @@ def start_all(fleet: Fleet, out: Path) -> None:
     fleet.start("null", ["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf")])
     wait_ok(fleet, "null", url("null"))
     fleet.start("epp", [BIN, "epp", "--plugins", "plugins", "--policy", "round-robin",
-                        "--endpoint", url("null"),
+                        "--endpoint", url("null"), "--workers", EPP_WORKERS,
                         "--grpc-port", str(port("epp-grpc")),
                         "--grpc-health-port", str(port("epp-health")),
                         "--metrics-port", str(port("epp-metrics"))])
@@ -243,8 +245,8 @@ def main() -> None:
     (out / "runs.json").write_text(json.dumps(runs, indent=1))
     header = (f"{os.cpu_count()} vCPUs; load average before {load_before[0]:.2f}, after "
               f"{os.getloadavg()[0]:.2f}; {ROUNDS} interleaved rounds, medians (added: envoy-epp "
-              f"minus envoy-rr within each round); wrk -t1 {WRK_SECONDS} s per run; the EPP's "
-              f"mean policy call {policy_us:.1f} µs.")
+              f"minus envoy-rr within each round); wrk -t1 {WRK_SECONDS} s per run; EPP --workers "
+              f"{EPP_WORKERS}; the EPP's mean policy call {policy_us:.1f} µs.")
     table = summary(runs, header)
     (out / "summary.md").write_text(table)
     print(table)
