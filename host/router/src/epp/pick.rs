@@ -162,7 +162,8 @@ fn next_picks(
     picked: EndpointId,
     n: usize,
 ) -> Vec<EndpointId> {
-    let mut next = Vec::with_capacity(n);
+    // Bounded by the endpoints too: each ask marks one more failed.
+    let mut next = Vec::with_capacity(n.min(context.endpoints.len()));
     let mut failed = picked;
     while next.len() < n {
         fail(&mut context, failed);
