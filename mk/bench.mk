@@ -8,6 +8,8 @@
 #                         four policies on a Mooncake trace window, 4 engines (LOAD=0.7 LIMIT=600 ...)
 #   make bench-flow       release build + plugins + the test venv, then scripts/bench-flow.sh: the
 #                         same 3x overload with and without flow control, goodput per class
+#   make bench-epp        release build + plugins + the test venv's Envoy, then scripts/bench-epp.sh:
+#                         Envoy with switchyard's EPP vs Envoy round-robin alone (ROUNDS=5 ...)
 # Included by the top-level Makefile.
 
 .PHONY: bench-overhead
@@ -39,3 +41,9 @@ bench-kv-aware: plugins release target/examples/affinity-rust.wasm
 ## goodput under a TTFT SLO per class -> target/bench-flow/summary.md
 bench-flow: plugins release venv
 	SWITCHYARD_VENV=$(CURDIR)/$(VENV) scripts/bench-flow.sh
+.PHONY: bench-epp
+
+## bench-epp: Envoy with switchyard's Endpoint Picker against Envoy's round-robin alone, in front
+## of one nginx static responder, wrk interleaved -> target/bench-epp/summary.md
+bench-epp: plugins release venv
+	SWITCHYARD_VENV=$(CURDIR)/$(VENV) scripts/bench-epp.sh

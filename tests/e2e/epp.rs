@@ -468,6 +468,78 @@ async fn the_epp_speaks_ext_proc_at_its_edges() {
     assert!(destination(&s.next().await).contains_key(DESTINATION));
 }
 
+/// The answer's destinations, in order.
+fn destinations(answer: &ProcessingResponse) -> Vec<String> {
+    destination(answer)
+        .get(DESTINATION)
+        .map(|list| list.split(',').map(str::to_owned).collect())
+        .unwrap_or_default()
+}
+
+/// A whole completion request on a fresh stream (with `metadata`), and the answer's
+/// destinations.
+async fn picked(epp: &EppProcess, metadata: Option<Metadata>) -> Vec<String> {
+    let mut s = Stream::open(epp).await;
+    s.send(post("/v1/completions"), metadata).await;
+    s.send(
+        Message::RequestBody(body(br#"{"prompt": "x"}"#, true)),
+        None,
+    )
+    .await;
+    destinations(&s.next().await)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_fallbacks_the_destination_is_the_policys_next_picks_in_order() {
+    let engines = [
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&[]),
+    ];
+    let [a, b, c] = [0, 1, 2].map(|i| address(&engines[i]));
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    // More fallbacks than endpoints: the list ends when the policy has none left to plan on.
+    let epp = EppProcess::start(
+        &urls,
+        &["--policy", "round-robin", "--destination-fallbacks", "5"],
+    );
+
+    // round-robin plans on the least-loaded healthy endpoint, ties to the first; asked again
+    // with it failed, on the next: every endpoint once, in the policy's order.
+    assert_eq!(
+        picked(&epp, None).await,
+        [a.as_str(), b.as_str(), c.as_str()]
+    );
+    // The subset hint holds for the fallbacks too.
+    assert_eq!(
+        picked(&epp, Some(subset(&[&c, &b]))).await,
+        [b.clone(), c.clone()]
+    );
+    assert_eq!(picked(&epp, Some(subset(&[&c]))).await, [c.as_str()]);
+
+    // A request no policy plans: the healthy endpoints by requests in flight.
+    let mut s = Stream::open(&epp).await;
+    s.send(
+        headers(&[(":method", "GET"), (":path", "/v1/models")], true),
+        None,
+    )
+    .await;
+    let mut all = destinations(&s.next().await);
+    all.sort();
+    let mut expected = vec![a.clone(), b.clone(), c.clone()];
+    expected.sort();
+    assert_eq!(all, expected, "each endpoint once");
+    drop(s);
+
+    // Two fallbacks configured in the file's [epp] table.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("epp.toml");
+    std::fs::write(&config, "[epp]\ndestination_fallbacks = 1\n").expect("write the config");
+    let config = config.display().to_string();
+    let one = EppProcess::start(&urls, &["--policy", "round-robin", "--config", &config]);
+    assert_eq!(picked(&one, None).await, [a.as_str(), b.as_str()]);
+}
+
 // === behind a real Envoy ===
 
 /// Envoy as a child process, killed when dropped.
@@ -483,10 +555,25 @@ struct Envoy {
     _dir: tempfile::TempDir,
 }
 
+/// How Envoy finds the host the EPP names.
+enum Pool {
+    /// The reference wiring: an `ORIGINAL_DST` cluster connects to the one `ip:port` in
+    /// `x-gateway-destination-endpoint`.
+    OriginalDst,
+    /// A static cluster of these engines with the `override_host` load balancer, which takes
+    /// the header's ordered list and walks it on retries (one retry on a 5xx or a failed
+    /// connection).
+    OverrideHost(Vec<SocketAddr>),
+}
+
 impl Envoy {
     /// Envoy on free loopback ports with `epp` as its ext_proc server, its `hinted` listener
     /// restricting picks to `subset`; returns once its admin interface says it is live.
     async fn start(epp: SocketAddr, subset: &str) -> Envoy {
+        Self::start_with(epp, subset, &Pool::OriginalDst).await
+    }
+
+    async fn start_with(epp: SocketAddr, subset: &str, pool: &Pool) -> Envoy {
         let ports = Ports {
             gateway: free_port(),
             hinted: free_port(),
@@ -495,8 +582,11 @@ impl Envoy {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = dir.path().join("envoy.json");
         let log = dir.path().join("access.log");
-        std::fs::write(&config, envoy_config(ports, epp, subset, &log).to_string())
-            .expect("write the Envoy config");
+        std::fs::write(
+            &config,
+            envoy_config(ports, epp, pool, subset, &log).to_string(),
+        )
+        .expect("write the Envoy config");
         // The access log is the test's record of where each request went.
         let process = EnvoyProcess::spawn(&config, &["--file-flush-interval-msec", "20"]);
         let envoy = Envoy {
@@ -550,28 +640,25 @@ impl Envoy {
 /// named in `x-gateway-destination-endpoint` (`ORIGINAL_DST`). The EPP failing closes the
 /// request (no `failure_mode_allow`). A second listener, `hinted`, first sets the
 /// `envoy.lb.subset_hint` metadata to `subset` with Envoy's `set_metadata` filter. The access
-/// log records each request's upstream host and the prefiller header it carried.
-fn envoy_config(ports: Ports, epp: SocketAddr, subset: &str, log: &std::path::Path) -> Value {
-    let address =
-        |host: &str, port: u16| json!({"socket_address": {"address": host, "port_value": port}});
+/// log records each request's upstream host (the last tried), the prefiller header it carried
+/// and its status.
+fn envoy_config(
+    ports: Ports,
+    epp: SocketAddr,
+    pool: &Pool,
+    subset: &str,
+    log: &std::path::Path,
+) -> Value {
+    let retries = matches!(pool, Pool::OverrideHost(_));
     json!({
-        "admin": {"address": address("127.0.0.1", ports.admin)},
+        "admin": {"address": socket("127.0.0.1", ports.admin)},
         "static_resources": {
             "listeners": [
-                listener("gateway", address("127.0.0.1", ports.gateway), None, log),
-                listener("hinted", address("127.0.0.1", ports.hinted), Some(subset), log),
+                listener("gateway", socket("127.0.0.1", ports.gateway), None, retries, log),
+                listener("hinted", socket("127.0.0.1", ports.hinted), Some(subset), retries, log),
             ],
             "clusters": [
-                {
-                    "name": "pool",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "2s",
-                    "original_dst_lb_config": {
-                        "use_http_header": true,
-                        "http_header_name": DESTINATION,
-                    },
-                },
+                pool_cluster(pool),
                 {
                     "name": "epp",
                     "type": "STATIC",
@@ -585,13 +672,55 @@ fn envoy_config(ports: Ports, epp: SocketAddr, subset: &str, log: &std::path::Pa
                     "load_assignment": {
                         "cluster_name": "epp",
                         "endpoints": [{"lb_endpoints": [{"endpoint": {
-                            "address": address(&epp.ip().to_string(), epp.port()),
+                            "address": socket(&epp.ip().to_string(), epp.port()),
                         }}]}],
                     },
                 },
             ],
         },
     })
+}
+
+fn socket(host: &str, port: u16) -> Value {
+    json!({"socket_address": {"address": host, "port_value": port}})
+}
+
+fn pool_cluster(pool: &Pool) -> Value {
+    match pool {
+        Pool::OriginalDst => json!({
+            "name": "pool",
+            "type": "ORIGINAL_DST",
+            "lb_policy": "CLUSTER_PROVIDED",
+            "connect_timeout": "2s",
+            "original_dst_lb_config": {
+                "use_http_header": true,
+                "http_header_name": DESTINATION,
+            },
+        }),
+        Pool::OverrideHost(engines) => {
+            let endpoints: Vec<Value> = engines
+                .iter()
+                .map(|e| json!({"endpoint": {"address": socket(&e.ip().to_string(), e.port())}}))
+                .collect();
+            json!({
+                "name": "pool",
+                "type": "STATIC",
+                "connect_timeout": "2s",
+                "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
+                "load_balancing_policy": {"policies": [{"typed_extension_config": {
+                    "name": "envoy.load_balancing_policies.override_host",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
+                        "override_host_sources": [{"header": DESTINATION}],
+                        "fallback_policy": {"policies": [{"typed_extension_config": {
+                            "name": "envoy.load_balancing_policies.round_robin",
+                            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
+                        }}]},
+                    },
+                }}]},
+            })
+        }
+    }
 }
 
 /// Envoy's ports: its listeners' and its admin interface's.
@@ -602,7 +731,13 @@ struct Ports {
     admin: u16,
 }
 
-fn listener(name: &str, address: Value, subset: Option<&str>, log: &std::path::Path) -> Value {
+fn listener(
+    name: &str,
+    address: Value,
+    subset: Option<&str>,
+    retries: bool,
+    log: &std::path::Path,
+) -> Value {
     let ext_proc = json!({
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -661,13 +796,21 @@ fn listener(name: &str, address: Value, subset: Option<&str>, log: &std::path::P
                     "domains": ["*"],
                     "routes": [{
                         "match": {"prefix": "/"},
-                        "route": {"cluster": "pool", "timeout": "0s"},
+                        "route": route(retries),
                     }],
                 }]},
                 "http_filters": filters,
             },
         }]}],
     })
+}
+
+fn route(retries: bool) -> Value {
+    let mut route = json!({"cluster": "pool", "timeout": "0s"});
+    if retries {
+        route["retry_policy"] = json!({"retry_on": "5xx,connect-failure", "num_retries": 1});
+    }
+    route
 }
 
 /// A completion through `url` (`x-switchyard-policy: policy` when given): its status and the
@@ -870,4 +1013,320 @@ async fn behind_envoy_the_epp_killed_fails_closed_and_serves_again_when_back() {
         }
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_with_override_host_a_failing_pick_falls_back_to_the_next() {
+    // The first and last engines answer every completion 500 but their probes 200: the EPP
+    // keeps picking the first first, and the second after it.
+    let failing = ["--fail-rate", "1"];
+    let engines = [
+        EngineProcess::spawn(&failing),
+        EngineProcess::spawn(&[]),
+        EngineProcess::spawn(&failing),
+    ];
+    let b = address(&engines[1]);
+    let urls: Vec<&str> = engines.iter().map(|e| e.url.as_str()).collect();
+    let epp = EppProcess::start(
+        &urls,
+        &["--policy", "round-robin", "--destination-fallbacks", "1"],
+    );
+    let pool = Pool::OverrideHost(engines.iter().map(|e| e.http_addr).collect());
+    let envoy = Envoy::start_with(epp.grpc, &b, &pool).await;
+    let prompt = json!({"prompt": "Walk the list", "max_tokens": 4});
+
+    // Each retry goes to the list's next endpoint, never where Envoy's own round-robin
+    // (the override's fallback) would take it: over three requests that would reach the
+    // third engine too.
+    const REQUESTS: usize = 3;
+    for n in 1..=REQUESTS {
+        let (status, body) = complete(&envoy.url, None, &prompt).await;
+        assert_eq!(status, 200, "{body:?}");
+        assert_eq!(envoy.request(n).await, format!("{b} - 200"));
+    }
+    let injected = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_injected_failures_total").await }
+    };
+    assert_eq!(
+        injected(&engines[0]).await,
+        REQUESTS as f64,
+        "the first pick, each time"
+    );
+    assert_eq!(injected(&engines[2]).await, 0.0, "not on the list");
+}
+
+// === a request's life through Envoy ===
+
+/// A request through `url` whose response is read as it comes.
+async fn open_stream(url: &str, body: &Value) -> reqwest::Response {
+    let response = client()
+        .post(format!("{url}/v1/completions"))
+        .json(body)
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(response.status().as_u16(), 200);
+    response
+}
+
+/// The rest of a response's body, as text.
+async fn rest(mut response: reqwest::Response) -> String {
+    let mut text = String::new();
+    while let Some(chunk) = response.chunk().await.expect("the body arrives") {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    text
+}
+
+/// A streamed completion long enough to hold open while a test looks around: ~16 ms per
+/// token on a paced engine.
+fn long_stream(tokens: u32) -> Value {
+    json!({"prompt": "Keep it open", "max_tokens": tokens, "stream": true})
+}
+
+/// `name`'s entry in the EPP's `/admin/policies`.
+async fn policy_entry(admin: &str, name: &str) -> Value {
+    let policies: Vec<Value> = client()
+        .get(format!("{admin}/admin/policies"))
+        .send()
+        .await
+        .expect("admin answers")
+        .json()
+        .await
+        .expect("a JSON list");
+    policies
+        .into_iter()
+        .find(|p| p["name"] == name)
+        .unwrap_or_else(|| panic!("no policy {name} in /admin/policies"))
+}
+
+const PACED: [&str; 4] = ["--profile", "llama3-8b-h100", "--time-scale", "3"];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_the_epps_refusals_reach_the_client_as_openai_errors() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    // One request at a time, none waiting: a second is shed while the first streams.
+    let epp = EppProcess::start(
+        &[&engines[0].url],
+        &[
+            "--policy",
+            "round-robin",
+            "--max-concurrent-requests",
+            "1",
+            "--max-queued-requests",
+            "0",
+        ],
+    );
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+
+    // The client's mistake: 400 from the EPP, through Envoy, with the OpenAI error body.
+    let response = client()
+        .post(format!("{}/v1/completions", envoy.url))
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(response.status().as_u16(), 400);
+    let error: Value = response.json().await.expect("a JSON body");
+    assert_eq!(error["error"]["code"], "invalid_json", "{error}");
+
+    // The one place taken by an open stream: the next request is shed with 429 and the
+    // router's Retry-After.
+    let mut first = open_stream(&envoy.url, &long_stream(64)).await;
+    first.chunk().await.expect("a first chunk");
+    let shed = client()
+        .post(format!("{}/v1/completions", envoy.url))
+        .json(&json!({"prompt": "And me?", "max_tokens": 4}))
+        .send()
+        .await
+        .expect("the gateway answers");
+    assert_eq!(shed.status().as_u16(), 429);
+    let retry_after = shed
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    assert!(retry_after.is_some_and(|s| s > 0), "{:?}", shed.headers());
+    let error: Value = shed.json().await.expect("a JSON body");
+    assert!(error["error"]["message"].is_string(), "{error}");
+    assert!(rest(first).await.contains("[DONE]"));
+
+    // The stream over, its place is free again.
+    let prompt = json!({"prompt": "Now?", "max_tokens": 4});
+    assert_eq!(complete(&envoy.url, None, &prompt).await.0, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_on_complete_is_called_when_the_response_stream_ends() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    // The misbehaving policy plans well but spins in on-complete, so each call of on-complete
+    // is a fault /admin/policies counts: the call is seen, and when it happened.
+    let plugins = tempfile::tempdir().expect("tempdir");
+    std::fs::copy(
+        switchyard_tests::guest(switchyard_tests::Guest::MISBEHAVE),
+        plugins.path().join("spin.wasm"),
+    )
+    .expect("install the policy");
+    std::fs::write(
+        plugins.path().join("spin.json"),
+        r#"{"mode": "spin-on-complete"}"#,
+    )
+    .expect("its config");
+    let admin_port = free_port().to_string();
+    let dir = plugins.path().display().to_string();
+    let epp = EppProcess::start(
+        &[&engines[0].url],
+        &[
+            "--plugins",
+            &dir,
+            "--policy",
+            "spin",
+            "--fallback-policy",
+            "none",
+            "--admin-port",
+            &admin_port,
+        ],
+    );
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let faults = || async { policy_entry(&admin, "spin").await["errors"].clone() };
+
+    let mut stream = open_stream(&envoy.url, &long_stream(32)).await;
+    stream.chunk().await.expect("a first chunk");
+    assert_eq!(faults().await, 0, "on-complete before the response ended");
+    let text = rest(stream).await;
+    assert!(text.contains("[DONE]"), "{text}");
+    eventually(Duration::from_secs(10), || async {
+        let errors = faults().await;
+        (errors != 1).then(|| format!("on-complete calls seen: {errors}"))
+    })
+    .await;
+    assert_eq!(
+        policy_entry(&admin, "spin").await["calls"],
+        1,
+        "one plan, its fault in on-complete alone"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_a_client_leaving_mid_stream_leaves_nothing_in_flight() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    let admin_port = free_port().to_string();
+    let epp = EppProcess::start(
+        &[&engines[0].url],
+        &["--policy", "round-robin", "--admin-port", &admin_port],
+    );
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let metrics = format!("{}/metrics", epp.metrics_url);
+    let engine_metrics = engines[0].endpoint("/metrics");
+    let cancelled = metric(&metrics, CANCELLED).await;
+
+    let mut stream = open_stream(&envoy.url, &long_stream(200)).await;
+    stream.chunk().await.expect("a first chunk");
+    assert_eq!(in_flight(&admin).await, [1]);
+    assert_eq!(
+        metric(&engine_metrics, "switchyard_engine_running_requests").await,
+        1.0
+    );
+    drop(stream);
+
+    idle(&admin, "the client left mid-stream").await;
+    assert_eq!(metric(&metrics, CANCELLED).await, cancelled + 1.0);
+    eventually(Duration::from_secs(10), || {
+        let url = engine_metrics.clone();
+        async move {
+            let running = metric(&url, "switchyard_engine_running_requests").await;
+            (running != 0.0).then(|| format!("the engine still runs {running}"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_envoy_sigterm_drains_the_epp_and_it_exits_by_itself() {
+    let engines = [EngineProcess::spawn(&PACED)];
+    let mut epp = EppProcess::start(
+        &[&engines[0].url],
+        &[
+            "--policy",
+            "round-robin",
+            "--drain-delay",
+            "2s",
+            "--shutdown-grace",
+            "20s",
+        ],
+    );
+    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let channel = tonic::transport::Channel::from_shared(format!("http://{}", epp.grpc_health))
+        .expect("a URI")
+        .connect()
+        .await
+        .expect("connect to the EPP's health port");
+    let health = HealthClient::new(channel);
+    let readiness = || {
+        let mut health = health.clone();
+        async move {
+            let request = HealthCheckRequest {
+                service: "readiness".to_owned(),
+            };
+            health.check(request).await.map(|r| r.into_inner().status)
+        }
+    };
+    // Ready once the health reporter has seen the endpoint healthy.
+    eventually(Duration::from_secs(5), || async {
+        match readiness().await {
+            Ok(status) if status == ServingStatus::Serving as i32 => None,
+            other => Some(format!("readiness: {other:?}")),
+        }
+    })
+    .await;
+
+    // A stream open across the whole drain (~6 s of tokens).
+    let mut open = open_stream(&envoy.url, &long_stream(400)).await;
+    let first = open.chunk().await.expect("a first chunk").expect("data");
+    epp.signal(rustix::process::Signal::TERM);
+
+    // At once: not ready (the gateway's probes stop sending).
+    eventually(Duration::from_secs(2), || async {
+        match readiness().await {
+            Ok(status) if status == ServingStatus::NotServing as i32 => None,
+            other => Some(format!("readiness while draining: {other:?}")),
+        }
+    })
+    .await;
+    // After the drain delay the EPP takes no new stream: Envoy fails the request closed,
+    // while the open stream goes on.
+    let prompt = json!({"prompt": "Still there?", "max_tokens": 4});
+    eventually(Duration::from_secs(10), || {
+        let (envoy, prompt) = (&envoy, &prompt);
+        async move {
+            let (status, _) = complete(&envoy.url, None, prompt).await;
+            (status < 500).then(|| format!("a new request while draining: {status}"))
+        }
+    })
+    .await;
+    let text = String::from_utf8_lossy(&first).into_owned() + &rest(open).await;
+    assert!(
+        text.contains("[DONE]"),
+        "the open stream finished whole: {text}"
+    );
+    let last = sse_payloads(&text)
+        .iter()
+        .rev()
+        .filter(|p| *p != "[DONE]")
+        .find_map(|p| serde_json::from_str::<Value>(p).ok())
+        .expect("events");
+    assert_eq!(
+        last["choices"][0]["finish_reason"], "length",
+        "the stream ran to its max_tokens: {last}"
+    );
+
+    // Then the EPP exits by itself, well before its grace period is over.
+    let status = tokio::task::spawn_blocking(move || epp.wait_exit(Duration::from_secs(15)))
+        .await
+        .expect("the wait ran");
+    assert!(status.is_some_and(|s| s.success()), "exit: {status:?}");
 }

@@ -389,20 +389,12 @@ impl RouterProcess {
 
     /// Send `signal` (e.g. SIGTERM, to watch what the router does while it drains).
     pub fn signal(&self, signal: rustix::process::Signal) {
-        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a child's pid");
-        rustix::process::kill_process(pid, signal).expect("the router process exists");
+        signal_child(&self.child, signal);
     }
 
     /// Wait (bounded by `within`) for the process to exit; returns its exit status.
     pub fn wait_exit(mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return Some(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        wait_child(&mut self.child, within)
     }
 
     /// Send SIGTERM and wait (bounded) for a clean exit; returns the exit status.
@@ -492,6 +484,34 @@ impl EppProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Send `signal` (e.g. SIGTERM, to watch the EPP drain).
+    pub fn signal(&self, signal: rustix::process::Signal) {
+        signal_child(&self.child, signal);
+    }
+
+    /// Wait (bounded by `within`) for the process to exit by itself; returns its exit status.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        wait_child(&mut self.child, within)
+    }
+}
+
+/// Send `signal` to a child process that is still running.
+fn signal_child(child: &Child, signal: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a child's pid");
+    rustix::process::kill_process(pid, signal).expect("the process exists");
+}
+
+/// Wait (bounded by `within`) for `child` to exit; its exit status, `None` if it still runs.
+fn wait_child(child: &mut Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Ok(Some(status)) = child.try_wait() {
+            return Some(status);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 impl Drop for EppProcess {

@@ -83,6 +83,12 @@
 //! kv_events_topic = "kv"                    # a topic prefix (default: every topic)
 //!
 //!
+//! [epp]                                        # `switchyard epp` only (`serve` ignores it)
+//! grpc_port = 9002                             # the ext_proc service
+//! grpc_health_port = 9003
+//! metrics_port = 9090
+//! destination_fallbacks = 0                    # endpoints after the pick, for override_host
+//!
 //! [model_policies]                            # model name -> policy, for requests without
 //! llama = "round-robin"                        # an x-switchyard-policy header
 //!
@@ -99,6 +105,7 @@
 
 mod discovery;
 mod endpoints;
+mod epp;
 mod error;
 mod file;
 mod flow_control;
@@ -122,6 +129,10 @@ use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
 pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery};
 pub use endpoints::endpoints_in_file;
+pub use epp::{
+    DEFAULT_GRPC_HEALTH_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EndpointPicker,
+    EndpointPickerArgs,
+};
 pub use error::{ConfigError, Problem};
 pub use flow_control::FlowControlArgs;
 pub use model::ModelSource;
@@ -195,10 +206,21 @@ pub struct AdminSettings {
 impl Config {
     /// Parse and validate `args` (and the file it names).
     pub fn from_args(args: &ServeArgs) -> Result<Config, ConfigError> {
-        let file = match &args.config {
-            Some(path) => ConfigFile::read(path)?,
-            None => ConfigFile::default(),
-        };
+        Self::from_file(args, ConfigFile::named(args)?)
+    }
+
+    /// `switchyard epp`'s configuration: the router's, and the EPP's own settings (`epp`,
+    /// else the same file's `[epp]` table).
+    pub fn for_epp(
+        args: &ServeArgs,
+        epp: &EndpointPickerArgs,
+    ) -> Result<(Config, EndpointPicker), ConfigError> {
+        let mut file = ConfigFile::named(args)?;
+        let picker = epp.resolve(std::mem::take(&mut file.epp))?;
+        Ok((Self::from_file(args, file)?, picker.endpoint_picker()))
+    }
+
+    fn from_file(args: &ServeArgs, file: ConfigFile) -> Result<Config, ConfigError> {
         let discovery = args.discovery.resolve(file.discovery)?.k8s()?;
         let endpoints = endpoints::resolve(args, file.endpoints, discovery.is_some())?;
         let s = args.router.resolve(file.router)?;

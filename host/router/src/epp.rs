@@ -6,7 +6,7 @@
 //! Everything but the data path is the router's: the same configuration, cluster (probes,
 //! discovery, outlier ejection), policies (hot-swapped), admission control and request
 //! parsing. What differs is the end of the pipeline: `api` parses and selects the policy,
-//! [`crate::Router::plan_first`] plans exactly as a first attempt, and the plan is answered
+//! [`crate::Router::plan_only`] plans exactly as a first attempt, and the plan is answered
 //! rather than executed (`pick`): `forward(e)` → `x-gateway-destination-endpoint: e`;
 //! a handoff → the decode endpoint, with `x-prefiller-host-port` naming the prefill one.
 //! Retries, continuation and the handoff's legs are the gateway's and the engines' sidecars'.
@@ -32,32 +32,19 @@ use tonic_health::ServingStatus;
 use tonic_health::server::HealthReporter;
 
 use crate::api::{self, AppState, Drain};
-use crate::config::{Config, ConfigError, ServeArgs};
+use crate::config::{Config, ConfigError, EndpointPickerArgs, ServeArgs};
 use crate::serve::{RunningRouter, ServeError, bind, load, serve_admin_port};
 
 pub use ext_proc::ExtProc;
 
-/// `--grpc-port`'s default, the Inference Extension's.
-pub const DEFAULT_GRPC_PORT: u16 = 9002;
-pub const DEFAULT_GRPC_HEALTH_PORT: u16 = 9003;
-pub const DEFAULT_METRICS_PORT: u16 = 9090;
-
 /// `switchyard epp` flags: `serve`'s (but its OpenAI `--port`, which the EPP does not open),
-/// and the EPP's three ports.
+/// and the EPP's own.
 #[derive(Debug, Clone, clap::Args)]
 pub struct EppArgs {
     #[command(flatten)]
     pub serve: ServeArgs,
-    /// Port of the ext_proc gRPC service the gateway calls (0 picks a free one).
-    #[arg(long, default_value_t = DEFAULT_GRPC_PORT)]
-    pub grpc_port: u16,
-    /// Port of the gRPC health services `liveness`, `readiness` and
-    /// `envoy.service.ext_proc.v3.ExternalProcessor` (0 picks a free one).
-    #[arg(long, default_value_t = DEFAULT_GRPC_HEALTH_PORT)]
-    pub grpc_health_port: u16,
-    /// Port of the Prometheus `/metrics` (and `/health`, `/livez`) (0 picks a free one).
-    #[arg(long, default_value_t = DEFAULT_METRICS_PORT)]
-    pub metrics_port: u16,
+    #[command(flatten)]
+    pub epp: EndpointPickerArgs,
 }
 
 /// The validated configuration of `switchyard epp`.
@@ -67,17 +54,20 @@ pub struct EppConfig {
     pub grpc: SocketAddr,
     pub grpc_health: SocketAddr,
     pub metrics: SocketAddr,
+    /// Endpoints the answer names after the pick (`--destination-fallbacks`).
+    pub fallbacks: usize,
 }
 
 impl EppConfig {
     /// Parse and validate `args` (and the file they name); the ports listen on `--host`.
     pub fn from_args(args: &EppArgs) -> Result<EppConfig, ConfigError> {
-        let router = Config::from_args(&args.serve)?;
+        let (router, picker) = Config::for_epp(&args.serve, &args.epp)?;
         let on = |port| SocketAddr::new(router.listen.ip(), port);
         Ok(EppConfig {
-            grpc: on(args.grpc_port),
-            grpc_health: on(args.grpc_health_port),
-            metrics: on(args.metrics_port),
+            grpc: on(picker.grpc_port),
+            grpc_health: on(picker.grpc_health_port),
+            metrics: on(picker.metrics_port),
+            fallbacks: picker.destination_fallbacks,
             router,
         })
     }
@@ -149,7 +139,7 @@ pub async fn start(config: &EppConfig) -> Result<RunningEpp, ServeError> {
         "ext_proc",
         drain,
         tonic::transport::Server::builder().serve_with_incoming_shutdown(
-            ExternalProcessorServer::new(ExtProc::new(Arc::clone(&state))),
+            ExternalProcessorServer::new(ExtProc::new(Arc::clone(&state), config.fallbacks)),
             incoming(grpc),
             async move { stopped.accepting_stopped().await },
         ),

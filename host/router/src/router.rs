@@ -46,8 +46,8 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use switchyard_contract::{
-    EndpointId, EndpointSnapshot, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner,
-    PlanningError, PolicyContext, PolicyRequest, RequestFlow, TranslateError, ValidPlan, validate,
+    EndpointId, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError,
+    PolicyContext, PolicyRequest, RequestFlow, TranslateError, ValidPlan, validate,
 };
 use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
@@ -658,22 +658,18 @@ impl<E: Execute> Router<E> {
         }
     }
 
-    /// The plan the first attempt of `req` would run, over `endpoints` (this router's
-    /// snapshot for the prompt, which the caller may narrow by marking endpoints unhealthy),
-    /// validated, with the fallback planner asked on a policy fault; nothing runs and no outcome
-    /// is reported. `switchyard epp` answers a gateway with the plan's endpoints, and reports
+    /// The plan an attempt of `req` in `context` would run (the first: attempt 1 over this
+    /// router's snapshot for the prompt, which the caller may narrow by marking endpoints
+    /// unhealthy), validated, with the fallback planner asked on a policy fault; nothing runs
+    /// and no outcome is reported. `switchyard epp` answers a gateway with the plan's
+    /// endpoints (and asks again, with the endpoint marked failed, for fallbacks), and reports
     /// the outcome itself once the gateway's response ends.
-    pub fn plan_first(
+    pub fn plan_only(
         &self,
         req: &RouteRequest,
         planner: Arc<dyn Planner>,
-        endpoints: Vec<EndpointSnapshot>,
+        context: PolicyContext,
     ) -> Result<ValidPlan, RouteError> {
-        let context = PolicyContext {
-            attempt: 1,
-            last_failure: None,
-            endpoints,
-        };
         let mut st = State::new(planner);
         self.plan(req, &req.prompt, req.max_tokens, context, &mut st)
             .map(|(plan, _)| plan)

@@ -131,9 +131,11 @@ fn epp(args: &switchyard_router::epp::EppArgs) -> anyhow::Result<()> {
         }
     };
     raise_open_files_limit();
-    // The ext_proc streams run on this runtime (the EPP has no connection workers): one
-    // thread per core.
+    // The ext_proc streams run on this runtime, with `--workers` threads (one per core by
+    // default). Each gateway message wakes the stream's task and the connection's: on a box
+    // the gateway shares, fewer threads mean fewer cross-thread wake-ups per request.
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(config.router.workers.get())
         .thread_name("switchyard-epp")
         .enable_all()
         .build()?;

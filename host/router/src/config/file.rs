@@ -15,6 +15,7 @@ use toml::de::{DeString, DeTable, DeValue, ValueDeserializer};
 
 use super::discovery::{DiscoveryKeys, DiscoveryKind};
 use super::endpoints;
+use super::epp::EndpointPickerKeys;
 use super::error::{ConfigError, Problem};
 use super::flow_control::FlowControlKeys;
 use super::settings::RouterKeys;
@@ -27,15 +28,31 @@ pub(super) struct ConfigFile {
     pub(super) router: RouterKeys,
     pub(super) discovery: DiscoveryKeys,
     pub(super) flow_control: FlowControlKeys,
+    /// `switchyard epp`'s; `serve` ignores them.
+    pub(super) epp: EndpointPickerKeys,
     pub(super) endpoints: Vec<Sourced<EndpointSpec>>,
     /// Model name → policy name.
     pub(super) model_policies: BTreeMap<String, Sourced<String>>,
 }
 
 /// The top-level keys that are tables of their own rather than settings.
-const TABLES: [&str; 4] = ["endpoints", "discovery", "flow_control", "model_policies"];
+const TABLES: [&str; 5] = [
+    "endpoints",
+    "discovery",
+    "flow_control",
+    "epp",
+    "model_policies",
+];
 
 impl ConfigFile {
+    /// The file `--config` names; none: no keys.
+    pub(super) fn named(args: &super::ServeArgs) -> Result<ConfigFile, ConfigError> {
+        match &args.config {
+            Some(path) => ConfigFile::read(path),
+            None => Ok(ConfigFile::default()),
+        }
+    }
+
     pub(super) fn read(path: &Path) -> Result<ConfigFile, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::ReadFile {
             path: path.to_owned(),
@@ -66,6 +83,13 @@ impl ConfigFile {
                     for (key, value) in file.table("", &key, value)? {
                         if config.flow_control.take(&key, value, &file)?.is_some() {
                             return Err(file.unknown("flow_control", &key, FlowControlKeys::KEYS));
+                        }
+                    }
+                }
+                "epp" => {
+                    for (key, value) in file.table("", &key, value)? {
+                        if config.epp.take(&key, value, &file)?.is_some() {
+                            return Err(file.unknown("epp", &key, EndpointPickerKeys::KEYS));
                         }
                     }
                 }

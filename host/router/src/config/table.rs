@@ -96,7 +96,7 @@ macro_rules! settings {
                 &self,
                 file: $Keys,
             ) -> Result<$Settings, $crate::config::ConfigError> {
-                use $crate::config::table::{Checked as _, Given as _};
+                use $crate::config::table::Given as _;
                 use $crate::config::source::{Source, Sourced};
                 $(
                     let given: Option<$ty> = self.$field.given();
@@ -107,7 +107,7 @@ macro_rules! settings {
                         })
                         .or(file.$field);
                     let $field = settings!(@default given, $flag $(, $default)?);
-                    $($field.check($check)?;)?
+                    $($crate::config::table::Checked::check(&$field, $check)?;)?
                 )*
                 Ok($Settings { $($field,)* })
             }

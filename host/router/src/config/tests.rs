@@ -782,3 +782,46 @@ fn saturation_and_scale_from_zero_come_from_flags_over_the_flow_control_table() 
     assert_eq!(at, Source::Flag("saturation-kv-usage"));
     assert_eq!(problem, Problem::NotAShare(1.5));
 }
+
+#[test]
+fn the_epps_settings_come_from_its_flags_else_the_files_epp_table_which_serve_ignores() {
+    let plugins = plugins_with("disagg");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("router.toml");
+    let plugins = plugins.path().display();
+    let mut a = with_file(
+        &file,
+        &format!(
+            "plugins = \"{plugins}\"\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n\
+             [epp]\ngrpc_port = 7002\ndestination_fallbacks = 2\n"
+        ),
+    );
+    Config::from_args(&a).expect("serve reads the same file");
+    let (_, picker) =
+        Config::for_epp(&a, &EndpointPickerArgs::default()).expect("the file's [epp] table");
+    assert_eq!(
+        picker,
+        EndpointPicker {
+            grpc_port: 7002,
+            grpc_health_port: DEFAULT_GRPC_HEALTH_PORT,
+            metrics_port: DEFAULT_METRICS_PORT,
+            destination_fallbacks: 2,
+        }
+    );
+    let flags = EndpointPickerArgs {
+        destination_fallbacks: Some(0),
+        ..EndpointPickerArgs::default()
+    };
+    let (_, picker) = Config::for_epp(&a, &flags).expect("valid");
+    assert_eq!(
+        (picker.grpc_port, picker.destination_fallbacks),
+        (7002, 0),
+        "a flag wins over the file"
+    );
+
+    a = with_file(&file, "[epp]\nfallbacks = 2\n");
+    match Config::for_epp(&a, &EndpointPickerArgs::default()).expect_err("an unknown key") {
+        ConfigError::UnknownKey { .. } => {}
+        other => panic!("{other}"),
+    }
+}

@@ -40,11 +40,13 @@ use crate::api::{ApiError, AppState};
 #[derive(Clone)]
 pub struct ExtProc {
     state: Arc<AppState>,
+    /// Endpoints each answer names after the pick.
+    fallbacks: usize,
 }
 
 impl ExtProc {
-    pub fn new(state: Arc<AppState>) -> Self {
-        ExtProc { state }
+    pub fn new(state: Arc<AppState>, fallbacks: usize) -> Self {
+        ExtProc { state, fallbacks }
     }
 }
 
@@ -62,6 +64,7 @@ impl ExternalProcessor for ExtProc {
         let (answers, stream) = mpsc::channel(ANSWERS);
         let exchange = Exchange {
             state: Arc::clone(&self.state),
+            fallbacks: self.fallbacks,
             answers,
             request: None,
             served: None,
@@ -79,6 +82,7 @@ struct Over;
 /// One request's stream.
 struct Exchange {
     state: Arc<AppState>,
+    fallbacks: usize,
     answers: mpsc::Sender<Result<ProcessingResponse, Status>>,
     /// The request until it is picked: its head and the body chunks so far.
     request: Option<Buffered>,
@@ -211,16 +215,16 @@ impl Exchange {
             arrived: request.arrived,
         };
         let Pick {
-            destination,
+            destinations,
             prefiller,
             served,
-        } = match pick::pick(&self.state, req).await {
+        } = match pick::pick(&self.state, req, self.fallbacks).await {
             Ok(pick) => pick,
             Err(error) => return Err(self.refuse(route, error).await),
         };
-        tracing::debug!(%destination, ?prefiller, "picked");
+        tracing::debug!(?destinations, ?prefiller, "picked");
         self.served = Some(served);
-        self.answer(wire::destination(&destination, prefiller.as_deref()))
+        self.answer(wire::destination(&destinations, prefiller.as_deref()))
             .await?;
         if headers_only {
             return Ok(());

@@ -4,9 +4,15 @@
 //!
 //! A generating request (`POST /v1/completions`, `POST /v1/chat/completions`) is admitted,
 //! parsed and tokenized, its policy selected, and planned exactly as the router's first attempt
-//! plans it ([`crate::Router::plan_first`]); the plan runs nowhere. Any other request (a `GET`,
+//! plans it ([`crate::Router::plan_only`]); the plan runs nowhere. Any other request (a `GET`,
 //! a route switchyard does not plan) goes to the eligible endpoint with the fewest requests in
 //! flight: there is no prompt for a policy to plan on.
+//!
+//! Fallbacks (`--destination-fallbacks N`) are what the router would try next: the policy is
+//! asked again as for a second attempt, the endpoint before marked failed (not ready, and the
+//! attempt's `last-failure`), up to N times or until it has no plan. The contract needs
+//! nothing more, and a policy that avoids a failed endpoint on a retry orders the fallbacks
+//! by the same rule. Each re-ask is one more policy call, so the default asks none.
 
 use std::sync::Arc;
 
@@ -14,12 +20,14 @@ use bytes::Bytes;
 use tokio::time::Instant;
 
 use switchyard_contract::{
-    EndpointId, EndpointSnapshot, Health, Outcome, OutcomeStatus, Planner, ValidPlan,
+    EndpointId, EndpointSnapshot, Failure, FailureKind, Health, Outcome, OutcomeStatus, Planner,
+    PolicyContext, ValidPlan,
 };
 
 use super::wire::Head;
 use crate::api::{self, ApiError, AppState, Prepared, Shape};
 use crate::cluster::{Cluster, InFlight};
+use crate::{RouteRequest, Router};
 
 /// A request as the gateway sent it, body whole.
 #[derive(Debug)]
@@ -34,8 +42,9 @@ pub struct Request {
 /// Where a request goes.
 #[derive(Debug)]
 pub struct Pick {
-    /// The endpoint the gateway sends the request to (a handoff's decode endpoint), `ip:port`.
-    pub destination: String,
+    /// The endpoint the gateway sends the request to (a handoff's decode endpoint), then its
+    /// fallbacks in order, each `ip:port`, none twice.
+    pub destinations: Vec<String>,
     /// A handoff's prefill endpoint, `ip:port`.
     pub prefiller: Option<String>,
     pub served: Served,
@@ -69,11 +78,12 @@ impl std::fmt::Debug for Served {
 /// The route label of requests switchyard does not plan.
 const OTHER_ROUTE: &str = "other";
 
-/// Pick the endpoint(s) of `req`, or say why not (the client's mistake, a refusal, no endpoint).
-pub async fn pick(state: &Arc<AppState>, req: Request) -> Result<Pick, ApiError> {
+/// Pick the endpoint(s) of `req`, with up to `fallbacks` more, or say why not (the client's
+/// mistake, a refusal, no endpoint).
+pub async fn pick(state: &Arc<AppState>, req: Request, fallbacks: usize) -> Result<Pick, ApiError> {
     match shape(&req.head) {
-        Some(shape) => plan(state, shape, req).await,
-        None => least_loaded(state, &req),
+        Some(shape) => plan(state, shape, req, fallbacks).await,
+        None => least_loaded(state, &req, fallbacks),
     }
 }
 
@@ -91,7 +101,12 @@ fn shape(head: &Head) -> Option<Shape> {
     }
 }
 
-async fn plan(state: &Arc<AppState>, shape: Shape, req: Request) -> Result<Pick, ApiError> {
+async fn plan(
+    state: &Arc<AppState>,
+    shape: Shape,
+    req: Request,
+    fallbacks: usize,
+) -> Result<Pick, ApiError> {
     // Admitted as the router admits: once the body is in, before any work on it.
     let (place, flow) = api::admit(state, &req.head.headers, &req.body, req.arrived).await?;
     let Prepared { route, planner, .. } =
@@ -99,16 +114,27 @@ async fn plan(state: &Arc<AppState>, shape: Shape, req: Request) -> Result<Pick,
     let cluster = state.router.executor().cluster();
     let mut endpoints = cluster.snapshot_for(&route.prompt);
     narrow(cluster, &mut endpoints, req.subset.as_deref());
+    let first = PolicyContext {
+        attempt: 1,
+        last_failure: None,
+        endpoints,
+    };
+    // The snapshot is kept for the fallbacks' asks only: most picks name none.
+    let again = (fallbacks > 0).then(|| first.clone());
     let plan = state
         .router
-        .plan_first(&route, Arc::clone(&planner), endpoints)?;
+        .plan_only(&route, Arc::clone(&planner), first)?;
     let (decode, prefill) = legs(&plan);
-    let destination = address_of(cluster, decode)?;
+    let mut destinations = vec![address_of(cluster, decode)?];
+    if let Some(context) = again {
+        let next = next_picks(&state.router, &route, &planner, context, decode, fallbacks);
+        destinations.extend(next.into_iter().filter_map(|id| address(cluster, id)));
+    }
     let prefiller = prefill.map(|p| address_of(cluster, p)).transpose()?;
     let ids = std::iter::once(decode).chain(prefill);
     cluster.note_served(ids.clone(), route.prompt.len());
     Ok(Pick {
-        destination,
+        destinations,
         prefiller,
         served: Served {
             state: Arc::clone(state),
@@ -124,19 +150,71 @@ async fn plan(state: &Arc<AppState>, shape: Shape, req: Request) -> Result<Pick,
     })
 }
 
-/// A request no policy plans: the eligible endpoint with the fewest requests in flight.
-fn least_loaded(state: &Arc<AppState>, req: &Request) -> Result<Pick, ApiError> {
+/// The endpoints the policy would plan on next after `picked`, in order: each the generator
+/// of the plan it makes in `context` with the endpoints before marked failed, at most `n`,
+/// ending early when it has no plan (a policy that plans nothing but the failed endpoint has
+/// its plan refused by validation, as on a retry).
+fn next_picks(
+    router: &Router,
+    route: &RouteRequest,
+    planner: &Arc<dyn Planner>,
+    mut context: PolicyContext,
+    picked: EndpointId,
+    n: usize,
+) -> Vec<EndpointId> {
+    // Bounded by the endpoints too: each ask marks one more failed.
+    let mut next = Vec::with_capacity(n.min(context.endpoints.len()));
+    let mut failed = picked;
+    while next.len() < n {
+        fail(&mut context, failed);
+        match router.plan_only(route, Arc::clone(planner), context.clone()) {
+            Ok(plan) => {
+                failed = plan.generator();
+                next.push(failed);
+            }
+            Err(error) => {
+                tracing::debug!(%error, fallbacks = next.len(), "no further fallback");
+                break;
+            }
+        }
+    }
+    next
+}
+
+/// The next attempt's context after `endpoint` failed: it is not ready (a plan on it is
+/// invalid), and the policy hears why.
+fn fail(context: &mut PolicyContext, endpoint: EndpointId) {
+    if let Some(e) = context.endpoints.iter_mut().find(|e| e.id == endpoint) {
+        e.health = Health::NotReady;
+    }
+    context.attempt += 1;
+    context.last_failure = Some(Failure {
+        kind: FailureKind::EndpointError,
+        endpoint,
+    });
+}
+
+/// A request no policy plans: the eligible endpoint with the fewest requests in flight, and
+/// up to `fallbacks` more by the same order.
+fn least_loaded(state: &Arc<AppState>, req: &Request, fallbacks: usize) -> Result<Pick, ApiError> {
     let cluster = state.router.executor().cluster();
     let mut endpoints = cluster.snapshot();
     narrow(cluster, &mut endpoints, req.subset.as_deref());
+    endpoints.retain(|e| e.health.is_healthy());
+    endpoints.sort_by_key(|e| e.in_flight);
     let id = endpoints
-        .iter()
-        .filter(|e| e.health.is_healthy())
-        .min_by_key(|e| e.in_flight)
+        .first()
         .map(|e| e.id)
         .ok_or(ApiError::NotReady("no endpoint is healthy"))?;
+    let mut destinations = vec![address_of(cluster, id)?];
+    destinations.extend(
+        endpoints[1..]
+            .iter()
+            .take(fallbacks)
+            .filter_map(|e| address(cluster, e.id)),
+    );
     Ok(Pick {
-        destination: address_of(cluster, id)?,
+        destinations,
         prefiller: None,
         served: Served {
             state: Arc::clone(state),

@@ -110,8 +110,11 @@ fn field<'a>(metadata: Option<&'a Metadata>, namespace: &str, key: &str) -> Opti
 
 /// Where a request goes: the answer to its headers (or to its last body chunk, which Envoy
 /// holds the headers for) with the destination set twice, as the protocol asks: the header,
-/// and `envoy.lb` dynamic metadata. `prefiller` is the prefill endpoint of a handoff.
-pub fn destination(destination: &str, prefiller: Option<&str>) -> ProcessingResponse {
+/// and `envoy.lb` dynamic metadata; with fallbacks, the endpoints' ordered comma list.
+/// `prefiller` is the prefill endpoint of a handoff.
+pub fn destination(destinations: &[String], prefiller: Option<&str>) -> ProcessingResponse {
+    let destination = destinations.join(",");
+    let destination = destination.as_str();
     let mut set_headers = vec![set_header(DESTINATION, destination)];
     set_headers.extend(prefiller.map(|p| set_header(PREFILLER, p)));
     let common = CommonResponse {
@@ -307,7 +310,7 @@ mod tests {
 
     #[test]
     fn the_destination_is_a_header_and_the_same_envoy_lb_metadata() {
-        let answer = destination("10.0.0.2:8000", Some("10.0.0.1:8000"));
+        let answer = destination(&["10.0.0.2:8000".to_owned()], Some("10.0.0.1:8000"));
         let Some(Response::RequestHeaders(HeadersResponse {
             response: Some(common),
         })) = &answer.response
@@ -341,6 +344,37 @@ mod tests {
             panic!("envoy.lb metadata: {answer:?}");
         };
         assert_eq!(lb.fields.get(DESTINATION), Some(&string("10.0.0.2:8000")));
+    }
+
+    #[test]
+    fn fallbacks_make_the_destination_an_ordered_comma_list() {
+        let list = ["10.0.0.2:8000", "10.0.0.1:8000", "10.0.0.3:8000"].map(str::to_owned);
+        let answer = destination(&list, None);
+        let Some(Response::RequestHeaders(HeadersResponse {
+            response: Some(common),
+        })) = &answer.response
+        else {
+            panic!("a request headers response: {answer:?}");
+        };
+        let header = common
+            .header_mutation
+            .as_ref()
+            .and_then(|m| m.set_headers.first())
+            .and_then(|o| o.header.as_ref())
+            .map(|h| h.raw_value.clone());
+        let joined = "10.0.0.2:8000,10.0.0.1:8000,10.0.0.3:8000";
+        assert_eq!(header.as_deref(), Some(joined.as_bytes()));
+        let lb = answer
+            .dynamic_metadata
+            .as_ref()
+            .and_then(|m| m.fields.get(DESTINATION_NAMESPACE));
+        let Some(Value {
+            kind: Some(Kind::StructValue(lb)),
+        }) = lb
+        else {
+            panic!("envoy.lb metadata: {answer:?}");
+        };
+        assert_eq!(lb.fields.get(DESTINATION), Some(&string(joined)));
     }
 
     #[test]
