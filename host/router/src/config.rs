@@ -186,6 +186,16 @@ pub struct AdminSettings {
 impl Config {
     /// Parse and validate `args` (and the file it names).
     pub fn from_args(args: &ServeArgs) -> Result<Config, ConfigError> {
+        Self::resolve(args, true)
+    }
+
+    /// [`Config::from_args`] for a router whose requests a built-in planner plans
+    /// (`switchyard sidecar`): no policy file need exist.
+    pub fn with_builtin_planner(args: &ServeArgs) -> Result<Config, ConfigError> {
+        Self::resolve(args, false)
+    }
+
+    fn resolve(args: &ServeArgs, policy_files: bool) -> Result<Config, ConfigError> {
         let file = match &args.config {
             Some(path) => ConfigFile::read(path)?,
             None => ConfigFile::default(),
@@ -194,7 +204,11 @@ impl Config {
         let endpoints = endpoints::resolve(args, file.endpoints, discovery.is_some())?;
         let s = args.router.resolve(file.router)?;
         let flow = args.flow_control.resolve(file.flow_control)?.flow_control();
-        let policy_path = policy::existing(&s.plugins.value, &s.policy)?;
+        let policy_path = if policy_files {
+            policy::existing(&s.plugins.value, &s.policy)?
+        } else {
+            policy::path(&s.plugins.value, &s.policy.value)
+        };
         let policy_config = s
             .policy_config
             .as_ref()
