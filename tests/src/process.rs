@@ -248,7 +248,7 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 
 // === router processes (the router engineer's part) ===
 
-/// A `switchyard serve` or `switchyard up` child process, killed when dropped.
+/// A `switchyard serve`, `up` or `sidecar` child process, killed when dropped.
 pub struct RouterProcess {
     child: Child,
     /// `http://127.0.0.1:PORT`
@@ -256,7 +256,8 @@ pub struct RouterProcess {
     pub addr: SocketAddr,
 }
 
-/// `switchyard up …` is a router too; the alias says which command started it.
+/// `switchyard up …` is a router too; the alias says which command started it (`sidecar` is
+/// one as well).
 pub type UpProcess = RouterProcess;
 
 impl RouterProcess {
@@ -316,6 +317,21 @@ impl RouterProcess {
         }
         full.extend(args.iter().map(|a| (*a).to_owned()));
         full
+    }
+
+    /// `switchyard sidecar --port 0 ARGS…`; waits until `/health` answers 200 with every
+    /// endpoint (the decode engine, the allowed prefill engines) healthy.
+    pub fn sidecar(args: &[&str]) -> RouterProcess {
+        let mut full: Vec<String> = vec!["sidecar".into(), "--port".into(), "0".into()];
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        let sidecar = Self::spawn(
+            full,
+            &[],
+            Stdio::inherit(),
+            "switchyard sidecar listening on ",
+        );
+        sidecar.wait_until_healthy();
+        sidecar
     }
 
     /// `switchyard up --port 0 --plugins <checkout>/plugins ARGS…`; waits until `/health`

@@ -16,8 +16,8 @@
 //! sidecar may call are its `--prefill-allow` list and the pods discovery finds. Any other
 //! value (malformed, the sidecar itself, an engine not listed) is a 400 before any call.
 //!
-//! Endpoint 0 is the decode engine (`--decode`, role decode); the allowed prefill engines
-//! follow (role prefill, the same protocol, SGLang's with `--bootstrap-port`). Everything else
+//! Endpoint 0 is the decode engine (`--decode`, role decode, MLC's `--device-rank`); the
+//! allowed prefill engines follow (role prefill, the same protocol, SGLang's with `--bootstrap-port`). Everything else
 //! is `serve`'s: its flags and config file, probes, outlier ejection, admission control,
 //! `/metrics` (with `switchyard_sidecar_prefill_fallbacks_total`) and draining.
 
@@ -52,6 +52,10 @@ pub struct SidecarArgs {
     /// `sglang.ai/bootstrap-port` annotation).
     #[arg(long)]
     pub bootstrap_port: Option<u16>,
+    /// MLC: the decode engine's device rank in the KV-transfer world (its `--device-rank`),
+    /// which prefill engines send its KV to [default: 0].
+    #[arg(long)]
+    pub device_rank: Option<u32>,
     /// A prefill engine requests may name in `x-prefiller-host-port` (repeat for each). Any
     /// other value is refused with 400 and no call; with none (and no discovery) the sidecar
     /// only forwards to the decode engine.
@@ -83,6 +87,8 @@ pub enum SidecarConfigError {
     NoBootstrapPort,
     #[error("--bootstrap-port is for --protocol sglang only")]
     BootstrapPortNotSglang,
+    #[error("--device-rank is for --protocol mlc only")]
+    DeviceRankNotMlc,
     #[error(
         "the sidecar's engines are --decode and --prefill-allow: --endpoint and a config file's [[endpoints]] are not read"
     )]
@@ -101,6 +107,9 @@ impl SidecarConfig {
         let sglang = args.protocol == Protocol::Sglang;
         if args.bootstrap_port.is_some() && !sglang {
             return Err(SidecarConfigError::BootstrapPortNotSglang);
+        }
+        if args.device_rank.is_some() && args.protocol != Protocol::Mlc {
+            return Err(SidecarConfigError::DeviceRankNotMlc);
         }
         if sglang && args.bootstrap_port.is_none() && !args.prefill_allow.is_empty() {
             return Err(SidecarConfigError::NoBootstrapPort);
@@ -128,6 +137,7 @@ impl SidecarConfig {
             ));
         }
         let mut router = Config::with_builtin_planner(&serve)?;
+        router.endpoints[0].device_rank = args.device_rank;
         if router.endpoints_file.is_some() {
             return Err(SidecarConfigError::Endpoints);
         }
