@@ -113,7 +113,7 @@ impl Pod {
             Protocol::Vllm => {}
             Protocol::Sglang => sidecar_args.extend(["--bootstrap-port", &bootstrap]),
         }
-        let sidecar = RouterProcess::sidecar(&sidecar_args);
+        let sidecar = RouterProcess::sidecar(&sidecar_args, &[]);
         // The EPP's pool: the decode pod at its sidecar's port, and the prefill engine.
         let mut p_endpoint = format!("{name}+{},role=prefill", prefill.url);
         if protocol == Protocol::Sglang {
@@ -361,14 +361,17 @@ async fn the_allowlist_refuses_with_400_and_calls_nobody() {
     // A live engine on loopback the sidecar was not told of: it must never be called.
     let stranger = EngineProcess::spawn(&["--protocol", "vllm"]);
     let p_addr = prefill.http_addr.to_string();
-    let sidecar = RouterProcess::sidecar(&[
-        "--decode",
-        &decode.url,
-        "--protocol",
-        "vllm",
-        "--prefill-allow",
-        &p_addr,
-    ]);
+    let sidecar = RouterProcess::sidecar(
+        &[
+            "--decode",
+            &decode.url,
+            "--protocol",
+            "vllm",
+            "--prefill-allow",
+            &p_addr,
+        ],
+        &[],
+    );
     let engines = [&decode, &prefill, &stranger];
     let calls = || async {
         let mut calls = Vec::new();

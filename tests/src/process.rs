@@ -319,14 +319,15 @@ impl RouterProcess {
         full
     }
 
-    /// `switchyard sidecar --port 0 ARGS…`; waits until `/health` answers 200 with every
-    /// endpoint (the decode engine, the allowed prefill engines) healthy.
-    pub fn sidecar(args: &[&str]) -> RouterProcess {
+    /// `switchyard sidecar --port 0 ARGS…` with `env` set (e.g. `KUBECONFIG`); waits until
+    /// `/health` answers 200 with every endpoint (the decode engine, the allowed prefill
+    /// engines) healthy.
+    pub fn sidecar(args: &[&str], env: &[(&str, &Path)]) -> RouterProcess {
         let mut full: Vec<String> = vec!["sidecar".into(), "--port".into(), "0".into()];
         full.extend(args.iter().map(|a| (*a).to_owned()));
         let sidecar = Self::spawn(
             full,
-            &[],
+            env,
             Stdio::inherit(),
             "switchyard sidecar listening on ",
         );

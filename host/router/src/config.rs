@@ -82,6 +82,7 @@
 //! [discovery]                                  # engines found while serving (feature `k8s`)
 //! kind = "k8s"                                 # pods from the Kubernetes API
 //! k8s_selector = "app=engine,model=llama"      # one label selector, sent whole
+//! # k8s_inference_pool = "llama"               # or an InferencePool's selector and target port
 //! k8s_namespace = "serving"                    # default: the kubeconfig's or the pod's own
 //! k8s_resync = "30s"                           # list again and reconcile this often
 //! ```
@@ -113,7 +114,7 @@ use crate::engine_client::Timeouts;
 use crate::kv_events::SubscriberConfig;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
-pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery};
+pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery, PodSelection};
 pub use endpoints::endpoints_in_file;
 pub use error::{ConfigError, Problem};
 pub use flow_control::FlowControlArgs;
