@@ -83,7 +83,7 @@ pub async fn start(
                 None => Api::default_namespaced_with(client, &resource),
             };
             Source::Pool {
-                pools,
+                pools: Box::new(pools),
                 name: name.clone(),
             }
         }
@@ -111,7 +111,7 @@ enum Source {
     Selector(Selection),
     /// Read again before every watch.
     Pool {
-        pools: Api<DynamicObject>,
+        pools: Box<Api<DynamicObject>>,
         name: String,
     },
 }

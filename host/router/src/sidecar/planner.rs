@@ -115,7 +115,7 @@ fn forward() -> Plan {
 }
 
 /// The header's one value; `None` without it.
-fn header<'a>(headers: &'a [(String, String)]) -> Result<Option<&'a str>, TargetError> {
+fn header(headers: &[(String, String)]) -> Result<Option<&str>, TargetError> {
     let mut values = headers
         .iter()
         .filter(|(name, _)| name == PREFILLER)
