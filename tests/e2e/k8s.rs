@@ -1,5 +1,5 @@
 //! Kubernetes discovery (`serve --discovery k8s`, feature `k8s`; an InferencePool's pods for
-//! `serve` and `sidecar`) against a fake API server
+//! `serve`, `epp` and `sidecar`) against a fake API server
 //! (`fake_api`) over HTTP: the router's real `kube` watcher and reconciler follow engine pods
 //! that are reference engines on loopback (pod IP 127.0.0.1, the engine's port as the
 //! container port named `http`), under steady streaming load.
@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, RouterProcess};
+use switchyard_tests::{EngineProcess, EppProcess, RouterProcess};
 
 use crate::faults::{Load, Truth, let_run};
 use crate::http::client;
@@ -278,7 +278,8 @@ fn inference_pool(name: &str, port: u16) -> Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_inference_pool_names_the_engines_of_serve_and_the_prefill_engines_a_sidecar_may_call() {
+async fn an_inference_pool_names_the_engines_of_serve_and_epp_and_the_prefill_engines_a_sidecar_may_call()
+ {
     let prefill = EngineProcess::spawn(&["--protocol", "vllm"]);
     let decode = EngineProcess::spawn(&["--protocol", "vllm"]);
     let stranger = EngineProcess::spawn(&["--protocol", "vllm"]);
@@ -303,6 +304,26 @@ async fn an_inference_pool_names_the_engines_of_serve_and_the_prefill_engines_a_
     let (status, text) = crate::http::post(&serve.endpoint("/v1/completions"), &body).await;
     assert_eq!(status, 200, "{text}");
     assert_selectors_whole(&fake);
+
+    // The EPP picks among the pool's pods, on the pool's port.
+    let mut args = pool.to_vec();
+    args.extend(["--policy", "round-robin"]);
+    let epp = EppProcess::start_with_env(&[], &args, &[("KUBECONFIG", &config)]);
+    let metrics = client()
+        .get(format!("{}/metrics", epp.metrics_url))
+        .send()
+        .await
+        .expect("the EPP answers")
+        .text()
+        .await
+        .expect("text");
+    let url = format!("url=\"{}\"", prefill.url);
+    assert!(metrics.contains(&url), "the EPP lists {url}:\n{metrics}");
+    assert!(
+        !metrics.contains(&format!("{}\"", stranger.http_addr.port())),
+        "{metrics}"
+    );
+    drop(epp);
 
     // The sidecar's allowlist is the pool's pods: the prefill engine, not the stranger.
     let mut args = vec!["--decode", &decode.url, "--protocol", "vllm"];
