@@ -38,7 +38,8 @@ pub use planner::{DECODE, SidecarPlanner};
 pub use target::{Target, TargetError};
 
 /// `switchyard sidecar` flags: the decode engine, the prefill engines it may call, and
-/// `serve`'s (but its engines and policies: the sidecar has one engine and plans itself).
+/// `serve`'s (but its engines and policies: the sidecar has one engine and plans itself; a
+/// config file's `[[endpoints]]` are replaced by these, as `--endpoint` flags replace them).
 #[derive(Debug, Clone, clap::Args)]
 pub struct SidecarArgs {
     /// The decode engine's base URL, e.g. `http://127.0.0.1:8200`.
@@ -89,9 +90,7 @@ pub enum SidecarConfigError {
     BootstrapPortNotSglang,
     #[error("--device-rank is for --protocol mlc only")]
     DeviceRankNotMlc,
-    #[error(
-        "the sidecar's engines are --decode and --prefill-allow: --endpoint and a config file's [[endpoints]] are not read"
-    )]
+    #[error("the sidecar's engines are --decode and --prefill-allow: it takes no --endpoint")]
     Endpoints,
 }
 
@@ -138,9 +137,6 @@ impl SidecarConfig {
         }
         let mut router = Config::with_builtin_planner(&serve)?;
         router.endpoints[0].device_rank = args.device_rank;
-        if router.endpoints_file.is_some() {
-            return Err(SidecarConfigError::Endpoints);
-        }
         router.policies.forward_headers.push(PREFILLER.to_owned());
         Ok(SidecarConfig { router })
     }
@@ -171,4 +167,112 @@ pub async fn run(
     println!("switchyard sidecar listening on http://{}", sidecar.addr());
     shutdown.await;
     sidecar.shutdown_or_hurry(hurry).await
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sidecar: SidecarArgs,
+    }
+
+    fn config(args: &[&str]) -> Result<SidecarConfig, SidecarConfigError> {
+        let cli = Cli::try_parse_from(std::iter::once("sidecar").chain(args.iter().copied()))
+            .expect("parsed");
+        SidecarConfig::from_args(&cli.sidecar)
+    }
+
+    #[test]
+    fn the_decode_engine_is_endpoint_0_and_the_allowed_prefill_engines_follow() {
+        let config = config(&[
+            "--decode",
+            "http://127.0.0.1:8200",
+            "--protocol",
+            "sglang",
+            "--bootstrap-port",
+            "8998",
+            "--prefill-allow",
+            "10.0.0.5:8000",
+            "--prefill-allow",
+            "[fd00::7]:8000",
+        ])
+        .expect("valid");
+        let endpoints = &config.router.endpoints;
+        let urls: Vec<&str> = endpoints.iter().map(|e| e.url.as_str()).collect();
+        assert_eq!(
+            urls,
+            [
+                "http://127.0.0.1:8200",
+                "http://10.0.0.5:8000",
+                "http://[fd00::7]:8000"
+            ]
+        );
+        assert!(endpoints.iter().all(|e| e.protocol == Protocol::Sglang));
+        assert_eq!(endpoints[0].bootstrap_port, None);
+        assert!(
+            endpoints[1..]
+                .iter()
+                .all(|e| e.bootstrap_port == Some(8998))
+        );
+        assert!(
+            config
+                .router
+                .policies
+                .forward_headers
+                .iter()
+                .any(|h| h == PREFILLER)
+        );
+    }
+
+    #[test]
+    fn flags_that_do_not_fit_are_refused() {
+        let refused = |args: &[&str]| config(args).expect_err("refused");
+        let with =
+            |rest: &[&'static str]| [&["--decode", "http://127.0.0.1:8200"][..], rest].concat();
+        assert!(matches!(
+            refused(&with(&[
+                "--protocol",
+                "vllm",
+                "--prefill-allow",
+                "10.0.0.5"
+            ])),
+            SidecarConfigError::PrefillAllow { .. }
+        ));
+        assert!(matches!(
+            refused(&with(&[
+                "--protocol",
+                "sglang",
+                "--prefill-allow",
+                "10.0.0.5:8000"
+            ])),
+            SidecarConfigError::NoBootstrapPort
+        ));
+        assert!(matches!(
+            refused(&with(&["--protocol", "vllm", "--bootstrap-port", "8998"])),
+            SidecarConfigError::BootstrapPortNotSglang
+        ));
+        assert!(matches!(
+            refused(&with(&["--protocol", "vllm", "--device-rank", "1"])),
+            SidecarConfigError::DeviceRankNotMlc
+        ));
+        assert!(matches!(
+            refused(&with(&[
+                "--protocol",
+                "mlc",
+                "--endpoint",
+                "http://127.0.0.1:1"
+            ])),
+            SidecarConfigError::Endpoints
+        ));
+        let openai =
+            Cli::try_parse_from(["sidecar", "--decode", "http://x:1", "--protocol", "openai"]);
+        assert!(openai.is_err(), "openai engines have no handoff");
+        // No policy file is needed: the plugins directory may not exist.
+        config(&with(&["--protocol", "mlc", "--plugins", "/nonexistent"])).expect("valid");
+    }
 }

@@ -58,19 +58,27 @@ impl Target {
         format!("{}:{}", self.host, self.port)
     }
 
-    /// Whether this names the sidecar listening on `own`: its port, and its IP, or a loopback
-    /// name when it listens on loopback or on every interface. (Listening on every interface,
-    /// it cannot tell its pod's IP from another pod's: the allowlist refuses those it lacks.)
+    /// Whether this names the sidecar listening on `own`: its port, and its IP; when it listens
+    /// on every interface, any address of this host (its pod's IP, which discovery may list);
+    /// a loopback name when it listens on loopback.
     pub fn is(&self, own: SocketAddr) -> bool {
         if self.port != own.port() {
             return false;
         }
-        let local = own.ip().is_loopback() || own.ip().is_unspecified();
+        let everywhere = own.ip().is_unspecified();
+        let local = own.ip().is_loopback() || everywhere;
         match self.host.trim_matches(['[', ']']).parse::<IpAddr>() {
-            Ok(ip) => ip == own.ip() || (ip.is_loopback() && local),
+            Ok(ip) => {
+                ip == own.ip() || (ip.is_loopback() && local) || (everywhere && is_this_host(ip))
+            }
             Err(_) => self.host == "localhost" && local,
         }
     }
+}
+
+/// Whether `ip` is one of this host's addresses: only those can be bound.
+fn is_this_host(ip: IpAddr) -> bool {
+    std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
 }
 
 impl std::fmt::Display for Target {
@@ -135,5 +143,8 @@ mod tests {
         assert!(!is("127.0.0.1:8000", pod));
         assert!(!is("127.0.0.1:8001", loopback));
         assert!(!is("10.0.0.8:8000", pod));
+        // Listening everywhere: an address of this host is its own, another host's is not.
+        assert!(is("127.0.0.3:8000", any));
+        assert!(!is("192.0.2.1:8000", any), "TEST-NET-1 is no host's here");
     }
 }
