@@ -1,4 +1,5 @@
-//! Kubernetes discovery (`serve --discovery k8s`, feature `k8s`) against a fake API server
+//! Kubernetes discovery (`serve --discovery k8s`, feature `k8s`; an InferencePool's pods for
+//! `serve`, `epp` and `sidecar`) against a fake API server
 //! (`fake_api`) over HTTP: the router's real `kube` watcher and reconciler follow engine pods
 //! that are reference engines on loopback (pod IP 127.0.0.1, the engine's port as the
 //! container port named `http`), under steady streaming load.
@@ -13,11 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, RouterProcess};
+use switchyard_tests::{EngineProcess, EppProcess, RouterProcess};
 
 use crate::faults::{Load, Truth, let_run};
 use crate::http::client;
-use crate::router::{eventually, post_or_get};
+use crate::router::{eventually, metric, post_or_get};
 use fake_api::FakeApi;
 
 const NAMESPACE: &str = "serving";
@@ -260,6 +261,105 @@ async fn pods_that_come_change_and_go_are_followed_under_load_and_no_request_fai
         "a pod matching half the selector is never an endpoint"
     );
     assert_selectors_whole(&fake);
+}
+
+/// An `inference.networking.k8s.io/v1` InferencePool selecting [`SELECTOR`]'s pods on `port`.
+fn inference_pool(name: &str, port: u16) -> Value {
+    json!({
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": name, "namespace": NAMESPACE, "uid": format!("uid-{name}")},
+        "spec": {
+            "selector": {"matchLabels": {"app": "engine", "tier": "serve"}},
+            "targetPorts": [{"number": port}],
+            "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+        },
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inference_pool_names_the_engines_of_serve_and_epp_and_the_prefill_engines_a_sidecar_may_call()
+ {
+    let prefill = EngineProcess::spawn(&["--protocol", "vllm"]);
+    let decode = EngineProcess::spawn(&["--protocol", "vllm"]);
+    let stranger = EngineProcess::spawn(&["--protocol", "vllm"]);
+    let fake = FakeApi::start(NAMESPACE, SELECTOR);
+    // The pod's own `http` port is wrong: the pool's target port is the one that serves.
+    let mut pod = pod_on("prefill-0", "uid-p", stranger.http_addr.port(), true);
+    pod["metadata"]["annotations"]["switchyard.io/protocol"] = json!("vllm");
+    fake.apply(pod);
+    fake.apply_pool(inference_pool("pool", prefill.http_addr.port()));
+    let (_dir, config) = kubeconfig(&fake);
+    let pool = ["--discovery", "k8s", "--k8s-inference-pool", "pool"];
+
+    let mut args = pool.to_vec();
+    args.extend(["--policy", "round-robin"]);
+    let serve = RouterProcess::serve_listening(&[], &args, &[("KUBECONFIG", &config)]);
+    wait_ready(&serve).await;
+    let rows = listed(&serve).await;
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0]["url"], prefill.url.as_str());
+    assert_eq!(rows[0]["owner"], "k8s:uid-p");
+    let body = json!({"prompt": "From the pool", "max_tokens": 4});
+    let (status, text) = crate::http::post(&serve.endpoint("/v1/completions"), &body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_selectors_whole(&fake);
+
+    // The EPP picks among the pool's pods, on the pool's port.
+    let mut args = pool.to_vec();
+    args.extend(["--policy", "round-robin"]);
+    let epp = EppProcess::start_with_env(&[], &args, &[("KUBECONFIG", &config)]);
+    let metrics = client()
+        .get(format!("{}/metrics", epp.metrics_url))
+        .send()
+        .await
+        .expect("the EPP answers")
+        .text()
+        .await
+        .expect("text");
+    let url = format!("url=\"{}\"", prefill.url);
+    assert!(metrics.contains(&url), "the EPP lists {url}:\n{metrics}");
+    assert!(
+        !metrics.contains(&format!("{}\"", stranger.http_addr.port())),
+        "{metrics}"
+    );
+    drop(epp);
+
+    // The sidecar's allowlist is the pool's pods: the prefill engine, not the stranger.
+    let mut args = vec!["--decode", &decode.url, "--protocol", "vllm"];
+    args.extend(pool);
+    let sidecar = RouterProcess::sidecar(&args, &[("KUBECONFIG", &config)]);
+    let calls = |engine: &EngineProcess| {
+        let url = engine.endpoint("/metrics");
+        async move { metric(&url, "switchyard_engine_calls_received").await }
+    };
+    let (p_before, s_before) = (calls(&prefill).await, calls(&stranger).await);
+    let ask = |prefiller: String| {
+        let url = sidecar.endpoint("/v1/completions");
+        let body = body.clone();
+        async move {
+            client()
+                .post(url)
+                .header("x-prefiller-host-port", prefiller)
+                .json(&body)
+                .send()
+                .await
+                .expect("the sidecar answers")
+                .status()
+                .as_u16()
+        }
+    };
+    assert_eq!(ask(prefill.http_addr.to_string()).await, 200);
+    assert!(
+        calls(&prefill).await > p_before,
+        "the handoff prefilled on the pool's pod"
+    );
+    assert_eq!(ask(stranger.http_addr.to_string()).await, 400);
+    assert_eq!(
+        calls(&stranger).await,
+        s_before,
+        "the stranger was never called"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -248,7 +248,7 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 
 // === router processes (the router engineer's part) ===
 
-/// A `switchyard serve` or `switchyard up` child process, killed when dropped.
+/// A `switchyard serve`, `up` or `sidecar` child process, killed when dropped.
 pub struct RouterProcess {
     child: Child,
     /// `http://127.0.0.1:PORT`
@@ -256,7 +256,8 @@ pub struct RouterProcess {
     pub addr: SocketAddr,
 }
 
-/// `switchyard up …` is a router too; the alias says which command started it.
+/// `switchyard up …` is a router too; the alias says which command started it (`sidecar` is
+/// one as well).
 pub type UpProcess = RouterProcess;
 
 impl RouterProcess {
@@ -316,6 +317,22 @@ impl RouterProcess {
         }
         full.extend(args.iter().map(|a| (*a).to_owned()));
         full
+    }
+
+    /// `switchyard sidecar --port 0 ARGS…` with `env` set (e.g. `KUBECONFIG`); waits until
+    /// `/health` answers 200 with every endpoint (the decode engine, the allowed prefill
+    /// engines) healthy.
+    pub fn sidecar(args: &[&str], env: &[(&str, &Path)]) -> RouterProcess {
+        let mut full: Vec<String> = vec!["sidecar".into(), "--port".into(), "0".into()];
+        full.extend(args.iter().map(|a| (*a).to_owned()));
+        let sidecar = Self::spawn(
+            full,
+            env,
+            Stdio::inherit(),
+            "switchyard sidecar listening on ",
+        );
+        sidecar.wait_until_healthy();
+        sidecar
     }
 
     /// `switchyard up --port 0 --plugins <checkout>/plugins ARGS…`; waits until `/health`
@@ -421,19 +438,29 @@ pub struct EppProcess {
     /// `http://127.0.0.1:PORT` of `/metrics`, `/health` and `/livez`.
     pub metrics_url: String,
     pub metrics: SocketAddr,
-    /// Its flags but the ports, for [`EppProcess::restart`].
+    /// Its flags but the ports, and its environment, for [`EppProcess::restart`].
     rest: Vec<String>,
+    env: Vec<(String, PathBuf)>,
 }
 
 impl EppProcess {
     /// `switchyard epp` on free ports, `--plugins <checkout>/plugins` (unless ARGS name other
     /// `--plugins`), `--endpoint URL…` and ARGS; waits until every endpoint is healthy.
     pub fn start(endpoints: &[&str], args: &[&str]) -> EppProcess {
+        Self::start_with_env(endpoints, args, &[])
+    }
+
+    /// [`EppProcess::start`] with `env` set (e.g. `KUBECONFIG`), also when restarted.
+    pub fn start_with_env(endpoints: &[&str], args: &[&str], env: &[(&str, &Path)]) -> EppProcess {
         let rest: Vec<String> = RouterProcess::serve_argv(endpoints, args)
             .into_iter()
             .skip(3)
             .collect();
-        Self::spawn(["0", "0", "0"].map(str::to_owned), rest)
+        let env = env
+            .iter()
+            .map(|(name, value)| ((*name).to_owned(), value.to_path_buf()))
+            .collect();
+        Self::spawn(["0", "0", "0"].map(str::to_owned), rest, env)
     }
 
     /// Kill it if it still runs, then start it again with the same flags on the same ports,
@@ -441,22 +468,39 @@ impl EppProcess {
     pub fn restart(&mut self) {
         self.kill();
         let ports = [self.grpc, self.grpc_health, self.metrics].map(|a| a.port().to_string());
-        let again = Self::spawn(ports, std::mem::take(&mut self.rest));
+        let again = Self::spawn(
+            ports,
+            std::mem::take(&mut self.rest),
+            std::mem::take(&mut self.env),
+        );
         *self = again;
     }
 
     /// `switchyard epp` on `ports` (ext_proc, gRPC health, metrics; 0 picks a free one) with
     /// `rest` of its flags.
-    fn spawn([grpc, health, metrics]: [String; 3], rest: Vec<String>) -> EppProcess {
+    fn spawn(
+        [grpc, health, metrics]: [String; 3],
+        rest: Vec<String>,
+        env: Vec<(String, PathBuf)>,
+    ) -> EppProcess {
         let mut full: Vec<String> = vec!["epp".into(), "--grpc-port".into(), grpc];
         full.extend(["--grpc-health-port".into(), health]);
         full.extend(["--metrics-port".into(), metrics]);
         full.extend(rest.iter().cloned());
-        let (child, line) =
-            spawn_switchyard(&full, &[], Stdio::inherit(), STARTUP_TIMEOUT * 2, |line| {
+        let env_refs: Vec<(&str, &Path)> = env
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.as_path()))
+            .collect();
+        let (child, line) = spawn_switchyard(
+            &full,
+            &env_refs,
+            Stdio::inherit(),
+            STARTUP_TIMEOUT * 2,
+            |line| {
                 line.strip_prefix("switchyard epp listening on ")
                     .map(str::to_owned)
-            });
+            },
+        );
         // `grpc://A (health grpc://B, metrics http://C)`
         let addrs: Vec<SocketAddr> = line
             .split(['(', ')', ',', ' '])
@@ -472,6 +516,7 @@ impl EppProcess {
             metrics_url: format!("http://{metrics}"),
             metrics,
             rest,
+            env,
         };
         wait_for(metrics, "/health", "epp", &epp.metrics_url, |body| {
             body.contains(r#""down":[]"#)

@@ -93,8 +93,8 @@ pub struct AppState {
     pub metrics: Metrics,
     /// The served model's name (responses carry the client's when it named one).
     pub model: String,
-    /// The live policies; each request is planned by the one it selects.
-    pub policies: Arc<PolicyRegistry>,
+    /// Who plans each request: the policy it selects, or the mode's built-in planner.
+    pub planning: Planning,
     pub admin: AdminAccess,
     /// The request headers policies see (lower-case names).
     pub forward_headers: Vec<String>,
@@ -136,7 +136,7 @@ impl AppState {
         router: Arc<Router>,
         tokenizer: Arc<PromptTokenizer>,
         model: String,
-        policies: Arc<PolicyRegistry>,
+        planning: Planning,
         max_body_bytes: usize,
         default_max_tokens: u32,
     ) -> Self {
@@ -147,7 +147,7 @@ impl AppState {
             admission: Admission::new(AdmissionConfig::default(), metrics.admission()),
             metrics,
             model,
-            policies,
+            planning,
             admin: AdminAccess::default(),
             forward_headers: crate::config::DEFAULT_FORWARD_HEADERS
                 .map(str::to_owned)
@@ -204,6 +204,57 @@ impl AppState {
     /// Enough endpoints are healthy (the policy was loaded before the state existed).
     pub fn is_ready(&self) -> bool {
         self.router.executor().cluster().is_ready()
+    }
+}
+
+/// Who plans a router's requests.
+#[derive(Clone)]
+pub enum Planning {
+    /// The live policies (`serve`, `epp`): each request is planned by the one it selects.
+    Policies(Arc<PolicyRegistry>),
+    /// One planner built into the mode (`sidecar`), which plans every request without a policy.
+    Builtin(Arc<dyn BuiltinPlanner>),
+}
+
+/// A planner built into the router, with metrics of its own on `/metrics`.
+pub trait BuiltinPlanner: Planner {
+    /// Append this planner's metrics to an OpenMetrics exposition (ending in `# EOF`).
+    fn append_metrics(&self, exposition: &mut String);
+}
+
+impl Planning {
+    /// The policy registry, when policies plan the requests.
+    pub fn policies(&self) -> Option<&Arc<PolicyRegistry>> {
+        match self {
+            Planning::Policies(policies) => Some(policies),
+            Planning::Builtin(_) => None,
+        }
+    }
+
+    /// The planner of one request: the policy `header` (`x-switchyard-policy`) or `model`
+    /// selects, or the built-in one.
+    fn select(&self, header: Option<&str>, model: &str) -> Result<Arc<dyn Planner>, ApiError> {
+        let policies = match self {
+            Planning::Policies(policies) => policies,
+            Planning::Builtin(planner) => return Ok(Arc::clone(planner) as Arc<dyn Planner>),
+        };
+        match policies.select(header, model) {
+            Ok(selection) => Ok(Arc::new(selection)),
+            Err(e @ SelectError::Unknown { .. }) => {
+                Err(ApiError::invalid(POLICY_HEADER, e.to_string()))
+            }
+            Err(SelectError::Unavailable { .. }) => {
+                Err(ApiError::NotReady("no policy can plan the request"))
+            }
+        }
+    }
+
+    /// Append the planners' metrics to an OpenMetrics exposition.
+    pub fn append_metrics(&self, exposition: &mut String) {
+        match self {
+            Planning::Policies(policies) => policies.append_metrics(exposition),
+            Planning::Builtin(planner) => planner.append_metrics(exposition),
+        }
     }
 }
 
@@ -634,18 +685,9 @@ pub(crate) async fn prepare(
     if !state.is_ready() {
         return Err(ApiError::NotReady("too few endpoints are healthy"));
     }
-    let selection = match state
-        .policies
-        .select(policy_header(headers).as_deref(), &parsed.model)
-    {
-        Ok(selection) => selection,
-        Err(e @ SelectError::Unknown { .. }) => {
-            return Err(ApiError::invalid(POLICY_HEADER, e.to_string()));
-        }
-        Err(SelectError::Unavailable { .. }) => {
-            return Err(ApiError::NotReady("no policy can plan the request"));
-        }
-    };
+    let planner = state
+        .planning
+        .select(policy_header(headers).as_deref(), &parsed.model)?;
     let route = RouteRequest {
         id: state.next_id.fetch_add(1, Ordering::Relaxed),
         request_id: format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>()),
@@ -662,7 +704,7 @@ pub(crate) async fn prepare(
     };
     Ok(Prepared {
         route,
-        planner: Arc::new(selection),
+        planner,
         include_usage: parsed.include_usage,
     })
 }

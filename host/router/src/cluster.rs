@@ -880,6 +880,18 @@ impl Cluster {
         self.endpoint(id).map(|e| e.upstream.base_url())
     }
 
+    /// The endpoint's `host:port`, as a gateway or an EPP's `x-prefiller-host-port` names it:
+    /// its URL's authority, with the scheme's port when the URL names none.
+    pub fn address(&self, id: u32) -> Option<String> {
+        let url: http::Uri = self.url(id)?.parse().ok()?;
+        let authority = url.authority()?;
+        let port = authority.port_u16().unwrap_or(match url.scheme_str() {
+            Some("https") => 443,
+            _ => 80,
+        });
+        Some(format!("{}:{port}", authority.host()))
+    }
+
     /// What a call to the endpoint takes (URL and credentials); `None` for an id out of range.
     pub fn upstream(&self, id: u32) -> Option<Upstream> {
         self.endpoint(id).map(|e| e.upstream.clone())

@@ -95,6 +95,7 @@
 //! [discovery]                                  # engines found while serving (feature `k8s`)
 //! kind = "k8s"                                 # pods from the Kubernetes API
 //! k8s_selector = "app=engine,model=llama"      # one label selector, sent whole
+//! # k8s_inference_pool = "llama"               # or an InferencePool's selector and target port
 //! k8s_namespace = "serving"                    # default: the kubeconfig's or the pod's own
 //! k8s_resync = "30s"                           # list again and reconcile this often
 //! ```
@@ -127,7 +128,7 @@ use crate::engine_client::Timeouts;
 use crate::kv_events::SubscriberConfig;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
-pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery};
+pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery, PodSelection};
 pub use endpoints::endpoints_in_file;
 pub use epp::{
     DEFAULT_GRPC_HEALTH_PORT, DEFAULT_GRPC_PORT, DEFAULT_METRICS_PORT, EndpointPicker,
@@ -203,10 +204,17 @@ pub struct AdminSettings {
     pub listen: Option<SocketAddr>,
 }
 
+/// Whether the configured policy file must exist: not for a built-in planner.
+#[derive(Debug, Clone, Copy)]
+enum PolicyFile {
+    MustExist,
+    Unused,
+}
+
 impl Config {
     /// Parse and validate `args` (and the file it names).
     pub fn from_args(args: &ServeArgs) -> Result<Config, ConfigError> {
-        Self::from_file(args, ConfigFile::named(args)?)
+        Self::from_file(args, ConfigFile::named(args)?, PolicyFile::MustExist)
     }
 
     /// `switchyard epp`'s configuration: the router's, and the EPP's own settings (`epp`,
@@ -217,16 +225,32 @@ impl Config {
     ) -> Result<(Config, EndpointPicker), ConfigError> {
         let mut file = ConfigFile::named(args)?;
         let picker = epp.resolve(std::mem::take(&mut file.epp))?;
-        Ok((Self::from_file(args, file)?, picker.endpoint_picker()))
+        Ok((
+            Self::from_file(args, file, PolicyFile::MustExist)?,
+            picker.endpoint_picker(),
+        ))
     }
 
-    fn from_file(args: &ServeArgs, file: ConfigFile) -> Result<Config, ConfigError> {
+    /// [`Config::from_args`] for a router whose requests a built-in planner plans
+    /// (`switchyard sidecar`): no policy file need exist.
+    pub fn with_builtin_planner(args: &ServeArgs) -> Result<Config, ConfigError> {
+        Self::from_file(args, ConfigFile::named(args)?, PolicyFile::Unused)
+    }
+
+    fn from_file(
+        args: &ServeArgs,
+        file: ConfigFile,
+        policy_file: PolicyFile,
+    ) -> Result<Config, ConfigError> {
         let discovery = args.discovery.resolve(file.discovery)?.k8s()?;
         let endpoints = endpoints::resolve(args, file.endpoints, discovery.is_some())?;
         let s = args.router.resolve(file.router)?;
         let flow_control = args.flow_control.resolve(file.flow_control)?;
         let flow = flow_control.flow_control();
-        let policy_path = policy::existing(&s.plugins.value, &s.policy)?;
+        let policy_path = match policy_file {
+            PolicyFile::MustExist => policy::existing(&s.plugins.value, &s.policy)?,
+            PolicyFile::Unused => policy::path(&s.plugins.value, &s.policy.value),
+        };
         let policy_config = s
             .policy_config
             .as_ref()

@@ -17,6 +17,8 @@
 //!            answers with the plan's endpoints instead of running it
 //! discovery  (feature `k8s`) engine pods from the Kubernetes API, fed into the cluster
 //! kv_events  subscribers to the engines' KV events, keeping the KV index of every endpoint
+//! sidecar    the same router in a decode pod: runs the handoff a gateway's EPP names in
+//!            `x-prefiller-host-port`, planned by a built-in planner instead of a policy
 //! ```
 //!
 //! Nothing flows backwards but the outcome report to the policy. The router depends on the wire
@@ -36,6 +38,7 @@ pub mod kv_events;
 pub mod plan;
 mod router;
 pub mod serve;
+pub mod sidecar;
 
 pub use router::{
     DEFAULT_REQUEST_TIMEOUT, Event, Flow, RetryBudgetConfig, RetryPolicy, RetryPolicyError,

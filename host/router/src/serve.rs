@@ -25,7 +25,10 @@ use switchyard_policy_host::{
 };
 
 use crate::Router;
-use crate::api::{self, AdminAccess, AppState, DrainConfig, PromptTokenizer, TokenizerError};
+use crate::api::{
+    self, AdminAccess, AppState, BuiltinPlanner, DrainConfig, Planning, PromptTokenizer,
+    TokenizerError,
+};
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::{Config, ModelSource};
 use crate::engine_client::{CallError, EngineClient};
@@ -67,7 +70,7 @@ pub struct RunningRouter {
     drain: DrainConfig,
     /// The main listener's task and the admin one's, if any; each ends when the drain is over.
     listeners: Vec<JoinHandle<()>>,
-    _watcher: PluginWatcher,
+    _watcher: Option<PluginWatcher>,
     #[cfg(feature = "k8s")]
     _discovery: Option<crate::discovery::Discovery>,
 }
@@ -175,8 +178,19 @@ fn registry_config(config: &Config) -> RegistryConfig {
 /// Load everything, bind, and start serving in the background.
 pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     let loaded = load(config).await?;
-    let state = Arc::clone(&loaded.state);
     let (listener, addr) = bind(config.listen).await?;
+    serve_openai(config, loaded, listener, addr).await
+}
+
+/// Serve a loaded router's OpenAI API on `listener` (bound to `addr`), and `/admin/*` on the
+/// admin port if there is one: what `serve` and `sidecar` share.
+pub(crate) async fn serve_openai(
+    config: &Config,
+    loaded: Loaded,
+    listener: tokio::net::TcpListener,
+    addr: SocketAddr,
+) -> Result<RunningRouter, ServeError> {
+    let state = Arc::clone(&loaded.state);
     let mut listeners = Vec::with_capacity(2);
     let admin_addr = serve_admin_port(config, &state, &mut listeners).await?;
     let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
@@ -185,10 +199,12 @@ pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
     Ok(loaded.running(config, addr, admin_addr, listeners))
 }
 
-/// A router loaded and wired, its listeners not yet bound: what `serve` and `epp` share.
+/// A router loaded and wired, its listeners not yet bound: what `serve`, `epp` and `sidecar`
+/// share.
 pub(crate) struct Loaded {
     pub state: Arc<AppState>,
-    watcher: PluginWatcher,
+    /// The plugins directory's watcher, when policies plan the requests.
+    watcher: Option<PluginWatcher>,
     #[cfg(feature = "k8s")]
     discovery: Option<crate::discovery::Discovery>,
 }
@@ -218,17 +234,43 @@ impl Loaded {
 
 /// Tokenizer, policies and their watcher, cluster and probes, discovery, router and state.
 pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
+    let tokenizer = tokenizer(config)?;
+    let host = PolicyHost::new(PolicyLimits::default())?;
+    let policies = PolicyRegistry::open(host, registry_config(config)).await?;
+    let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
+    let mut loaded = wire(config, tokenizer, |_| Planning::Policies(policies)).await?;
+    loaded.watcher = Some(watcher);
+    Ok(loaded)
+}
+
+/// [`load`] for a router whose requests one built-in planner plans (`switchyard sidecar`):
+/// no policy is loaded; `planner` is made once the router's executor exists.
+pub(crate) async fn load_builtin(
+    config: &Config,
+    planner: impl FnOnce(&Executor) -> Arc<dyn BuiltinPlanner>,
+) -> Result<Loaded, ServeError> {
+    let tokenizer = tokenizer(config)?;
+    wire(config, tokenizer, |executor| {
+        Planning::Builtin(planner(executor))
+    })
+    .await
+}
+
+fn tokenizer(config: &Config) -> Result<Arc<PromptTokenizer>, ServeError> {
     let tokenizer = match &config.model_source {
         Some(ModelSource::Dir(dir)) => PromptTokenizer::from_model_dir(dir)?,
         Some(ModelSource::Gguf { path, files }) => PromptTokenizer::from_gguf(files, path)?,
         None => PromptTokenizer::byte_level()?,
     };
-    let tokenizer = Arc::new(tokenizer);
-    let host = PolicyHost::new(PolicyLimits::default())?;
-    let policies = PolicyRegistry::open(host, registry_config(config)).await?;
-    let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
-    let planner: Arc<dyn Planner> = policies.clone();
+    Ok(Arc::new(tokenizer))
+}
 
+/// Cluster and probes, discovery, router and state, planned as `planning` says.
+async fn wire(
+    config: &Config,
+    tokenizer: Arc<PromptTokenizer>,
+    planning: impl FnOnce(&Executor) -> Planning,
+) -> Result<Loaded, ServeError> {
     let mut cluster = Cluster::new(config.endpoints.clone(), config.outlier)
         .with_min_healthy(config.min_healthy_endpoints)
         .with_kv_events(config.kv_events)
@@ -243,6 +285,11 @@ pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
         cluster.subscribe_kv_events(id);
     }
     let executor = Executor::new(cluster, client);
+    let planning = planning(&executor);
+    let planner: Arc<dyn Planner> = match &planning {
+        Planning::Policies(policies) => policies.clone(),
+        Planning::Builtin(planner) => planner.clone(),
+    };
     if let Some(path) = &config.endpoints_file {
         reload_endpoints_on_sighup(path.clone(), executor.clone());
     }
@@ -262,7 +309,7 @@ pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
             router,
             tokenizer,
             config.model.clone(),
-            policies,
+            planning,
             config.max_body_bytes,
             config.default_max_tokens,
         )
@@ -277,7 +324,7 @@ pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
     );
     Ok(Loaded {
         state,
-        watcher,
+        watcher: None,
         #[cfg(feature = "k8s")]
         discovery,
     })

@@ -66,6 +66,26 @@ enum Command {
     /// planned endpoint itself. The same configuration as `serve`, but no OpenAI listener.
     #[command(mut_arg("port", |arg| arg.hide(true)))]
     Epp(switchyard_router::epp::EppArgs),
+    /// Run the handoff a gateway's EPP names, beside one decode engine (P/D behind any gateway).
+    ///
+    /// A request with `x-prefiller-host-port` runs the disaggregated handoff with that prefill
+    /// engine through the router's executor (retries, continuation, no KV left held); without
+    /// it, the decode engine serves it. Only prefill engines from --prefill-allow (or
+    /// discovery) may be named: any other value is answered 400, and nothing is called. If the
+    /// prefill engine fails, the decode engine prefills itself. `serve`'s other flags apply.
+    #[command(
+        mut_arg("endpoints", |arg| arg.hide(true)),
+        mut_arg("endpoint_num_gpus", |arg| arg.hide(true)),
+        mut_arg("policy", |arg| arg.hide(true)),
+        mut_arg("plugins", |arg| arg.hide(true)),
+        mut_arg("policy_config", |arg| arg.hide(true)),
+        mut_arg("fallback_policy", |arg| arg.hide(true)),
+        mut_arg("no_policy_header", |arg| arg.hide(true)),
+        mut_arg("forward_headers", |arg| arg.hide(true)),
+        mut_arg("quarantine_faults", |arg| arg.hide(true)),
+        mut_arg("quarantine_window_ms", |arg| arg.hide(true))
+    )]
+    Sidecar(switchyard_router::sidecar::SidecarArgs),
     /// Start reference engines and the router in front of them (the embedded default).
     #[command(mut_arg("model", |arg| arg.help(up::MODEL_HELP).long_help(up::MODEL_HELP)))]
     Up(up::UpArgs),
@@ -84,6 +104,7 @@ fn main() -> ExitCode {
         Command::Lab(args) => switchyard_lab::run(args).map_err(Into::into),
         Command::Serve(args) => serve(&args),
         Command::Epp(args) => epp(&args),
+        Command::Sidecar(args) => sidecar(&args),
         Command::Up(mut args) => {
             // The engines log to the same stderr: in the same format.
             if cli.log_format == LogFormat::Json {
@@ -141,6 +162,21 @@ fn epp(args: &switchyard_router::epp::EppArgs) -> anyhow::Result<()> {
         .build()?;
     let (shutdown, hurry) = shutdown_signals();
     runtime.block_on(switchyard_router::epp::run(config, shutdown, hurry))?;
+    Ok(())
+}
+
+fn sidecar(args: &switchyard_router::sidecar::SidecarArgs) -> anyhow::Result<()> {
+    let config = match switchyard_router::sidecar::SidecarConfig::from_args(args) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("switchyard sidecar: {e}");
+            std::process::exit(USAGE_ERROR);
+        }
+    };
+    raise_open_files_limit();
+    let runtime = control_runtime()?;
+    let (shutdown, hurry) = shutdown_signals();
+    runtime.block_on(switchyard_router::sidecar::run(config, shutdown, hurry))?;
     Ok(())
 }
 

@@ -1,4 +1,5 @@
-//! A fake Kubernetes API server: pods only, in one namespace, over plain HTTP on loopback.
+//! A fake Kubernetes API server: pods (and `InferencePool`s, read whole), in one namespace, over
+//! plain HTTP on loopback.
 //!
 //! What a real API server does and the router's watcher depends on: `GET …/pods` lists with a
 //! `resourceVersion`, `?watch=true&resourceVersion=N` streams newline-delimited watch events
@@ -53,6 +54,8 @@ struct State {
     required: Vec<(String, String)>,
     version: u64,
     pods: BTreeMap<String, Value>,
+    /// `inference.networking.k8s.io/v1` InferencePools by name: `GET` one, nothing else.
+    pools: BTreeMap<String, Value>,
     history: Vec<Change>,
     /// Watches from before this version get 410 Gone.
     oldest: u64,
@@ -76,6 +79,7 @@ impl FakeApi {
             required: parse_selector(required).expect("a valid required selector"),
             version: 1,
             pods: BTreeMap::new(),
+            pools: BTreeMap::new(),
             history: Vec::new(),
             oldest: 1,
             watches: Vec::new(),
@@ -133,6 +137,18 @@ impl FakeApi {
         pod["metadata"]["resourceVersion"] = json!(version.to_string());
         let old = state.pods.insert(name, pod.clone());
         state.record(version, old, Some(pod));
+    }
+
+    /// Create or replace the InferencePool named in `pool`'s metadata.
+    pub(crate) fn apply_pool(&self, mut pool: Value) {
+        let name = pool["metadata"]["name"]
+            .as_str()
+            .expect("a pool name")
+            .to_owned();
+        let mut state = self.state.lock();
+        let version = state.next_version();
+        pool["metadata"]["resourceVersion"] = json!(version.to_string());
+        state.pools.insert(name, pool);
     }
 
     /// Change the stored pod `name` with `edit`.
@@ -253,6 +269,16 @@ fn handle(state: &Mutex<State>, req: Request<Incoming>) -> Response<Body> {
     }
     if let Some(answer) = discovery(req.uri().path()) {
         return json_response(StatusCode::OK, &answer);
+    }
+    let pools = format!(
+        "/apis/inference.networking.k8s.io/v1/namespaces/{}/inferencepools/",
+        state.namespace
+    );
+    if let Some(name) = req.uri().path().strip_prefix(&pools) {
+        return match state.pools.get(name) {
+            Some(pool) => json_response(StatusCode::OK, pool),
+            None => status(StatusCode::NOT_FOUND, "NotFound", "no such InferencePool"),
+        };
     }
     if req.uri().path() != path {
         return status(StatusCode::NOT_FOUND, "NotFound", "only pods are served");

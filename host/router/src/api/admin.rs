@@ -84,7 +84,7 @@ pub fn models(state: &AppState) -> Response<Body> {
 /// The router's metrics followed by the policy registry's.
 pub fn metrics(state: &AppState) -> Response<Body> {
     let mut text = state.metrics.render(state.router.executor().cluster());
-    state.policies.append_metrics(&mut text);
+    state.planning.append_metrics(&mut text);
     let mut response = Response::new(full(text));
     response.headers_mut().insert(
         header::CONTENT_TYPE,
@@ -114,7 +114,8 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Bo
         }
         (&Method::DELETE, _, _, Some((id, None))) => change_endpoint(&state, id, |c| c.remove(id)),
         (&Method::GET, "/admin/policies", _, _) => {
-            json_response(StatusCode::OK, &json!(state.policies.view()))
+            let views = state.planning.policies().map(|p| p.view());
+            json_response(StatusCode::OK, &json!(views.unwrap_or_default()))
         }
         (&Method::POST, _, Some(name), _) => reload(&state, name).await,
         (method, path, _, _) => ApiError::NotFound {
@@ -197,7 +198,7 @@ fn endpoints(state: &AppState) -> Response<Body> {
     let status = state.router.executor().cluster().status();
     json_response(
         StatusCode::OK,
-        &json!({"policy": state.policies.default_name(), "endpoints": status}),
+        &json!({"policy": state.planning.policies().map(|p| p.default_name()), "endpoints": status}),
     )
 }
 
@@ -213,18 +214,25 @@ fn reload_target(path: &str) -> Option<&str> {
 /// start). 200 with the policy's view when a version serves afterwards; 404 for an unknown
 /// name; 422 with the error when the file was refused (the previous version keeps serving).
 async fn reload(state: &AppState, name: &str) -> Response<Body> {
-    let outcome = state.policies.reload(name, Instant::now(), true).await;
-    let view = state.policies.view_one(name);
+    let not_found = || {
+        ApiError::NotFound {
+            method: "POST".into(),
+            path: format!("/admin/policies/{name}/reload"),
+        }
+        .response()
+    };
+    // A built-in planner has no policy to reload.
+    let Some(policies) = state.planning.policies() else {
+        return not_found();
+    };
+    let outcome = policies.reload(name, Instant::now(), true).await;
+    let view = policies.view_one(name);
     match outcome {
         Ok(outcome) => json_response(
             StatusCode::OK,
             &json!({"result": outcome_name(&outcome), "policy": view}),
         ),
-        Err(ReloadError::Unknown { .. }) => ApiError::NotFound {
-            method: "POST".into(),
-            path: format!("/admin/policies/{name}/reload"),
-        }
-        .response(),
+        Err(ReloadError::Unknown { .. }) => not_found(),
         Err(error) => json_response(
             StatusCode::UNPROCESSABLE_ENTITY,
             &json!({

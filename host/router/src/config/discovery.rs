@@ -17,11 +17,22 @@ pub enum DiscoveryKind {
 /// `--discovery k8s`: which pods are engines, and how often they are listed afresh.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct K8sDiscovery {
-    /// A label selector, e.g. `app=engine,model=llama`.
-    pub selector: String,
+    pub pods: PodSelection,
     /// `None`: the kubeconfig's default namespace (in a cluster: the router pod's).
     pub namespace: Option<String>,
     pub resync: Duration,
+}
+
+/// Which pods are engines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodSelection {
+    /// A label selector, e.g. `app=engine,model=llama`; the port is the container port named
+    /// `http` (or the pod's `switchyard.io/port`).
+    Selector(String),
+    /// The pods an `InferencePool` (`inference.networking.k8s.io/v1`) selects, by its name:
+    /// its `spec.selector`, on its first `spec.targetPorts` port, both read again on every
+    /// resync.
+    InferencePool(String),
 }
 
 pub const DEFAULT_K8S_RESYNC: Duration = Duration::from_secs(30);
@@ -44,6 +55,15 @@ settings! {
     k8s_selector: Option<String> => String {
         flag: "k8s-selector",
         key: "k8s_selector",
+        check: not_blank,
+    }
+    /// With --discovery k8s: the InferencePool (`inference.networking.k8s.io/v1`) whose
+    /// `spec.selector` picks the engine pods and whose first `spec.targetPorts` is their port,
+    /// instead of --k8s-selector.
+    #[arg(value_name = "NAME")]
+    k8s_inference_pool: Option<String> => String {
+        flag: "k8s-inference-pool",
+        key: "k8s_inference_pool",
         check: not_blank,
     }
     /// With --discovery k8s: the namespace whose pods are watched [default: the kubeconfig's
@@ -71,6 +91,7 @@ impl DiscoverySettings {
             // The file's keys without a kind are not used; a flag without one is a mistake.
             let stray_flag = [
                 self.k8s_selector.map(|s| s.source),
+                self.k8s_inference_pool.map(|s| s.source),
                 self.k8s_namespace.map(|s| s.source),
                 Some(self.k8s_resync.source),
             ]
@@ -85,11 +106,19 @@ impl DiscoverySettings {
         if !cfg!(feature = "k8s") {
             return Err(ConfigError::DiscoveryNotBuilt(kind.source));
         }
-        let selector = self
-            .k8s_selector
-            .ok_or(ConfigError::NoSelector { kind: kind.source })?;
+        let pods = match (self.k8s_selector, self.k8s_inference_pool) {
+            (Some(selector), None) => PodSelection::Selector(selector.value),
+            (None, Some(pool)) => PodSelection::InferencePool(pool.value),
+            (None, None) => return Err(ConfigError::NoSelector { kind: kind.source }),
+            (Some(selector), Some(pool)) => {
+                return Err(ConfigError::SelectorAndPool {
+                    selector: selector.source,
+                    pool: pool.source,
+                });
+            }
+        };
         Ok(Some(K8sDiscovery {
-            selector: selector.value,
+            pods,
             namespace: self.k8s_namespace.map(|ns| ns.value),
             resync: self.k8s_resync.value,
         }))

@@ -35,10 +35,14 @@ pub enum ConfigError {
     )]
     NoEndpoints,
     #[error(
-        "{kind} (k8s) needs a label selector: --k8s-selector, or k8s_selector in [discovery] \
-         (e.g. app=engine)"
+        "{kind} (k8s) needs a label selector or an InferencePool: --k8s-selector (e.g. \
+         app=engine) or --k8s-inference-pool, or k8s_selector or k8s_inference_pool in [discovery]"
     )]
     NoSelector { kind: Source },
+    #[error(
+        "{selector} and {pool}: pods are picked by a label selector or an InferencePool, not both"
+    )]
+    SelectorAndPool { selector: Source, pool: Source },
     #[error("{0} needs --discovery k8s")]
     K8sWithoutDiscovery(Source),
     #[error("{0} (k8s): this switchyard was built without the `k8s` feature")]

@@ -75,7 +75,7 @@ pub(super) fn existing(plugins: &Path, name: &Sourced<String>) -> Result<PathBuf
     if stem.is_empty() || stem.contains(['/', '\\']) || stem.starts_with('.') {
         return Err(refuse(Problem::PolicyName(stem.clone())));
     }
-    let path = plugins.join(format!("{stem}.wasm"));
+    let path = path(plugins, stem);
     if !path.is_file() {
         return Err(refuse(Problem::NoPolicy {
             name: stem.clone(),
@@ -83,6 +83,11 @@ pub(super) fn existing(plugins: &Path, name: &Sourced<String>) -> Result<PathBuf
         }));
     }
     Ok(path)
+}
+
+/// Where policy `name`'s component is.
+pub(super) fn path(plugins: &Path, name: &str) -> PathBuf {
+    plugins.join(format!("{name}.wasm"))
 }
 
 /// The default policy's config as compact JSON.

@@ -560,6 +560,7 @@ fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
         discovery: DiscoveryArgs {
             discovery: Some(DiscoveryKind::K8s),
             k8s_selector: Some("app=engine".into()),
+            k8s_inference_pool: None,
             k8s_namespace: Some("serving".into()),
             k8s_resync: None,
         },
@@ -581,7 +582,7 @@ fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
     assert_eq!(
         config.discovery,
         Some(K8sDiscovery {
-            selector: "app=engine,tier=serve".into(),
+            pods: PodSelection::Selector("app=engine,tier=serve".into()),
             namespace: None,
             resync: Duration::from_secs(5),
         })
@@ -590,7 +591,7 @@ fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
     assert_eq!(
         config.discovery,
         Some(K8sDiscovery {
-            selector: "app=engine".into(),
+            pods: PodSelection::Selector("app=engine".into()),
             namespace: Some("serving".into()),
             resync: DEFAULT_K8S_RESYNC,
         })
@@ -609,6 +610,20 @@ fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
     assert_eq!(
         invalid(with(&|d| d.k8s_selector = Some(" ".into()))),
         (Source::Flag("k8s-selector"), Problem::Empty)
+    );
+    assert!(matches!(
+        with(&|d| d.k8s_inference_pool = Some("llama".into())),
+        ConfigError::SelectorAndPool { .. }
+    ));
+    let mut pool = flags.clone();
+    pool.discovery.k8s_selector = None;
+    pool.discovery.k8s_inference_pool = Some("llama".into());
+    assert_eq!(
+        Config::from_args(&pool)
+            .expect("valid")
+            .discovery
+            .map(|d| d.pods),
+        Some(PodSelection::InferencePool("llama".into()))
     );
     assert_eq!(
         invalid(with(&|d| d.k8s_resync = Some(Duration::ZERO))),

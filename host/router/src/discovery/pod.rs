@@ -3,7 +3,7 @@
 //!
 //! | pod field | endpoint |
 //! |---|---|
-//! | `status.podIP` + the container port named `http` (or annotation `switchyard.io/port`) | URL `http://<podIP>:<port>` |
+//! | `status.podIP` + the container port named `http` (or annotation `switchyard.io/port`; an InferencePool's target port) | URL `http://<podIP>:<port>` |
 //! | label `switchyard.io/role` (else `llm-d.ai/role`): `prefill`, `decode`, `any`/`both` | role (default `any`) |
 //! | annotation `switchyard.io/protocol`: `mlc` (default), `vllm`, `sglang`, `openai` | protocol |
 //! | annotation `sglang.ai/bootstrap-port` (SGLang's router reads it too) | an SGLang prefill's bootstrap port |
@@ -85,8 +85,9 @@ impl Skip {
     }
 }
 
-/// The uid of `pod` and the endpoint it is, or why it is none.
-pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
+/// The uid of `pod` and the endpoint it is, or why it is none. `target_port`, an
+/// InferencePool's, is the port whatever the pod says.
+pub fn endpoint(pod: &Pod, target_port: Option<u16>) -> Result<(Arc<str>, EndpointSpec), Skip> {
     let meta = &pod.metadata;
     let uid = meta.uid.as_deref().ok_or(Skip::NoUid)?;
     if meta.deletion_timestamp.is_some() {
@@ -102,7 +103,10 @@ pub fn endpoint(pod: &Pod) -> Result<(Arc<str>, EndpointSpec), Skip> {
         .and_then(|ip| ip.parse().ok())
         .ok_or(Skip::NoIp)?;
     let container = serving_container(pod);
-    let port = port(pod, container)?;
+    let port = match target_port {
+        Some(port) => port,
+        None => port(pod, container)?,
+    };
     let kv_events = |annotation| {
         Ok::<_, Skip>(
             kv_events_port(pod, annotation)?
@@ -284,12 +288,12 @@ mod tests {
     }
 
     fn spec_of(pod: &Pod) -> EndpointSpec {
-        endpoint(pod).expect("an endpoint").1
+        endpoint(pod, None).expect("an endpoint").1
     }
 
     #[test]
     fn a_ready_pod_is_an_endpoint_at_its_http_port() {
-        let (uid, spec) = endpoint(&pod(|_| {})).expect("an endpoint");
+        let (uid, spec) = endpoint(&pod(|_| {}), None).expect("an endpoint");
         assert_eq!(&*uid, "u-1");
         assert_eq!(
             spec,
@@ -300,19 +304,22 @@ mod tests {
         );
         let v6 = pod(|p| p["status"]["podIP"] = json!("fd00::7"));
         assert_eq!(spec_of(&v6).url, "http://[fd00::7]:8080");
+        // An InferencePool's target port is the port, whatever the pod names.
+        let pooled = endpoint(&pod(|_| {}), Some(8000)).expect("an endpoint").1;
+        assert_eq!(pooled.url, "http://10.1.2.3:8000");
     }
 
     #[test]
     fn unready_terminating_and_unplaced_pods_are_not_endpoints() {
         let unready = pod(|p| p["status"]["conditions"][1]["status"] = json!("False"));
-        assert_eq!(endpoint(&unready), Err(Skip::NotReady));
+        assert_eq!(endpoint(&unready, None), Err(Skip::NotReady));
         let no_conditions = pod(|p| p["status"]["conditions"] = json!([]));
-        assert_eq!(endpoint(&no_conditions), Err(Skip::NotReady));
+        assert_eq!(endpoint(&no_conditions, None), Err(Skip::NotReady));
         let terminating =
             pod(|p| p["metadata"]["deletionTimestamp"] = json!("2026-01-01T00:00:00Z"));
-        assert_eq!(endpoint(&terminating), Err(Skip::Terminating));
+        assert_eq!(endpoint(&terminating, None), Err(Skip::Terminating));
         let no_ip = pod(|p| p["status"]["podIP"] = json!(null));
-        assert_eq!(endpoint(&no_ip), Err(Skip::NoIp));
+        assert_eq!(endpoint(&no_ip, None), Err(Skip::NoIp));
         assert!(!Skip::NotReady.is_misconfigured());
     }
 
@@ -330,12 +337,15 @@ mod tests {
         assert_eq!(spec.device_rank, Some(4));
 
         let no_port = pod(|p| p["spec"]["containers"][1]["ports"] = json!([]));
-        assert_eq!(endpoint(&no_port), Err(Skip::NoPort));
+        assert_eq!(endpoint(&no_port, None), Err(Skip::NoPort));
         let bad_port = pod(|p| p["metadata"]["annotations"]["switchyard.io/port"] = json!("0"));
-        assert_eq!(endpoint(&bad_port), Err(Skip::BadPort("0".into())));
+        assert_eq!(endpoint(&bad_port, None), Err(Skip::BadPort("0".into())));
         let bad_rank =
             pod(|p| p["metadata"]["annotations"]["switchyard.io/device-rank"] = json!("x"));
-        assert_eq!(endpoint(&bad_rank), Err(Skip::BadDeviceRank("x".into())));
+        assert_eq!(
+            endpoint(&bad_rank, None),
+            Err(Skip::BadDeviceRank("x".into()))
+        );
     }
 
     #[test]
@@ -358,7 +368,7 @@ mod tests {
         );
         assert_eq!(spec_of(&sglang_prefill).bootstrap_port, Some(8998));
         let without_port = with(json!({"switchyard.io/protocol": "sglang"}), "prefill");
-        let skip = endpoint(&without_port).expect_err("needs a bootstrap port");
+        let skip = endpoint(&without_port, None).expect_err("needs a bootstrap port");
         assert!(
             matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
             "{skip}"
@@ -368,11 +378,14 @@ mod tests {
             "prefill",
         );
         assert_eq!(
-            endpoint(&two_ports),
+            endpoint(&two_ports, None),
             Err(Skip::BadBootstrapPort("8998,8999".into()))
         );
         assert_eq!(
-            endpoint(&with(json!({"switchyard.io/protocol": "grpc"}), "any")),
+            endpoint(
+                &with(json!({"switchyard.io/protocol": "grpc"}), "any"),
+                None
+            ),
             Err(Skip::BadProtocol("grpc".into()))
         );
     }
@@ -402,14 +415,18 @@ mod tests {
             Some("tcp://[fd00::7]:5557")
         );
         assert_eq!(
-            endpoint(&annotated(json!({"switchyard.io/kv-events-port": "zmq"}))),
+            endpoint(
+                &annotated(json!({"switchyard.io/kv-events-port": "zmq"})),
+                None
+            ),
             Err(Skip::BadKvEventsPort {
                 annotation: KV_EVENTS_PORT_ANNOTATION,
                 value: "zmq".into()
             })
         );
         let replay_alone = annotated(json!({"switchyard.io/kv-events-replay-port": "5558"}));
-        let skip = endpoint(&replay_alone).expect_err("a replay socket needs the event socket");
+        let skip =
+            endpoint(&replay_alone, None).expect_err("a replay socket needs the event socket");
         assert!(
             matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
             "{skip}"
@@ -432,7 +449,7 @@ mod tests {
         })));
         assert_eq!(topic.kv_events_topic.as_deref(), Some("kv@decode-0"));
         let topic_alone = annotated(json!({"switchyard.io/kv-events-topic": "kv"}));
-        let skip = endpoint(&topic_alone).expect_err("a topic needs the event socket");
+        let skip = endpoint(&topic_alone, None).expect_err("a topic needs the event socket");
         assert!(
             matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
             "{skip}"
@@ -455,7 +472,7 @@ mod tests {
             "switchyard's label wins"
         );
         assert_eq!(
-            endpoint(&labelled(json!({"switchyard.io/role": "leader"}))),
+            endpoint(&labelled(json!({"switchyard.io/role": "leader"})), None),
             Err(Skip::BadRole {
                 label: ROLE_LABEL,
                 value: "leader".into()
@@ -470,6 +487,6 @@ mod tests {
         let zero = pod(|p| {
             p["spec"]["containers"][1]["resources"]["limits"]["nvidia.com/gpu"] = json!("0")
         });
-        assert_eq!(endpoint(&zero), Err(Skip::BadGpus("0".into())));
+        assert_eq!(endpoint(&zero, None), Err(Skip::BadGpus("0".into())));
     }
 }

@@ -128,7 +128,7 @@ async fn plan(
     let mut destinations = vec![address_of(cluster, decode)?];
     if let Some(context) = again {
         let next = next_picks(&state.router, &route, &planner, context, decode, fallbacks);
-        destinations.extend(next.into_iter().filter_map(|id| address(cluster, id)));
+        destinations.extend(next.into_iter().filter_map(|id| cluster.address(id)));
     }
     let prefiller = prefill.map(|p| address_of(cluster, p)).transpose()?;
     let ids = std::iter::once(decode).chain(prefill);
@@ -211,7 +211,7 @@ fn least_loaded(state: &Arc<AppState>, req: &Request, fallbacks: usize) -> Resul
         endpoints[1..]
             .iter()
             .take(fallbacks)
-            .filter_map(|e| address(cluster, e.id)),
+            .filter_map(|e| cluster.address(e.id)),
     );
     Ok(Pick {
         destinations,
@@ -243,7 +243,9 @@ fn legs(plan: &ValidPlan) -> (EndpointId, Option<EndpointId>) {
 fn narrow(cluster: &Cluster, endpoints: &mut [EndpointSnapshot], subset: Option<&[String]>) {
     let Some(subset) = subset else { return };
     for endpoint in endpoints.iter_mut() {
-        let inside = address(cluster, endpoint.id).is_some_and(|a| subset.contains(&a));
+        let inside = cluster
+            .address(endpoint.id)
+            .is_some_and(|a| subset.contains(&a));
         if !inside && endpoint.health.is_healthy() {
             endpoint.health = Health::Draining;
         }
@@ -251,24 +253,14 @@ fn narrow(cluster: &Cluster, endpoints: &mut [EndpointSnapshot], subset: Option<
 }
 
 fn address_of(cluster: &Cluster, id: EndpointId) -> Result<String, ApiError> {
-    address(cluster, id).ok_or(ApiError::NotReady("the planned endpoint was just removed"))
-}
-
-/// Endpoint `id`'s `host:port` as the gateway connects to it (with Envoy's `ORIGINAL_DST`
-/// cluster, an IP): its URL's authority, with the scheme's port when the URL names none.
-pub fn address(cluster: &Cluster, id: EndpointId) -> Option<String> {
-    let url: http::Uri = cluster.url(id)?.parse().ok()?;
-    let authority = url.authority()?;
-    let port = authority.port_u16().unwrap_or(match url.scheme_str() {
-        Some("https") => 443,
-        _ => 80,
-    });
-    Some(format!("{}:{port}", authority.host()))
+    cluster
+        .address(id)
+        .ok_or(ApiError::NotReady("the planned endpoint was just removed"))
 }
 
 /// The endpoint whose address is `served`.
 fn endpoint_at(cluster: &Cluster, served: &str) -> Option<EndpointId> {
-    (0..cluster.len() as EndpointId).find(|&id| address(cluster, id).as_deref() == Some(served))
+    (0..cluster.len() as EndpointId).find(|&id| cluster.address(id).as_deref() == Some(served))
 }
 
 impl Served {
@@ -353,7 +345,7 @@ mod tests {
             "http://10.0.0.2",
             "https://10.0.0.3/v1",
         ]);
-        let addresses: Vec<_> = (0..3).map(|id| address(&c, id)).collect();
+        let addresses: Vec<_> = (0..3).map(|id| c.address(id)).collect();
         assert_eq!(
             addresses,
             [
@@ -362,7 +354,7 @@ mod tests {
                 Some("10.0.0.3:443".to_owned())
             ]
         );
-        assert_eq!(address(&c, 7), None);
+        assert_eq!(c.address(7), None);
         assert_eq!(endpoint_at(&c, "10.0.0.2:80"), Some(1));
         assert_eq!(endpoint_at(&c, "10.0.0.9:80"), None);
     }

@@ -1,0 +1,192 @@
+use switchyard_contract::{Failure, Protocol, RequestFlow, Role, validate};
+
+use super::*;
+use crate::cluster::{EndpointSpec, OutlierConfig};
+
+const OWN: &str = "127.0.0.1:7000";
+
+/// A sidecar in front of `protocol` engines: the decode engine on :8000, prefill engines on
+/// :8001 and :8002, all healthy.
+fn sidecar(protocol: Protocol) -> (SidecarPlanner, Vec<EndpointSnapshot>) {
+    let spec = |port: u16, role| EndpointSpec {
+        protocol,
+        role,
+        bootstrap_port: (protocol == Protocol::Sglang && role == Role::Prefill).then_some(9000),
+        ..EndpointSpec::new(format!("http://127.0.0.1:{port}"))
+    };
+    let specs = vec![
+        spec(8000, Role::Decode),
+        spec(8001, Role::Prefill),
+        spec(8002, Role::Prefill),
+    ];
+    let cluster = Arc::new(Cluster::new(specs, OutlierConfig::default()));
+    let endpoints = (0..3)
+        .map(|id| EndpointSnapshot {
+            protocol,
+            role: if id == 0 { Role::Decode } else { Role::Prefill },
+            ..EndpointSnapshot::synthetic(id)
+        })
+        .collect();
+    let own = OWN.parse().expect("addr");
+    (SidecarPlanner::new(cluster, own), endpoints)
+}
+
+fn plan(
+    planner: &SidecarPlanner,
+    headers: &[(&str, &str)],
+    endpoints: &[EndpointSnapshot],
+    last_failure: Option<Failure>,
+) -> Result<Plan, TranslateError> {
+    let headers: Vec<(String, String)> = headers
+        .iter()
+        .map(|(n, v)| ((*n).to_owned(), (*v).to_owned()))
+        .collect();
+    let req = PolicyRequest {
+        id: 1,
+        prompt: &[1, 2, 3],
+        max_tokens: 4,
+        stream: false,
+        model: "m",
+        user: None,
+        headers: &headers,
+        flow: RequestFlow::default(),
+    };
+    let ctx = PolicyContext {
+        attempt: 1 + u32::from(last_failure.is_some()),
+        last_failure,
+        endpoints: endpoints.to_vec(),
+    };
+    planner.translate(&req, &ctx)
+}
+
+fn fallbacks(planner: &SidecarPlanner) -> u64 {
+    planner.fallbacks.get()
+}
+
+#[test]
+fn without_the_header_the_decode_engine_serves_alone() {
+    let (planner, endpoints) = sidecar(Protocol::Vllm);
+    assert_eq!(plan(&planner, &[], &endpoints, None), Ok(forward()));
+    assert_eq!(fallbacks(&planner), 0);
+}
+
+#[test]
+fn an_allowed_prefill_engine_gets_a_handoff_every_protocol_validates() {
+    for protocol in [Protocol::Mlc, Protocol::Vllm, Protocol::Sglang] {
+        let (planner, endpoints) = sidecar(protocol);
+        let planned =
+            plan(&planner, &[(PREFILLER, "127.0.0.1:8002")], &endpoints, None).expect("planned");
+        assert_eq!(
+            planned.steps,
+            [Step::Handoff {
+                prefill: 2,
+                decode: DECODE
+            }],
+            "{protocol}"
+        );
+        let valid = validate(&planned, 3, &endpoints).expect("valid");
+        assert_eq!(valid.prefiller(), Some(2), "{protocol}");
+        assert_eq!(valid.generator(), DECODE, "{protocol}");
+    }
+}
+
+#[test]
+fn the_allowlist_refuses_before_any_plan() {
+    let (planner, endpoints) = sidecar(Protocol::Vllm);
+    let refused = |value: &str| match plan(&planner, &[(PREFILLER, value)], &endpoints, None) {
+        Err(TranslateError::Rejected { message, .. }) => message,
+        other => panic!("{value}: {other:?}"),
+    };
+    assert!(refused("nonsense").contains("is not HOST:PORT"));
+    assert!(refused(OWN).contains("this sidecar itself"));
+    assert!(refused("localhost:7000").contains("this sidecar itself"));
+    // A loopback engine the operator did not list, and the decode engine itself.
+    assert!(refused("127.0.0.1:8003").contains("not an allowed prefill engine"));
+    assert!(refused("127.0.0.1:8000").contains("not an allowed prefill engine"));
+    // The same engine under another name is not what the operator listed.
+    assert!(refused("localhost:8001").contains("not an allowed prefill engine"));
+    let twice = [(PREFILLER, "127.0.0.1:8001"), (PREFILLER, "127.0.0.1:8002")];
+    assert!(matches!(
+        plan(&planner, &twice, &endpoints, None),
+        Err(TranslateError::Rejected { .. })
+    ));
+    assert_eq!(fallbacks(&planner), 0);
+}
+
+#[test]
+fn a_removed_engine_is_no_longer_allowed() {
+    let (planner, mut endpoints) = sidecar(Protocol::Mlc);
+    endpoints[1].health = Health::Removed;
+    assert!(matches!(
+        plan(&planner, &[(PREFILLER, "127.0.0.1:8001")], &endpoints, None),
+        Err(TranslateError::Rejected { .. })
+    ));
+}
+
+#[test]
+fn a_failed_or_unhealthy_prefill_engine_falls_back_to_the_decode_engine() {
+    let (planner, mut endpoints) = sidecar(Protocol::Vllm);
+    let header = [(PREFILLER, "127.0.0.1:8001")];
+    let failed = Failure {
+        kind: FailureKind::EndpointError,
+        endpoint: 1,
+    };
+    assert_eq!(
+        plan(&planner, &header, &endpoints, Some(failed)),
+        Ok(forward())
+    );
+    assert_eq!(fallbacks(&planner), 1);
+    // A failure elsewhere, or a preemption, plans the handoff again.
+    let elsewhere = Failure {
+        endpoint: DECODE,
+        ..failed
+    };
+    assert!(matches!(
+        plan(&planner, &header, &endpoints, Some(elsewhere))
+            .expect("planned")
+            .steps[..],
+        [Step::Handoff { prefill: 1, .. }]
+    ));
+    endpoints[1].health = Health::NotReady;
+    assert_eq!(plan(&planner, &header, &endpoints, None), Ok(forward()));
+    assert_eq!(fallbacks(&planner), 2);
+    let valid = validate(&forward(), 3, &endpoints).expect("the decode engine serves alone");
+    assert_eq!(valid.generator(), DECODE);
+}
+
+#[test]
+fn an_sglang_decode_engine_cannot_fall_back() {
+    let (planner, mut endpoints) = sidecar(Protocol::Sglang);
+    endpoints[1].health = Health::Ejected;
+    assert!(matches!(
+        plan(&planner, &[(PREFILLER, "127.0.0.1:8001")], &endpoints, None),
+        Err(TranslateError::Unavailable { .. })
+    ));
+    assert_eq!(fallbacks(&planner), 0);
+}
+
+#[test]
+fn the_fallbacks_are_on_metrics() {
+    let (planner, endpoints) = sidecar(Protocol::Mlc);
+    let failed = Failure {
+        kind: FailureKind::EndpointError,
+        endpoint: 1,
+    };
+    plan(
+        &planner,
+        &[(PREFILLER, "127.0.0.1:8001")],
+        &endpoints,
+        Some(failed),
+    )
+    .expect("planned");
+    let mut text = String::from("# EOF\n");
+    planner.append_metrics(&mut text);
+    assert!(
+        text.contains("switchyard_sidecar_prefill_fallbacks_total 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("# EOF\n") && text.matches("# EOF").count() == 1,
+        "{text}"
+    );
+}
