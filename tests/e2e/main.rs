@@ -18,3 +18,4 @@ mod lab;
 mod protocols;
 mod replicas;
 mod router;
+mod tls;

@@ -25,7 +25,10 @@ use switchyard_policy_host::{
 };
 
 use crate::Router;
-use crate::api::{self, AdminAccess, AppState, DrainConfig, PromptTokenizer, TokenizerError};
+use crate::api::{
+    self, AdminAccess, AppState, DrainConfig, ListenerTlsError, PromptTokenizer, TlsAcceptor,
+    TokenizerError,
+};
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::{Config, ModelSource};
 use crate::engine_client::{CallError, EngineClient};
@@ -56,6 +59,8 @@ pub enum ServeError {
     Workers(std::io::Error),
     #[error("a listener stopped unexpectedly: {0}")]
     Listener(tokio::task::JoinError),
+    #[error("cannot serve HTTPS: {0}")]
+    ListenerTls(#[from] ListenerTlsError),
 }
 
 /// A started router. Dropping it stops every listener at once (open streams end with an error
@@ -174,15 +179,30 @@ fn registry_config(config: &Config) -> RegistryConfig {
 
 /// Load everything, bind, and start serving in the background.
 pub async fn start(config: &Config) -> Result<RunningRouter, ServeError> {
+    let tls = listener_tls(config)?;
     let loaded = load(config).await?;
     let state = Arc::clone(&loaded.state);
     let (listener, addr) = bind(config.listen).await?;
     let mut listeners = Vec::with_capacity(2);
-    let admin_addr = serve_admin_port(config, &state, &mut listeners).await?;
+    let admin_addr = serve_admin_port(config, &state, &mut listeners, tls.clone()).await?;
     let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
-    listeners.push(tokio::spawn(api::serve(listener, state, workers)));
-    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, "router listening");
+    listeners.push(tokio::spawn(api::serve(
+        listener,
+        state,
+        workers,
+        tls.clone(),
+    )));
+    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, https = tls.is_some(), "router listening");
     Ok(loaded.running(config, addr, admin_addr, listeners))
+}
+
+/// The listeners' TLS, when `--tls-cert` and `--tls-key` are given: one certificate for the
+/// main port and the admin port.
+pub(crate) fn listener_tls(config: &Config) -> Result<Option<TlsAcceptor>, ServeError> {
+    let Some(tls) = &config.tls else {
+        return Ok(None);
+    };
+    Ok(Some(TlsAcceptor::load(&tls.cert, &tls.key)?))
 }
 
 /// A router loaded and wired, its listeners not yet bound: what `serve` and `epp` share.
@@ -229,9 +249,13 @@ pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
     let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
     let planner: Arc<dyn Planner> = policies.clone();
 
-    let mut cluster = Cluster::new(config.endpoints.clone(), config.outlier)
-        .with_min_healthy(config.min_healthy_endpoints)
-        .with_kv_events(config.kv_events);
+    let mut cluster = Cluster::with_engine_tls(
+        config.endpoints.clone(),
+        config.outlier,
+        config.engine_tls.clone(),
+    )
+    .with_min_healthy(config.min_healthy_endpoints)
+    .with_kv_events(config.kv_events);
     if config.discovery.is_some() {
         cluster = cluster.awaiting_discovery();
     }
@@ -287,16 +311,19 @@ pub(crate) async fn serve_admin_port(
     config: &Config,
     state: &Arc<AppState>,
     listeners: &mut Vec<JoinHandle<()>>,
+    tls: Option<TlsAcceptor>,
 ) -> Result<Option<SocketAddr>, ServeError> {
     let Some(admin_addr) = config.admin.listen else {
         return Ok(None);
     };
     let (admin_listener, admin_addr) = bind(admin_addr).await?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     listeners.push(tokio::spawn(api::serve_admin(
         admin_listener,
         Arc::clone(state),
+        tls,
     )));
-    println!("switchyard admin listening on http://{admin_addr}");
+    println!("switchyard admin listening on {scheme}://{admin_addr}");
     Ok(Some(admin_addr))
 }
 
@@ -359,7 +386,15 @@ pub async fn run(
     hurry: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let router = start(&config).await?;
-    println!("switchyard router listening on http://{}", router.addr());
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    println!(
+        "switchyard router listening on {scheme}://{}",
+        router.addr()
+    );
     shutdown.await;
     router.shutdown_or_hurry(hurry).await
 }
