@@ -8,7 +8,7 @@
 # Needs target/release/switchyard, target/release/examples/passthrough and plugins/*.wasm:
 # `make bench-peers` builds them first.
 #
-# Knobs: ROUNDS (3), WRK_SECONDS (5), BENCH_SECONDS (3), BASE_PORT (18300, 20 ports from it),
+# Knobs: ROUNDS (3), WRK_SECONDS (5), BENCH_SECONDS (3), BASE_PORT (18300, 26 ports from it),
 # SKIP=name,name (targets to leave out; `pd`: the vLLM P/D comparison; `closes`: the
 # engine-closes-connections pass), OUT (target/bench-peers), BASE_BIN (another switchyard
 # binary, run beside BIN as "switchyard-base": before/after in one run).
@@ -26,9 +26,9 @@ for need in "$BIN" "$PASSTHROUGH" plugins/round-robin.wasm; do
     [[ -e $need ]] || { echo "missing $need: run 'make bench-peers'" >&2; exit 1; }
 done
 
-if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null; then
+if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null || ! command -v openssl >/dev/null; then
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx-light
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx-light openssl
 fi
 
 # install_venv DIR PIN...: a venv at DIR holding exactly these pins (made again when they change).

@@ -12,7 +12,10 @@ the machine does hits all of them alike.
 Loads: wrk (-t1, non-streaming, the body of ISSUE_BODY, 1 and 32 connections) and
 `switchyard bench` (closed loop, concurrency 1 and 32, streaming and non-streaming). A
 streaming request needs an SSE answer, so the responder listens on two ports, one answering
-JSON and one SSE, and every router runs twice, once in front of each.
+JSON and one SSE, and every router runs twice, once in front of each. The responder also
+listens on both again over TLS (a CA and its certificate made with openssl), and
+"switchyard-tls" is switchyard calling those as `https://` engines: the cost of TLS to the
+engine, beside "switchyard" over plain HTTP in the same run.
 
 CPU per request is the router's user+system time (all its processes and threads, from
 /proc/PID/stat) over the run, divided by the requests the run completed. Results:
@@ -76,8 +79,9 @@ ENGINE_KEEPALIVE = ("keepalive_requests 1000; keepalive_timeout 5s;" if ENGINE_C
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def nginx_conf(prefix: Path, listen: str) -> str:
-    """One nginx worker, access log off: the responder on both ports, or `listen` as the proxy."""
+def nginx_conf(prefix: Path, listen: str, tls: Path) -> str:
+    """One nginx worker, access log off: the responder on both ports (and both again over TLS,
+    with `tls`'s certificate), or `listen` as the proxy."""
     common = f"""
 daemon off;
 worker_processes 1;
@@ -105,6 +109,22 @@ http {{
     server {{
         listen 127.0.0.1:{port("null-sse")};
         {ENGINE_KEEPALIVE}
+        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
+        location = /metrics {{ default_type text/plain; return 200 ''; }}
+        location / {{ default_type text/event-stream; return 200 '{SSE}'; }}
+    }}
+    server {{
+        listen 127.0.0.1:{port("null-tls-json")} ssl;
+        ssl_certificate {tls}/engine.crt;
+        ssl_certificate_key {tls}/engine.key;
+        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
+        location = /metrics {{ default_type text/plain; return 200 ''; }}
+        location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
+    }}
+    server {{
+        listen 127.0.0.1:{port("null-tls-sse")} ssl;
+        ssl_certificate {tls}/engine.crt;
+        ssl_certificate_key {tls}/engine.key;
         location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
         location = /metrics {{ default_type text/plain; return 200 ''; }}
         location / {{ default_type text/event-stream; return 200 '{SSE}'; }}
@@ -140,6 +160,8 @@ PORT_NAMES = [
     "sglang-router-metrics-json", "sglang-router-metrics-sse",
     "smg-json", "smg-sse", "smg-metrics-json", "smg-metrics-sse",
     "switchyard-base-json", "switchyard-base-sse",
+    # The responder over TLS, and switchyard calling it as an https:// engine.
+    "null-tls-json", "null-tls-sse", "switchyard-tls-json", "switchyard-tls-sse",
 ]
 
 
@@ -151,14 +173,20 @@ def url(name: str) -> str:
     return f"http://127.0.0.1:{port(name)}"
 
 
-def router_argv(target: str, kind: str) -> list[str]:
-    """How each router is started in forward / round-robin mode in front of the responder."""
+def router_argv(target: str, kind: str, tls: Path) -> list[str]:
+    """How each router is started in forward / round-robin mode in front of the responder
+    (switchyard-tls: the responder's TLS port, trusting `tls`'s CA)."""
     upstream = url("null-" + kind)
     listen = port(f"{target}-{kind}")
     if target in ("switchyard", "switchyard-base"):
         binary = BIN if target == "switchyard" else BASE_BIN
         return [binary, "serve", "--port", str(listen), "--plugins", "plugins",
                 "--policy", "round-robin", "--endpoint", upstream]
+    if target == "switchyard-tls":
+        return [BIN, "serve", "--port", str(listen), "--plugins", "plugins",
+                "--policy", "round-robin",
+                "--endpoint", f"https://127.0.0.1:{port('null-tls-' + kind)}",
+                "--engine-ca-file", str(tls / "ca.pem")]
     if target == "passthrough":
         return [PASSTHROUGH, str(listen), upstream]
     if target in ("vllm-router", "sglang-router", "smg"):
@@ -317,19 +345,37 @@ LOADS = [
 
 # In table order; "null engine" is the responder alone (no router: the floor of the floor).
 TARGETS = ["null engine", "nginx-proxy", "passthrough"] + (
-    ["switchyard-base"] if BASE_BIN else []) + ["switchyard", "vllm-router", "sglang-router", "smg"]
+    ["switchyard-base"] if BASE_BIN else []) + [
+    "switchyard", "switchyard-tls", "vllm-router", "sglang-router", "smg"]
 
 
 def target_url(target: str, kind: str) -> str:
     return url("null-" + kind) if target == "null engine" else url(f"{target}-{kind}")
 
 
+def make_certificates(tls: Path) -> None:
+    """A CA (ca.pem) and the responder's certificate for 127.0.0.1 it signed (engine.crt)."""
+    tls.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = lambda *argv: subprocess.run(argv, check=True, capture_output=True)  # noqa: E731
+    run("openssl", "req", "-x509", *ec, "-days", "2", "-subj", "/CN=bench CA",
+        "-keyout", tls / "ca.key", "-out", tls / "ca.pem")
+    run("openssl", "req", *ec, "-subj", "/CN=127.0.0.1",
+        "-keyout", tls / "engine.key", "-out", tls / "engine.csr")
+    (tls / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    run("openssl", "x509", "-req", "-in", tls / "engine.csr", "-CA", tls / "ca.pem",
+        "-CAkey", tls / "ca.key", "-CAcreateserial", "-days", "2",
+        "-extfile", tls / "san.ext", "-out", tls / "engine.crt")
+
+
 def start_all(fleet: Fleet, out: Path) -> None:
+    tls = out / "tls"
+    make_certificates(tls)
     for role in ("responder", "proxy"):
         prefix = out / "nginx" / role
         for sub in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (prefix / sub).mkdir(parents=True, exist_ok=True)
-        (prefix / "nginx.conf").write_text(nginx_conf(prefix, role))
+        (prefix / "nginx.conf").write_text(nginx_conf(prefix, role, tls))
     name = "null engine"
     fleet.start(name, ["nginx", "-p", str(out / "nginx/responder"), "-c",
                        str(out / "nginx/responder/nginx.conf")])
@@ -341,7 +387,7 @@ def start_all(fleet: Fleet, out: Path) -> None:
         if target in SKIP:
             continue
         for kind in ("json", "sse"):
-            fleet.start(f"{target}-{kind}", router_argv(target, kind))
+            fleet.start(f"{target}-{kind}", router_argv(target, kind, tls))
     for target in TARGETS[1:]:
         if target in SKIP:
             continue

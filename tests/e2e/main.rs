@@ -19,3 +19,4 @@ mod protocols;
 mod replicas;
 mod router;
 mod sidecar;
+mod tls;

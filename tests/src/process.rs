@@ -251,7 +251,7 @@ fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
 /// A `switchyard serve`, `up` or `sidecar` child process, killed when dropped.
 pub struct RouterProcess {
     child: Child,
-    /// `http://127.0.0.1:PORT`
+    /// `http://127.0.0.1:PORT` (`https://` with `--tls-cert`)
     pub url: String,
     pub addr: SocketAddr,
 }
@@ -295,6 +295,23 @@ impl RouterProcess {
             full,
             env,
             Stdio::inherit(),
+            "switchyard router listening on ",
+        )
+    }
+
+    /// `switchyard serve …` with its log (stderr) written to `log`, returned as soon as it
+    /// listens (over HTTP or, with `--tls-cert`, HTTPS), ready or not.
+    pub fn serve_listening_logging_to(
+        endpoints: &[&str],
+        args: &[&str],
+        log: &Path,
+    ) -> RouterProcess {
+        let file = std::fs::File::create(log).expect("can create the log file");
+        let full = Self::serve_argv(endpoints, args);
+        Self::spawn_listening(
+            full,
+            &[],
+            Stdio::from(file),
             "switchyard router listening on ",
         )
     }
@@ -382,6 +399,7 @@ impl RouterProcess {
         });
         let addr: SocketAddr = url
             .strip_prefix("http://")
+            .or_else(|| url.strip_prefix("https://"))
             .and_then(|a| a.parse().ok())
             .unwrap_or_else(|| panic!("unexpected router URL {url:?}"));
         RouterProcess { child, url, addr }

@@ -31,6 +31,7 @@ mod metrics;
 mod openai;
 mod respond;
 mod sse;
+mod tls;
 mod tokenize;
 mod workers;
 
@@ -53,6 +54,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
+use tokio_util::either::Either;
 use tokio_util::sync::CancellationToken;
 
 pub(crate) use admission::Permit;
@@ -66,6 +68,7 @@ pub use metrics::{AdmissionMetrics, Metrics};
 pub use openai::Shape;
 pub use respond::ApiError;
 pub(crate) use sse::CLIENT_CLOSED_REQUEST;
+pub use tls::{ListenerTlsError, TlsAcceptor};
 pub use workers::Workers;
 // The request path's pure pieces, for the hot-path benchmarks (host/router/benches/hot_path.rs).
 pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
@@ -277,21 +280,26 @@ const LAST_WRITES: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Serve HTTP on `listener` until `state.drain` stops accepting, then let open connections
 /// finish until its grace period is over. Connections are accepted here and served on
-/// `workers`.
-pub async fn serve(listener: TcpListener, state: Arc<AppState>, workers: Arc<Workers>) {
-    serve_with(listener, state, handle, Some(workers)).await;
+/// `workers`. With `tls`, every connection is HTTPS.
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<AppState>,
+    workers: Arc<Workers>,
+    tls: Option<TlsAcceptor>,
+) {
+    serve_with(listener, state, handle, Some(workers), tls).await;
 }
 
 /// Serve only `/admin/*` on `listener` (the admin port), as [`serve`] does, on this runtime:
 /// its few requests need no worker of their own.
-pub async fn serve_admin(listener: TcpListener, state: Arc<AppState>) {
-    serve_with(listener, state, admin::handle, None).await;
+pub async fn serve_admin(listener: TcpListener, state: Arc<AppState>, tls: Option<TlsAcceptor>) {
+    serve_with(listener, state, admin::handle, None, tls).await;
 }
 
 /// Serve `/metrics`, `/health` and `/livez` alone on `listener`, as [`serve`] does, on this
 /// runtime: the listener of a router with no OpenAI one (`switchyard epp`'s metrics port).
 pub async fn serve_metrics(listener: TcpListener, state: Arc<AppState>) {
-    serve_with(listener, state, observe, None).await;
+    serve_with(listener, state, observe, None, None).await;
 }
 
 async fn observe(state: Arc<AppState>, req: Request<Incoming>) -> Response<Body> {
@@ -312,6 +320,7 @@ async fn serve_with<H, F>(
     state: Arc<AppState>,
     handler: H,
     workers: Option<Arc<Workers>>,
+    tls: Option<TlsAcceptor>,
 ) where
     H: Fn(Arc<AppState>, Request<Incoming>) -> F + Copy + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
@@ -354,7 +363,25 @@ async fn serve_with<H, F>(
         let _ = stream.set_nodelay(true);
         let (state, builder, watcher) = (state.clone(), builder.clone(), graceful.watcher());
         let (limits, metrics, cut) = (state.connections, metrics.clone(), cut.clone());
+        let tls = tls.clone();
         let serve = move |stream| async move {
+            let stream = match tls {
+                None => Either::Left(stream),
+                Some(tls) => {
+                    match tokio::time::timeout(limits.header_read_timeout, tls.accept(stream)).await
+                    {
+                        Ok(Ok(stream)) => stream,
+                        Ok(Err(e)) => {
+                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                            return;
+                        }
+                        Err(_) => {
+                            tracing::debug!(%peer, "TLS handshake not done by the header deadline");
+                            return;
+                        }
+                    }
+                }
+            };
             metrics.open.inc();
             let activity = connection::Activity::new();
             let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));

@@ -12,7 +12,7 @@
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   prefilling(id, tokens) -> Prefilling RAII: counts a leg's prompt tokens until its prefill ends
 //!   record_success(id) / record_failure(id, why)   outlier ejection (see `outlier`)
-//!   mark_unhealthy(id) / set_health(id, ok) / set_engine_load(id, load)
+//!   mark_unhealthy(id) / set_health(id, ok) / set_probe_error(id, error) / set_engine_load(id, load)
 //!   add(spec, owner) / drain(id) / remove(id) / remove_when_idle(id)   the live list
 //!   owned_where(|owner| …)                          what the config file, the API or discovery added
 //!   url(id) / device_rank(id) / is_ready()
@@ -33,6 +33,7 @@ mod outlier;
 mod saturation;
 
 use std::fmt::Display;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
@@ -41,7 +42,7 @@ use switchyard_contract::{EndpointSnapshot, Health, Protocol, Role};
 use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
-use crate::engine_client::Upstream;
+use crate::engine_client::{CallError, TlsFiles, Upstream};
 use crate::kv_events::{KvEventsSource, ResyncReason, SubscriberConfig};
 use kv::{EndpointKv, KvCache};
 use outlier::Outlier;
@@ -92,6 +93,17 @@ pub struct EndpointSpec {
     /// The topic subscribed to (a prefix); absent: every topic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_topic: Option<String>,
+    /// For an `https://` engine: the PEM file of the CA that signs its certificate, trusted
+    /// instead of the system's roots (default: the top-level `engine_ca_file`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
+    /// For an `https://` engine that demands one (mTLS): the PEM certificate the router
+    /// presents, with `client_key` (default: the top-level `engine_client_cert`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_cert: Option<PathBuf>,
+    /// The PEM private key of `client_cert`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_key: Option<PathBuf>,
 }
 
 fn one() -> u32 {
@@ -185,27 +197,42 @@ impl EndpointSpec {
             kv_events: None,
             kv_events_replay: None,
             kv_events_topic: None,
+            ca_file: None,
+            client_cert: None,
+            client_key: None,
         }
     }
 
-    /// An `http://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
+    /// The TLS files it names itself.
+    pub fn tls_files(&self) -> TlsFiles {
+        TlsFiles {
+            ca_file: self.ca_file.clone(),
+            client_cert: self.client_cert.clone(),
+            client_key: self.client_key.clone(),
+        }
+    }
+
+    /// An `http(s)://HOST[:PORT]` URL and at least one GPU; the reason otherwise.
     pub fn check(&self) -> Result<(), String> {
         let url: http::Uri = self
             .url
             .parse()
             .map_err(|e: http::uri::InvalidUri| e.to_string())?;
-        // Refused here rather than accepted and failing every call as a connect error, which
-        // would only make the endpoint look down.
-        if url.scheme_str() == Some("https") {
-            return Err(
-                "https endpoints are not supported: the engine client speaks plain \
-                 HTTP (terminate TLS in front of the engine, e.g. a sidecar proxy on the pod)"
-                    .into(),
-            );
+        let https = match url.scheme_str() {
+            Some("http") => false,
+            Some("https") => true,
+            _ => return Err("expected http://HOST:PORT or https://HOST:PORT".into()),
+        };
+        if url.host().is_none() {
+            return Err("expected http://HOST:PORT or https://HOST:PORT".into());
         }
-        if url.scheme_str() != Some("http") || url.host().is_none() {
-            return Err("expected http://HOST:PORT".into());
+        let tls = self.tls_files();
+        // Refused rather than ignored: a plain endpoint given TLS files is a mistake in one
+        // or the other.
+        if !https && !tls.is_empty() {
+            return Err("ca_file, client_cert and client_key are for https:// endpoints".into());
         }
+        tls.check()?;
         if self.num_gpus == 0 {
             return Err("num_gpus must be at least 1".into());
         }
@@ -333,6 +360,8 @@ pub(crate) struct EndpointState {
     /// The base URL and credentials every call to the engine takes.
     upstream: Upstream,
     api_key: Option<ApiKey>,
+    /// The TLS files its spec named itself (the cluster's defaults aside).
+    tls: TlsFiles,
     protocol: Protocol,
     /// An SGLang prefill endpoint's bootstrap host and port.
     bootstrap: Option<(Arc<str>, u16)>,
@@ -357,18 +386,26 @@ pub(crate) struct EndpointState {
     outlier: Mutex<Outlier>,
     /// The model ids its `/v1/models` last listed.
     models: RwLock<Vec<String>>,
+    /// Why its last readiness probe failed, if it did.
+    probe_error: Mutex<Option<ProbeError>>,
     /// Where its engine publishes KV events, and the subscriber reading them.
     kv: EndpointKv,
 }
 
 impl EndpointState {
-    fn new(id: u32, spec: &EndpointSpec, device_rank: u32, owner: Owner) -> Self {
-        let url = spec.base_url();
+    fn new(
+        id: u32,
+        spec: &EndpointSpec,
+        upstream: Upstream,
+        device_rank: u32,
+        owner: Owner,
+    ) -> Self {
         EndpointState {
             id,
-            address_hash: switchyard_contract::address_hash(&url),
-            upstream: Upstream::new(url.into(), spec.api_key.as_ref().map(|k| k.header.clone())),
+            address_hash: switchyard_contract::address_hash(upstream.base()),
+            upstream,
             api_key: spec.api_key.clone(),
+            tls: spec.tls_files(),
             protocol: spec.protocol,
             bootstrap: spec.bootstrap().map(|(host, port)| (host.into(), port)),
             role: spec.role,
@@ -384,6 +421,7 @@ impl EndpointState {
             load: Mutex::new(EngineLoad::default()),
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
+            probe_error: Mutex::new(None),
             kv: EndpointKv::new(spec.kv_events_source()),
         }
     }
@@ -427,6 +465,9 @@ pub struct Cluster {
     saturation: Option<SaturationConfig>,
     /// Woken whenever an endpoint turns healthy or discovery syncs: readiness may have come.
     readiness_changed: tokio::sync::Notify,
+    /// The TLS files of `https://` endpoints that name none of their own (the top-level
+    /// `engine_ca_file`, `engine_client_cert`, `engine_client_key`).
+    engine_tls: TlsFiles,
 }
 
 /// What `/health` says: whether the router can serve, and which endpoints are down.
@@ -472,6 +513,26 @@ pub struct EndpointStatus {
     /// Its KV event subscriber's state, when its engine publishes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub kv_events: Option<KvEventsStatus>,
+    /// Why its last readiness probe failed (a TLS failure is named here).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probe_error: Option<ProbeError>,
+}
+
+/// Why a readiness probe failed: the failure's kind (e.g. `connect`, `timeout`,
+/// `tls_certificate_not_trusted`, `tls_client_certificate_required`) and its message.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ProbeError {
+    pub kind: &'static str,
+    pub message: String,
+}
+
+impl From<&CallError> for ProbeError {
+    fn from(error: &CallError) -> ProbeError {
+        ProbeError {
+            kind: error.kind(),
+            message: error.to_string(),
+        }
+    }
 }
 
 /// Why a change to the live list was refused.
@@ -492,6 +553,16 @@ pub enum EndpointError {
 impl Cluster {
     /// Endpoints start unhealthy until a probe (or [`Cluster::set_health`]) says otherwise.
     pub fn new(specs: Vec<EndpointSpec>, outlier: OutlierConfig) -> Self {
+        Cluster::with_engine_tls(specs, outlier, TlsFiles::default())
+    }
+
+    /// [`Cluster::new`], `https://` endpoints that name no TLS files of their own (those
+    /// added later included) taking `engine_tls`'.
+    pub fn with_engine_tls(
+        specs: Vec<EndpointSpec>,
+        outlier: OutlierConfig,
+        engine_tls: TlsFiles,
+    ) -> Self {
         let cluster = Cluster {
             endpoints: RwLock::new(Vec::new()),
             outlier,
@@ -500,9 +571,12 @@ impl Cluster {
             kv: KvCache::new(SubscriberConfig::default()),
             saturation: None,
             readiness_changed: tokio::sync::Notify::new(),
+            engine_tls,
         };
         for spec in &specs {
-            cluster.push(spec, Owner::Static);
+            // Checked with the configuration: unusable TLS files fail its calls, named by
+            // its probe.
+            cluster.push(spec, cluster.upstream_for(spec), Owner::Static);
         }
         cluster
     }
@@ -564,12 +638,29 @@ impl Cluster {
         {
             return Err(EndpointError::Duplicate { url, id: e.id });
         }
-        let id = self.push(spec, owner.clone());
+        let upstream = self.upstream_for(spec);
+        if let Some(e) = upstream.tls_error() {
+            return Err(EndpointError::Invalid {
+                url: spec.url.clone(),
+                reason: e.to_string(),
+            });
+        }
+        let id = self.push(spec, upstream, owner.clone());
         tracing::info!(endpoint = id, %url, %owner, "endpoint added");
         Ok(id)
     }
 
-    fn push(&self, spec: &EndpointSpec, owner: Owner) -> u32 {
+    /// What calls to `spec`'s engine take: its URL, its key, and its TLS files or the
+    /// cluster's.
+    fn upstream_for(&self, spec: &EndpointSpec) -> Upstream {
+        Upstream::with_tls(
+            spec.base_url().into(),
+            spec.api_key.as_ref().map(|k| k.header.clone()),
+            &spec.tls_files().or(&self.engine_tls),
+        )
+    }
+
+    fn push(&self, spec: &EndpointSpec, upstream: Upstream, owner: Owner) -> u32 {
         let mut endpoints = self.endpoints.write();
         let id = endpoints.len() as u32;
         // MLC's rule: a device rank is the sum of the GPUs of every endpoint before it.
@@ -578,7 +669,13 @@ impl Cluster {
                 .last()
                 .map_or(0, |e| e.device_rank.saturating_add(e.num_gpus))
         });
-        endpoints.push(Arc::new(EndpointState::new(id, spec, device_rank, owner)));
+        endpoints.push(Arc::new(EndpointState::new(
+            id,
+            spec,
+            upstream,
+            device_rank,
+            owner,
+        )));
         id
     }
 
@@ -671,6 +768,9 @@ impl Cluster {
                             .as_ref()
                             .map(|s| s.topic.clone())
                             .filter(|topic| !topic.is_empty()),
+                        ca_file: e.tls.ca_file.clone(),
+                        client_cert: e.tls.client_cert.clone(),
+                        client_key: e.tls.client_key.clone(),
                     },
                     draining,
                 })
@@ -843,6 +943,7 @@ impl Cluster {
                         let handle = e.kv.handle()?;
                         Some(self.kv.status(source, &handle, now))
                     }),
+                    probe_error: e.probe_error.lock().clone(),
                 }
             })
             .collect()
@@ -947,6 +1048,26 @@ impl Cluster {
                 );
             }
         }
+    }
+
+    /// What the endpoint's last readiness probe failed with (`None`: it answered). A new kind
+    /// of failure is logged once, so a TLS misconfiguration is named in the log as it is on
+    /// `/admin/endpoints`.
+    pub fn set_probe_error(&self, id: u32, error: Option<&CallError>) {
+        let Some(e) = self.endpoint(id) else { return };
+        let error = error.map(ProbeError::from);
+        let mut last = e.probe_error.lock();
+        let new_kind = error.as_ref().map(|error| error.kind);
+        if new_kind.is_some() && new_kind != last.as_ref().map(|last| last.kind) {
+            let error = error.as_ref().map_or("", |error| &error.message);
+            tracing::warn!(
+                endpoint = id,
+                url = e.url(),
+                error,
+                "readiness probe failed"
+            );
+        }
+        *last = error;
     }
 
     /// The load the endpoint's engine last reported; KV usage is clamped to `[0, 1]`.
@@ -1419,11 +1540,19 @@ mod tests {
             cluster.add(&spec("ftp://d", 1), Owner::Admin),
             Err(EndpointError::Invalid { .. })
         ));
-        let tls = cluster.add(&spec("https://e", 1), Owner::Admin);
-        assert!(
-            matches!(&tls, Err(EndpointError::Invalid { reason, .. }) if reason.contains("https")),
-            "{tls:?}"
-        );
+        // An https endpoint whose CA file cannot be read, and a plain one given TLS files.
+        let ca_file = Some(PathBuf::from("/nonexistent/ca.pem"));
+        for url in ["https://e", "http://e"] {
+            let spec = EndpointSpec {
+                ca_file: ca_file.clone(),
+                ..spec(url, 1)
+            };
+            let added = cluster.add(&spec, Owner::Admin);
+            assert!(
+                matches!(added, Err(EndpointError::Invalid { .. })),
+                "{url}: {added:?}"
+            );
+        }
         for id in 0..3 {
             cluster.set_health(id, true);
         }

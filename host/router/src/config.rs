@@ -21,6 +21,11 @@
 //! quarantine_window_ms = 30000
 //! admin_token = "s3cret"                      # /admin/* then needs `Authorization: Bearer …`
 //! admin_port = 9001                           # /admin/* on its own port instead of `port`
+//! tls_cert = "/etc/switchyard/tls.crt"        # HTTPS on every listener (HTTP/1.1 and h2, ALPN)
+//! tls_key = "/etc/switchyard/tls.key"
+//! engine_ca_file = "/etc/engines/ca.pem"      # https:// engines: trust this CA, not the system's
+//! engine_client_cert = "/etc/engines/router.crt"  # mTLS to https:// engines
+//! engine_client_key = "/etc/engines/router.key"
 //! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json, or a .gguf
 //! model = "llama"                              # name reported by /v1/models
 //! max_attempts = 3
@@ -74,6 +79,13 @@
 //! api_key = { env = "ENGINE_API_KEY" }  # or "…": sent as `Authorization: Bearer` on every call
 //!
 //! [[endpoints]]
+//! url = "https://engine.other-ns.svc:8000"  # TLS: the system's roots, or engine_ca_file
+//! protocol = "vllm"
+//! ca_file = "/etc/engines/ca.pem"           # this endpoint's own CA, client_cert and
+//! client_cert = "/etc/engines/router.crt"   # client_key (each wins over engine_*)
+//! client_key = "/etc/engines/router.key"
+//!
+//! [[endpoints]]
 //! url = "http://10.0.0.5:30000"
 //! protocol = "sglang"
 //! role = "prefill"
@@ -117,6 +129,7 @@ mod source;
 mod table;
 #[cfg(test)]
 mod tests;
+mod tls;
 
 use std::net::SocketAddr;
 use std::num::NonZeroUsize;
@@ -124,7 +137,7 @@ use std::path::PathBuf;
 
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig, SaturationConfig};
-use crate::engine_client::Timeouts;
+use crate::engine_client::{Timeouts, TlsFiles};
 use crate::kv_events::SubscriberConfig;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
@@ -145,6 +158,7 @@ pub use settings::{
 };
 pub(crate) use settings::{DEFAULT_MAX_ATTEMPTS, RETRY_MAX_DELAY, RETRY_MIN_DELAY};
 pub use source::{FileKey, Source, Sourced};
+pub use tls::ListenerTls;
 
 use file::ConfigFile;
 use settings::RouterSettings;
@@ -193,6 +207,10 @@ pub struct Config {
     pub workers: NonZeroUsize,
     /// How endpoints' KV event subscribers run.
     pub kv_events: SubscriberConfig,
+    /// The TLS files of `https://` endpoints that name none of their own.
+    pub engine_tls: TlsFiles,
+    /// HTTPS on the listeners; `None`: plain HTTP.
+    pub tls: Option<ListenerTls>,
 }
 
 /// Who may use `/admin/*`, and where.
@@ -266,6 +284,8 @@ impl Config {
                 .map_or_else(|| DEFAULT_MODEL.to_owned(), ModelSource::default_name),
         };
         let limits = request_limits(&s, model_source.as_ref())?;
+        let engine_tls = tls::engines(&s)?;
+        tls::check_engines(&endpoints, &engine_tls)?;
         // Discovered endpoints are not known yet: any number may be wanted.
         if discovery.is_none() && s.min_healthy_endpoints.value > endpoints.len() {
             return Err(ConfigError::MinHealthy {
@@ -320,6 +340,8 @@ impl Config {
                 stale_after: s.kv_events_stale_after.value,
                 ..SubscriberConfig::default()
             },
+            engine_tls,
+            tls: tls::listener(&s)?,
         })
     }
 }

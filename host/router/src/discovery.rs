@@ -34,8 +34,11 @@ pub type Desired = BTreeMap<Arc<str>, EndpointSpec>;
 pub enum Action {
     /// Drain endpoint `id`, then remove it once nothing is in flight on it.
     Retire { id: u32 },
-    /// Add the endpoint of pod `uid`.
-    Add { uid: Arc<str>, spec: EndpointSpec },
+    /// Add the endpoint of pod `uid` (boxed: a spec is large beside a retirement).
+    Add {
+        uid: Arc<str>,
+        spec: Box<EndpointSpec>,
+    },
 }
 
 /// What turns the discovered endpoints in `current` (serving or draining) into `desired`:
@@ -57,7 +60,7 @@ pub fn reconcile(desired: &Desired, current: &[OwnedEndpoint]) -> Vec<Action> {
         if !serving.contains(uid) {
             actions.push(Action::Add {
                 uid: Arc::clone(uid),
-                spec: spec.clone(),
+                spec: Box::new(spec.clone()),
             });
         }
     }
@@ -208,7 +211,7 @@ mod tests {
                 Action::Retire { id: 1 },
                 Action::Add {
                     uid: "b".into(),
-                    spec: spec(3, Role::Decode)
+                    spec: Box::new(spec(3, Role::Decode))
                 }
             ]
         );
@@ -230,7 +233,7 @@ mod tests {
                 Action::Retire { id: 4 },
                 Action::Add {
                     uid: "a".into(),
-                    spec: spec(1, Role::Decode)
+                    spec: Box::new(spec(1, Role::Decode))
                 }
             ]
         );
@@ -246,7 +249,7 @@ mod tests {
                 Action::Retire { id: 0 },
                 Action::Add {
                     uid: "new".into(),
-                    spec: spec(1, Role::Any)
+                    spec: Box::new(spec(1, Role::Any))
                 }
             ]
         );
@@ -269,7 +272,7 @@ mod tests {
             reconcile(&desired(&[("a", spec(3, Role::Any))]), &current),
             [Action::Add {
                 uid: "a".into(),
-                spec: spec(3, Role::Any)
+                spec: Box::new(spec(3, Role::Any))
             }]
         );
     }

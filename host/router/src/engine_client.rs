@@ -2,18 +2,21 @@
 //!
 //! ```text
 //! EngineClient::new(Timeouts)     one pooled keep-alive HTTP/1 client per thread, for all engines
+//!                                 (and one per thread for each set of TLS files, `https://` ones)
 //!   microserving   MLC-LLM's calls: prep_recv, remote_send, start_generate, forward, and
 //!                  release (frees a prep_recv reservation)
 //!   openai         the OpenAI routes as vLLM, SGLang and OpenAI-compatible engines take them:
 //!                  generate_leg (streamed or whole), answer_leg (vLLM's prefill answer)
 //!   probe          ready (GET [/health,] /v1/models), metrics (GET /metrics)
+//!   tls            what an `https://` engine's connections trust and present, and TlsError
 //! ```
 //!
 //! Every call fails with a [`CallError`] that says what went wrong on the wire; what that means
 //! for the attempt (retry, blame, the policy's view) is the plan executor's decision.
 //!
 //! An [`Upstream`] is an engine's base URL and, for an engine that wants an API key, its
-//! `Authorization: Bearer …` header, sent on every call, probes included.
+//! `Authorization: Bearer …` header, sent on every call, probes included, and for an
+//! `https://` engine its [`EngineTls`].
 //!
 //! The router asks MLC engines to stream, even for a non-streaming client: one code path
 //! relays, counts and resumes every generation, and time to first token is measurable. Other
@@ -27,7 +30,10 @@ mod probe;
 pub(crate) mod scripted;
 #[cfg(test)]
 mod tests;
+mod tls;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -39,6 +45,7 @@ use futures::{StreamExt, TryStreamExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
+use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -53,6 +60,7 @@ use thread_local::ThreadLocal;
 
 pub use microserving::Release;
 pub use openai::Answer;
+pub use tls::{EngineTls, TlsError, TlsFiles, TlsSetupError};
 
 /// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
@@ -113,6 +121,10 @@ pub enum CallError {
     Decode { reason: String },
     #[error(transparent)]
     Stream(#[from] SseError),
+    /// The TLS handshake failed, or the endpoint's TLS files are unusable: no call reaches
+    /// the engine until that is fixed.
+    #[error(transparent)]
+    Tls(#[from] TlsError),
 }
 
 impl CallError {
@@ -121,22 +133,52 @@ impl CallError {
         matches!(self, CallError::Timeout { .. })
     }
 
-    /// Whether the engine could not be reached at all (a sign it is down). A connection that
-    /// breaks after the answer started is a [`CallError::Stream`] instead: the engine was up.
+    /// Whether the engine could not be reached at all (a sign it is down, or that no TLS
+    /// connection to it can be made). A connection that breaks after the answer started is a
+    /// [`CallError::Stream`] instead: the engine was up.
     pub fn is_unreachable(&self) -> bool {
-        matches!(self, CallError::Connect { .. })
+        matches!(self, CallError::Connect { .. } | CallError::Tls(_))
+    }
+
+    /// A short name for the failure, as `/admin/endpoints` shows a probe's.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            CallError::Build { .. } => "build",
+            CallError::Url { .. } => "url",
+            CallError::Connect { .. } => "connect",
+            CallError::Closed { .. } => "closed",
+            CallError::Timeout { .. } => "timeout",
+            CallError::Status { .. } => "status",
+            CallError::Decode { .. } => "decode",
+            CallError::Stream(_) => "stream",
+            CallError::Tls(tls) => tls.kind(),
+        }
     }
 }
 
-/// One engine as every call to it needs it: its base URL and, when it wants one, the
-/// `Authorization` header (marked sensitive: never logged, and shown as redacted).
-#[derive(Clone, PartialEq, Eq)]
+/// One engine as every call to it needs it: its base URL, when it wants one the
+/// `Authorization` header (marked sensitive: never logged, and shown as redacted), and how
+/// its connections are made.
+#[derive(Clone)]
 pub struct Upstream {
     base: Arc<str>,
-    /// `base` split once (`None` if it is no `http://HOST[:PORT][/PREFIX]` URI: every call
+    /// `base` split once (`None` if it is no `http(s)://HOST[:PORT][/PREFIX]` URI: every call
     /// then fails with [`CallError::Url`]), so a call's URI is assembled, not parsed.
     target: Option<Target>,
     auth: Option<http::HeaderValue>,
+    transport: Transport,
+}
+
+/// How an engine's connections are made.
+#[derive(Clone)]
+enum Transport {
+    /// Plain TCP (`http://`).
+    Plain,
+    /// TLS (`https://`).
+    Tls(EngineTls),
+    /// `https://`, with TLS files that cannot be used: every call fails with
+    /// [`TlsError::Setup`] (as an unusable URL fails with [`CallError::Url`]).
+    Unusable(Arc<TlsSetupError>),
 }
 
 /// An engine's base URI in the parts every call's URI shares.
@@ -179,10 +221,38 @@ impl Target {
 }
 
 impl Upstream {
-    /// `base` (`http://host:port`, no trailing slash), called with `auth` when given.
+    /// `base` (`http://host:port` or `https://…`, no trailing slash), called with `auth` when
+    /// given; an `https://` engine's certificate is checked against the system's roots.
     pub fn new(base: Arc<str>, auth: Option<http::HeaderValue>) -> Upstream {
+        Upstream::with_tls(base, auth, &TlsFiles::default())
+    }
+
+    /// [`Upstream::new`], an `https://` engine's connections made with `tls` (read here;
+    /// files that cannot be used fail every call, see [`Upstream::tls_error`]). A plain
+    /// `http://` engine ignores them.
+    pub fn with_tls(base: Arc<str>, auth: Option<http::HeaderValue>, tls: &TlsFiles) -> Upstream {
         let target = Target::parse(&base);
-        Upstream { base, target, auth }
+        let transport = match &target {
+            Some(target) if target.scheme == Scheme::HTTPS => match EngineTls::load(tls) {
+                Ok(tls) => Transport::Tls(tls),
+                Err(e) => Transport::Unusable(Arc::new(e)),
+            },
+            _ => Transport::Plain,
+        };
+        Upstream {
+            base,
+            target,
+            auth,
+            transport,
+        }
+    }
+
+    /// Why its TLS files cannot be used, if they cannot.
+    pub fn tls_error(&self) -> Option<&TlsSetupError> {
+        match &self.transport {
+            Transport::Unusable(e) => Some(e),
+            Transport::Plain | Transport::Tls(_) => None,
+        }
     }
 
     pub fn base(&self) -> &str {
@@ -201,7 +271,7 @@ impl Upstream {
         path: &str,
     ) -> Result<http::request::Builder, CallError> {
         let target = self.target.as_ref().ok_or(CallError::Url {
-            reason: "it is no http://HOST:PORT",
+            reason: "it is no http(s)://HOST:PORT",
         })?;
         let uri = target.with_path(path).map_err(|_| CallError::Url {
             reason: "followed by the call's path, it makes no URI",
@@ -223,6 +293,21 @@ impl std::fmt::Debug for Upstream {
             .finish()
     }
 }
+
+impl PartialEq for Upstream {
+    /// The same engine, called the same way: TLS made of the same files.
+    fn eq(&self, other: &Upstream) -> bool {
+        fn files(upstream: &Upstream) -> Option<&TlsFiles> {
+            match &upstream.transport {
+                Transport::Plain | Transport::Unusable(_) => None,
+                Transport::Tls(tls) => Some(tls.files()),
+            }
+        }
+        self.base == other.base && self.auth == other.auth && files(self) == files(other)
+    }
+}
+
+impl Eq for Upstream {}
 
 /// The HTTP/1 client for every call to every engine (keep-alive connections pooled per host):
 /// hyper-util's pooled client, the one under reqwest, called directly. reqwest's layers above
@@ -251,12 +336,20 @@ pub struct EngineClient {
     )
 )]
 enum Pools {
-    /// TCP, one pool per thread (see [`EngineClient`]).
-    Tcp(ThreadLocal<Client<HttpConnector, CallBody>>),
+    /// TCP, one pool per thread (see [`EngineClient`]); TLS, one pool per thread and set of
+    /// TLS files (few: usually one), each its own because its connections trust and present
+    /// other certificates.
+    Tcp {
+        plain: ThreadLocal<Client<HttpConnector, CallBody>>,
+        tls: ThreadLocal<RefCell<HashMap<TlsFiles, TlsClient>>>,
+    },
     /// In-process engines over in-memory pipes ([`scripted`]).
     #[cfg(test)]
     Scripted(Client<scripted::Connector, CallBody>),
 }
+
+/// A pooled client whose connections are TLS over TCP.
+type TlsClient = Client<HttpsConnector<HttpConnector>, CallBody>;
 
 /// An engine's answer, its body still to read.
 type EngineResponse = http::Response<Incoming>;
@@ -264,7 +357,10 @@ type EngineResponse = http::Response<Incoming>;
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
         EngineClient {
-            pools: Arc::new(Pools::Tcp(ThreadLocal::new())),
+            pools: Arc::new(Pools::Tcp {
+                plain: ThreadLocal::new(),
+                tls: ThreadLocal::new(),
+            }),
             timeouts,
         }
     }
@@ -278,20 +374,55 @@ impl EngineClient {
         }
     }
 
-    /// Send `request` on this thread's pool.
-    fn request(&self, request: http::Request<CallBody>) -> ResponseFuture {
-        match &*self.pools {
-            Pools::Tcp(per_thread) => per_thread
-                .get_or(|| {
-                    let mut connector = HttpConnector::new();
-                    connector.set_connect_timeout(Some(self.timeouts.connect));
-                    connector.set_nodelay(true);
-                    pooled(connector)
-                })
-                .request(request),
+    /// Send `request` to `engine` on this thread's pool for its transport. An engine whose
+    /// TLS files are unusable fails here, before any connection.
+    fn request(
+        &self,
+        engine: &Upstream,
+        request: http::Request<CallBody>,
+    ) -> Result<ResponseFuture, CallError> {
+        Ok(match &*self.pools {
+            Pools::Tcp { plain, tls } => match &engine.transport {
+                Transport::Plain => plain.get_or(|| pooled(self.tcp())).request(request),
+                Transport::Tls(engine_tls) => {
+                    let mut pools = tls.get_or_default().borrow_mut();
+                    let client = match pools.get(engine_tls.files()) {
+                        Some(client) => client.clone(),
+                        None => {
+                            let client = self.tls_client(engine_tls);
+                            pools.insert(engine_tls.files().clone(), client.clone());
+                            client
+                        }
+                    };
+                    drop(pools);
+                    client.request(request)
+                }
+                Transport::Unusable(e) => return Err(TlsError::Setup(Arc::clone(e)).into()),
+            },
             #[cfg(test)]
             Pools::Scripted(client) => client.request(request),
-        }
+        })
+    }
+
+    /// A TCP connector with the connect timeout, Nagle off.
+    fn tcp(&self) -> HttpConnector {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(self.timeouts.connect));
+        connector.set_nodelay(true);
+        connector
+    }
+
+    /// A pooled client whose connections are made with `tls` over [`EngineClient::tcp`].
+    fn tls_client(&self, tls: &EngineTls) -> TlsClient {
+        let mut tcp = self.tcp();
+        // hyper-rustls refuses a connector that would make plain connections for `https`.
+        tcp.enforce_http(false);
+        let connector = HttpsConnectorBuilder::new()
+            .with_tls_config(tls.config().clone())
+            .https_only()
+            .enable_http1()
+            .wrap_connector(tcp);
+        pooled(connector)
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -321,7 +452,7 @@ impl EngineClient {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
             let request = json_request(request, json.clone(), delivery.cloned())?;
-            let sent = self.request(request);
+            let sent = self.request(engine, request)?;
             match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
                     CallError::Timeout {
@@ -330,7 +461,7 @@ impl EngineClient {
                 })?,
                 None => sent.await,
             }
-            .map_err(classify)
+            .map_err(|e| classify(e, engine))
         };
         let response = match send().await {
             // The engine closed a pooled connection just as the request went out (its
@@ -582,7 +713,15 @@ fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
     )
 }
 
-fn classify(e: hyper_util::client::legacy::Error) -> CallError {
+/// What a failed request to `engine` says about it: a TLS failure (during the handshake, or
+/// an engine's alert that it refused the client's certificate, which TLS 1.3 delivers with the
+/// first read), a failed connect, or a connection closed before an answer.
+fn classify(e: hyper_util::client::legacy::Error, engine: &Upstream) -> CallError {
+    if let Transport::Tls(tls) = &engine.transport
+        && let Some(failure) = TlsError::find(&e, tls.presents_certificate())
+    {
+        return failure.into();
+    }
     if e.is_connect() {
         CallError::Connect {
             reason: error_chain(&e),

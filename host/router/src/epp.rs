@@ -33,7 +33,7 @@ use tonic_health::server::HealthReporter;
 
 use crate::api::{self, AppState, Drain};
 use crate::config::{Config, ConfigError, EndpointPickerArgs, ServeArgs};
-use crate::serve::{RunningRouter, ServeError, bind, load, serve_admin_port};
+use crate::serve::{RunningRouter, ServeError, bind, listener_tls, load, serve_admin_port};
 
 pub use ext_proc::ExtProc;
 
@@ -116,7 +116,9 @@ pub async fn start(config: &EppConfig) -> Result<RunningEpp, ServeError> {
     let (health, grpc_health) = bind(config.grpc_health).await?;
     let (metrics_listener, metrics) = bind(config.metrics).await?;
     let mut listeners = Vec::with_capacity(4);
-    let admin_addr = serve_admin_port(&config.router, &state, &mut listeners).await?;
+    // `--tls-cert` makes the admin port HTTPS; ext_proc and the metrics port stay plain.
+    let tls = listener_tls(&config.router)?;
+    let admin_addr = serve_admin_port(&config.router, &state, &mut listeners, tls).await?;
     listeners.push(tokio::spawn(api::serve_metrics(
         metrics_listener,
         Arc::clone(&state),

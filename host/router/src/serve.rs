@@ -26,8 +26,8 @@ use switchyard_policy_host::{
 
 use crate::Router;
 use crate::api::{
-    self, AdminAccess, AppState, BuiltinPlanner, DrainConfig, Planning, PromptTokenizer,
-    TokenizerError,
+    self, AdminAccess, AppState, BuiltinPlanner, DrainConfig, ListenerTlsError, Planning,
+    PromptTokenizer, TlsAcceptor, TokenizerError,
 };
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::{Config, ModelSource};
@@ -59,6 +59,8 @@ pub enum ServeError {
     Workers(std::io::Error),
     #[error("a listener stopped unexpectedly: {0}")]
     Listener(tokio::task::JoinError),
+    #[error("cannot serve HTTPS: {0}")]
+    ListenerTls(#[from] ListenerTlsError),
 }
 
 /// A started router. Dropping it stops every listener at once (open streams end with an error
@@ -190,13 +192,24 @@ pub(crate) async fn serve_openai(
     listener: tokio::net::TcpListener,
     addr: SocketAddr,
 ) -> Result<RunningRouter, ServeError> {
+    let tls = listener_tls(config)?;
     let state = Arc::clone(&loaded.state);
     let mut listeners = Vec::with_capacity(2);
-    let admin_addr = serve_admin_port(config, &state, &mut listeners).await?;
+    let admin_addr = serve_admin_port(config, &state, &mut listeners, tls.clone()).await?;
     let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
-    listeners.push(tokio::spawn(api::serve(listener, state, workers)));
-    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, "router listening");
+    let https = tls.is_some();
+    listeners.push(tokio::spawn(api::serve(listener, state, workers, tls)));
+    tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, https, "router listening");
     Ok(loaded.running(config, addr, admin_addr, listeners))
+}
+
+/// The listeners' TLS, when `--tls-cert` and `--tls-key` are given: one certificate for the
+/// main port and the admin port.
+pub(crate) fn listener_tls(config: &Config) -> Result<Option<TlsAcceptor>, ServeError> {
+    let Some(tls) = &config.tls else {
+        return Ok(None);
+    };
+    Ok(Some(TlsAcceptor::load(&tls.cert, &tls.key)?))
 }
 
 /// A router loaded and wired, its listeners not yet bound: what `serve`, `epp` and `sidecar`
@@ -271,10 +284,14 @@ async fn wire(
     tokenizer: Arc<PromptTokenizer>,
     planning: impl FnOnce(&Executor) -> Planning,
 ) -> Result<Loaded, ServeError> {
-    let mut cluster = Cluster::new(config.endpoints.clone(), config.outlier)
-        .with_min_healthy(config.min_healthy_endpoints)
-        .with_kv_events(config.kv_events)
-        .with_saturation(config.saturation);
+    let mut cluster = Cluster::with_engine_tls(
+        config.endpoints.clone(),
+        config.outlier,
+        config.engine_tls.clone(),
+    )
+    .with_min_healthy(config.min_healthy_endpoints)
+    .with_kv_events(config.kv_events)
+    .with_saturation(config.saturation);
     if config.discovery.is_some() {
         cluster = cluster.awaiting_discovery();
     }
@@ -335,16 +352,19 @@ pub(crate) async fn serve_admin_port(
     config: &Config,
     state: &Arc<AppState>,
     listeners: &mut Vec<JoinHandle<()>>,
+    tls: Option<TlsAcceptor>,
 ) -> Result<Option<SocketAddr>, ServeError> {
     let Some(admin_addr) = config.admin.listen else {
         return Ok(None);
     };
     let (admin_listener, admin_addr) = bind(admin_addr).await?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
     listeners.push(tokio::spawn(api::serve_admin(
         admin_listener,
         Arc::clone(state),
+        tls,
     )));
-    println!("switchyard admin listening on http://{admin_addr}");
+    println!("switchyard admin listening on {scheme}://{admin_addr}");
     Ok(Some(admin_addr))
 }
 
@@ -407,7 +427,15 @@ pub async fn run(
     hurry: impl Future<Output = ()>,
 ) -> Result<(), ServeError> {
     let router = start(&config).await?;
-    println!("switchyard router listening on http://{}", router.addr());
+    let scheme = if config.tls.is_some() {
+        "https"
+    } else {
+        "http"
+    };
+    println!(
+        "switchyard router listening on {scheme}://{}",
+        router.addr()
+    );
     shutdown.await;
     router.shutdown_or_hurry(hurry).await
 }

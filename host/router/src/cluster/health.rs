@@ -1,6 +1,7 @@
 //! Background readiness probes (`GET /v1/models` == 200, as MLC's router checks; the ids it
 //! lists are the models the endpoint serves), and the engines' KV usage for the policy
-//! snapshot. Probe answers are read up to a cap.
+//! snapshot. Probe answers are read up to a cap. Why a probe failed is kept for
+//! `/admin/endpoints` (a TLS failure named as one) and logged when it changes.
 //!
 //! A healthy endpoint is probed every `interval`; an unhealthy one with exponential backoff
 //! from `min_backoff` to `max_backoff`, so a restarted engine comes back quickly without a
@@ -99,7 +100,7 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         let (engine, protocol) = (endpoint.upstream.clone(), endpoint.protocol);
         drop(endpoint);
         let models = client.ready(&engine, protocol).await;
-        let ok = models.is_some();
+        let ok = models.is_ok();
         let metrics = match ok {
             true => client.metrics(&engine).await,
             false => None,
@@ -112,7 +113,8 @@ async fn probe_loop(cluster: Weak<Cluster>, client: EngineClient, config: ProbeC
         }
         // Models and load first: a request held for readiness (scale from zero) is released
         // by `set_health` and then asks which models are served.
-        if let Some(models) = models {
+        c.set_probe_error(id, models.as_ref().err());
+        if let Ok(models) = models {
             c.set_models(id, models);
         }
         c.set_engine_load(id, load.unwrap_or_default());

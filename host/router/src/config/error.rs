@@ -58,6 +58,14 @@ pub enum ConfigError {
         url: Option<String>,
         reason: String,
     },
+    #[error("{given} needs --{needs} (or its key in the config file) too")]
+    TlsPair { given: Source, needs: &'static str },
+    #[error("endpoint {index} ({url:?}): its TLS files cannot be used: {reason}")]
+    EngineTls {
+        index: usize,
+        url: String,
+        reason: String,
+    },
     #[error(
         "--endpoint-num-gpus: {given} values for {endpoints} endpoints (give one per --endpoint)"
     )]

@@ -160,6 +160,34 @@ settings! {
         flag: "admin-port",
         key: "admin_port",
     }
+    /// Serve HTTPS with this PEM certificate chain (and --tls-key): HTTP/1.1 and HTTP/2,
+    /// chosen by ALPN, on the main port and the admin port alike.
+    tls_cert: Option<PathBuf> => PathBuf {
+        flag: "tls-cert",
+        key: "tls_cert",
+    }
+    /// The PEM private key of --tls-cert.
+    tls_key: Option<PathBuf> => PathBuf {
+        flag: "tls-key",
+        key: "tls_key",
+    }
+    /// For `https://` engines: the PEM file of the CA that signs their certificates, trusted
+    /// instead of the system's roots, for every endpoint that gives no `ca_file` of its own.
+    engine_ca_file: Option<PathBuf> => PathBuf {
+        flag: "engine-ca-file",
+        key: "engine_ca_file",
+    }
+    /// For `https://` engines that demand one (mTLS): the PEM certificate the router presents
+    /// (with --engine-client-key), for every endpoint that gives no `client_cert` of its own.
+    engine_client_cert: Option<PathBuf> => PathBuf {
+        flag: "engine-client-cert",
+        key: "engine_client_cert",
+    }
+    /// The PEM private key of --engine-client-cert.
+    engine_client_key: Option<PathBuf> => PathBuf {
+        flag: "engine-client-key",
+        key: "engine_client_key",
+    }
     /// The served model's tokenizer: a directory with `tokenizer.json` (and
     /// `tokenizer_config.json` for chat), or a GGUF file, whose metadata gives the tokenizer,
     /// chat template, default `--model` name and default `--context-length`; default: the

@@ -840,3 +840,59 @@ fn the_epps_settings_come_from_its_flags_else_the_files_epp_table_which_serve_ig
         other => panic!("{other}"),
     }
 }
+
+#[test]
+fn tls_settings_come_in_pairs_and_unusable_engine_files_stop_the_start() {
+    let plugins = plugins_with("disagg");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = dir.path().join("router.toml");
+    // The listener's and the engines' files, from the file; none is read unless used.
+    let a = with_file(
+        &file,
+        &format!(
+            "plugins = {:?}\ntls_cert = \"/etc/tls.crt\"\ntls_key = \"/etc/tls.key\"\n\
+             engine_ca_file = \"/etc/ca.pem\"\n\
+             [[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            plugins.path()
+        ),
+    );
+    let config = Config::from_args(&a).expect("valid");
+    assert_eq!(
+        config.tls,
+        Some(ListenerTls {
+            cert: "/etc/tls.crt".into(),
+            key: "/etc/tls.key".into(),
+        })
+    );
+    assert_eq!(
+        config.engine_tls.ca_file.as_deref(),
+        Some(Path::new("/etc/ca.pem"))
+    );
+    // A certificate without its key, on either side, names the flag still missing.
+    let mut half = args(plugins.path());
+    half.router.tls_cert = Some("/etc/tls.crt".into());
+    assert!(matches!(
+        Config::from_args(&half),
+        Err(ConfigError::TlsPair {
+            needs: "tls-key",
+            ..
+        })
+    ));
+    let mut half = args(plugins.path());
+    half.router.engine_client_key = Some("/etc/router.key".into());
+    assert!(matches!(
+        Config::from_args(&half),
+        Err(ConfigError::TlsPair {
+            needs: "engine-client-cert",
+            ..
+        })
+    ));
+    // An https endpoint whose CA file is missing is refused before anything starts.
+    let mut https = args(plugins.path());
+    https.endpoints = vec!["https://127.0.0.1:1".into()];
+    https.router.engine_ca_file = Some(dir.path().join("missing.pem"));
+    assert!(matches!(
+        Config::from_args(&https),
+        Err(ConfigError::EngineTls { index: 0, .. })
+    ));
+}

@@ -124,6 +124,9 @@ pub fn endpoint(pod: &Pod, target_port: Option<u16>) -> Result<(Arc<str>, Endpoi
         kv_events: kv_events(KV_EVENTS_PORT_ANNOTATION)?,
         kv_events_replay: kv_events(KV_EVENTS_REPLAY_PORT_ANNOTATION)?,
         kv_events_topic: annotation(pod, KV_EVENTS_TOPIC_ANNOTATION).map(str::to_owned),
+        ca_file: None,
+        client_cert: None,
+        client_key: None,
     };
     spec.check().map_err(Skip::Unusable)?;
     Ok((uid.into(), spec))

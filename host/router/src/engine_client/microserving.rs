@@ -91,8 +91,14 @@ impl EngineClient {
             Ok(request) => request,
             Err(e) => return Release::Later(e.to_string()),
         };
+        let sent = match self.request(engine, request) {
+            Ok(sent) => sent,
+            // Its TLS files are unusable: no call reaches it, now or later (and no prep_recv
+            // did, so it holds nothing of ours).
+            Err(e) => return Release::Gone(e.to_string()),
+        };
         let within = self.timeouts.call;
-        let Ok(sent) = tokio::time::timeout(within, self.request(request)).await else {
+        let Ok(sent) = tokio::time::timeout(within, sent).await else {
             // Sent, but no answer came (a frozen engine): see below.
             return Release::Gone(format!("sent, answer lost: no answer within {within:?}"));
         };

@@ -4,16 +4,21 @@
 use bytes::Bytes;
 use switchyard_contract::Protocol;
 
-use super::{CallBody, EngineClient, Upstream, read_capped};
+use super::{CallBody, CallError, EngineClient, Upstream, classify, read_capped};
 
 /// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
 const MAX_PROBE_BYTES: usize = 256 << 10;
 
 impl EngineClient {
     /// Readiness, as each protocol's engines report it: vLLM and SGLang answer `GET /health`
-    /// with 200 once they serve, and every engine lists its models on `GET /v1/models`; `Some`
-    /// with the ids of the models it serves (none when the list does not parse).
-    pub async fn ready(&self, engine: &Upstream, protocol: Protocol) -> Option<Vec<String>> {
+    /// with 200 once they serve, and every engine lists its models on `GET /v1/models`; `Ok`
+    /// with the ids of the models it serves (none when the list does not parse), or why the
+    /// engine is not ready.
+    pub async fn ready(
+        &self,
+        engine: &Upstream,
+        protocol: Protocol,
+    ) -> Result<Vec<String>, CallError> {
         if matches!(protocol, Protocol::Vllm | Protocol::Sglang) {
             self.probe(engine, "/health").await?;
         }
@@ -29,32 +34,40 @@ impl EngineClient {
         let ids = serde_json::from_slice::<Models>(&body)
             .map(|m| m.data.into_iter().map(|m| m.id).collect())
             .unwrap_or_default();
-        Some(ids)
+        Ok(ids)
     }
 
     /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not
     /// answer within the probe timeout.
     pub async fn metrics(&self, engine: &Upstream) -> Option<String> {
-        let body = self.probe(engine, "/metrics").await?;
+        let body = self.probe(engine, "/metrics").await.ok()?;
         String::from_utf8(body.to_vec()).ok()
     }
 
     /// A probe's `GET`: the body of a 200 answer, at most [`MAX_PROBE_BYTES`], within the
     /// probe timeout.
-    async fn probe(&self, engine: &Upstream, path: &str) -> Option<Bytes> {
+    async fn probe(&self, engine: &Upstream, path: &str) -> Result<Bytes, CallError> {
         let deadline = tokio::time::Instant::now() + self.timeouts.probe;
         let request = engine
-            .request(http::Method::GET, path)
-            .ok()?
+            .request(http::Method::GET, path)?
             .body(CallBody::empty())
-            .ok()?;
-        let response = tokio::time::timeout_at(deadline, self.request(request))
+            .map_err(|e| CallError::Build {
+                reason: e.to_string(),
+            })?;
+        let sent = self.request(engine, request)?;
+        let response = tokio::time::timeout_at(deadline, sent)
             .await
-            .ok()?
-            .ok()?;
-        if response.status() != http::StatusCode::OK {
-            return None;
+            .map_err(|_| CallError::Timeout {
+                after: self.timeouts.probe,
+            })?
+            .map_err(|e| classify(e, engine))?;
+        let status = response.status();
+        if status != http::StatusCode::OK {
+            return Err(CallError::Status {
+                status: status.as_u16(),
+                body: String::new(),
+            });
         }
-        read_capped(response, deadline, MAX_PROBE_BYTES).await.ok()
+        read_capped(response, deadline, MAX_PROBE_BYTES).await
     }
 }
