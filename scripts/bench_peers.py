@@ -115,6 +115,7 @@ http {{
     }}
     server {{
         listen 127.0.0.1:{port("null-tls-json")} ssl;
+        {ENGINE_KEEPALIVE}
         ssl_certificate {tls}/engine.crt;
         ssl_certificate_key {tls}/engine.key;
         location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
@@ -123,6 +124,7 @@ http {{
     }}
     server {{
         listen 127.0.0.1:{port("null-tls-sse")} ssl;
+        {ENGINE_KEEPALIVE}
         ssl_certificate {tls}/engine.crt;
         ssl_certificate_key {tls}/engine.key;
         location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
