@@ -25,8 +25,47 @@ pub struct LabConfig {
     /// Seeds every random draw of a simulation (the policies' WASI randomness, retry jitter).
     pub seed: u64,
     pub slo: Option<Slo>,
+    /// Also replay at each of these offered loads.
+    pub sweep: Option<LoadSweep>,
+    /// Each run is repeated with the seeds `seed..seed + seeds`, its figures averaged.
+    pub seeds: u32,
     pub json: Option<PathBuf>,
     pub out: Option<PathBuf>,
+}
+
+impl LabConfig {
+    /// The same run with `seed` and arrivals `load` times as fast as the replay's.
+    pub fn variant(&self, seed: u64, load: f64) -> LabConfig {
+        let mut config = self.clone();
+        config.seed = seed;
+        config.replay.speedup *= load;
+        config
+    }
+
+    /// The seeds every run is repeated with.
+    pub fn seed_list(&self) -> impl Iterator<Item = u64> + use<> {
+        let first = self.seed;
+        (0..u64::from(self.seeds)).map(move |k| first.wrapping_add(k))
+    }
+}
+
+/// `--load-sweep A..B:STEPS`: `steps` offered loads evenly spaced from `from` to `to`, each a
+/// multiple of the replay's arrival rate (the trace's, times `--speedup`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadSweep {
+    pub from: f64,
+    pub to: f64,
+    pub steps: u32,
+}
+
+impl LoadSweep {
+    /// The loads, lowest first.
+    pub fn loads(&self) -> Vec<f64> {
+        let last = f64::from(self.steps - 1);
+        (0..self.steps)
+            .map(|i| self.from + (self.to - self.from) * f64::from(i) / last)
+            .collect()
+    }
 }
 
 /// One policy under test.
@@ -209,6 +248,16 @@ pub fn engine_defaults() -> EngineArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sweep_spaces_its_loads_evenly_from_the_lowest() {
+        let sweep = LoadSweep {
+            from: 0.5,
+            to: 2.0,
+            steps: 4,
+        };
+        assert_eq!(sweep.loads(), [0.5, 1.0, 1.5, 2.0]);
+    }
 
     #[test]
     fn retry_delays_grow_to_their_cap() {
