@@ -1,6 +1,7 @@
 //! The `switchyard lab` command line, validated once into a [`LabConfig`].
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -8,7 +9,7 @@ use switchyard_bench::Slo;
 use switchyard_bench::trace::{ReplayOptions, Window, parse_window};
 use switchyard_contract::{Protocol, Role};
 use switchyard_engine::ModelShape;
-use switchyard_engine::latency::{Latency, Profile};
+use switchyard_engine::latency::{Latency, Profile, TimingTable};
 
 use crate::LabError;
 use crate::config::{
@@ -88,6 +89,12 @@ pub struct LabArgs {
     #[arg(long, default_value = "llama3-8b-h100",
           value_parser = clap::builder::PossibleValuesParser::new(Profile::ALL.map(|p| p.name)))]
     pub profile: String,
+
+    /// Cost every engine step from this table of measured step times instead of --profile's
+    /// formula (CSV `kind,tokens,batch,context,ms`: prefill lengths, decode batches ×
+    /// contexts); --profile still sets the KV link, shape and pages.
+    #[arg(long, value_name = "CSV")]
+    pub timing_table: Option<PathBuf>,
 
     /// Multiplies every modelled time, as the engine's --time-scale does.
     #[arg(long, value_name = "X", default_value_t = 1.0)]
@@ -271,6 +278,7 @@ impl LabArgs {
             slo: self.slo,
             sweep: self.load_sweep,
             seeds: self.seeds,
+            timing_table: self.timing_table,
             json: self.json,
             out: self.out,
         })
@@ -336,10 +344,15 @@ impl LabArgs {
             profile,
             time_scale: self.time_scale,
         };
+        let step_table = match &self.timing_table {
+            Some(path) => Some(Arc::new(TimingTable::read(path, self.time_scale, latency)?)),
+            None => None,
+        };
         Ok(ClusterSpec {
             roles,
             protocol: self.protocol.into(),
             latency,
+            step_table,
             transfer: TransferModel::new(latency, shape, self.kv_bandwidth),
             page_size: engine.page_size as usize,
             kv_pages,

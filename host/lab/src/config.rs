@@ -8,7 +8,7 @@ use std::time::Duration;
 use switchyard_bench::Slo;
 use switchyard_bench::trace::ReplayOptions;
 use switchyard_contract::{Protocol, Role};
-use switchyard_engine::latency::{Latency, Profile, TimingModel};
+use switchyard_engine::latency::{Latency, Profile, TimingModel, TimingTable};
 use switchyard_engine::scheduler::CoreConfig;
 use switchyard_engine::{EngineArgs, ModelShape};
 
@@ -29,6 +29,8 @@ pub struct LabConfig {
     pub sweep: Option<LoadSweep>,
     /// Each run is repeated with the seeds `seed..seed + seeds`, its figures averaged.
     pub seeds: u32,
+    /// Where `cluster.step_table` was read from.
+    pub timing_table: Option<PathBuf>,
     pub json: Option<PathBuf>,
     pub out: Option<PathBuf>,
 }
@@ -85,7 +87,10 @@ pub struct ClusterSpec {
     /// One per engine, in endpoint order (ids and device ranks `0..n`).
     pub roles: Vec<Role>,
     pub protocol: Protocol,
+    /// Costs every step, unless `step_table` does, and sets the link KV moves over.
     pub latency: Latency,
+    /// Steps costed from measurements (`--timing-table`) instead of the profile's formula.
+    pub step_table: Option<Arc<TimingTable>>,
     pub transfer: TransferModel,
     pub page_size: usize,
     pub kv_pages: u32,
@@ -111,7 +116,10 @@ impl ClusterSpec {
 
     /// The scheduler core each engine runs.
     pub fn core_config(&self) -> CoreConfig {
-        let timing: Arc<dyn TimingModel> = Arc::new(self.latency);
+        let timing: Arc<dyn TimingModel> = match &self.step_table {
+            Some(table) => table.clone(),
+            None => Arc::new(self.latency),
+        };
         CoreConfig {
             page_size: self.page_size,
             num_pages: self.kv_pages,

@@ -85,6 +85,8 @@ pub enum LabError {
     Config(String),
     #[error(transparent)]
     Trace(#[from] TraceError),
+    #[error(transparent)]
+    TimingTable(#[from] switchyard_engine::latency::TableError),
     #[error("--window and --limit select no request of {0}")]
     NothingToReplay(String),
     #[error("loading policy {policy}: {source}")]

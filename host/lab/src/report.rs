@@ -238,6 +238,7 @@ pub fn to_json(config: &LabConfig, report: &LabReport) -> Value {
             "protocol": cluster.protocol,
             "profile": cluster.latency.profile.name,
             "time_scale": cluster.latency.time_scale,
+            "timing_table": config.timing_table.as_ref().map(|p| p.display().to_string()),
             "kv_bytes_per_token": cluster.transfer.bytes_per_token,
             "kv_bandwidth_gb_s": cluster.transfer.bytes_per_us.map(|b| b / 1e3),
             "kv_pages": cluster.kv_pages,
@@ -468,7 +469,10 @@ pub fn write_table(out: &mut impl Write, config: &LabConfig, report: &LabReport)
         config.trace.display(),
         cluster.engines(),
         cluster.protocol,
-        cluster.latency.profile.name,
+        match &config.timing_table {
+            Some(table) => format!("steps from {}", table.display()),
+            None => cluster.latency.profile.name.to_owned(),
+        },
         if cluster.prefix_cache { "on" } else { "off" },
         config.seed
     )?;
@@ -558,7 +562,8 @@ fn write_seeds(out: &mut impl Write, config: &LabConfig, report: &LabReport) -> 
         config.seed,
         config.seed_list().last().unwrap_or(config.seed)
     )?;
-    for (name, fields) in &report.over_seeds {
+    for policy in &report.policies {
+        let (name, fields) = (&policy.name, &report.over_seeds[&policy.name]);
         writeln!(out, "  {name}")?;
         let paired = &fields["paired_vs_first"];
         let figures = SEED_FIGURES
@@ -598,7 +603,7 @@ fn write_sweep(out: &mut impl Write, report: &LabReport) -> io::Result<()> {
         out,
         "load sweep (× the replayed rate): SLO attainment / goodput (req/s) / TTFT p90 (ms)"
     )?;
-    let names: Vec<&String> = report.over_seeds.keys().collect();
+    let names: Vec<&String> = report.policies.iter().map(|p| &p.name).collect();
     let width = names.iter().map(|n| n.len()).max().unwrap_or(0).max(24);
     write!(out, "{:>6} {:>9}", "load", "req/s")?;
     for name in &names {
@@ -711,8 +716,9 @@ fn engine_charts(policy: &PolicyReport) -> [LineChart; 2] {
 fn sweep_charts(report: &LabReport) -> [LineChart; 3] {
     let chart = |title: &str, y_desc: &str, key: &str, y_range: Option<std::ops::Range<f64>>| {
         let lines = report
-            .over_seeds
-            .keys()
+            .policies
+            .iter()
+            .map(|p| &p.name)
             .map(|name| Line {
                 name: name.clone(),
                 points: report

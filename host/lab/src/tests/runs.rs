@@ -525,3 +525,69 @@ fn a_sweep_needs_an_slo_and_rising_loads() {
         .unwrap();
     assert_eq!(config.sweep.unwrap().loads(), [0.5, 1.0, 1.5, 2.0]);
 }
+
+/// `--timing-table` costs the engines' steps from the table, not the profile: requests far
+/// apart decode at the table's step time, and a table twice as slow is `--time-scale 2`.
+#[test]
+fn a_timing_table_costs_every_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(3, 6, 0.05));
+    let table = |factor: f64| {
+        let path = dir.path().join(format!("steps-{factor}.csv"));
+        let rows = format!(
+            "kind,tokens,batch,context,ms\nprefill,100,,,{}\nprefill,1000,,,{}\n\
+             decode,,1,100,{}\ndecode,,1,2000,{}\ndecode,,8,100,{}\ndecode,,8,2000,{}\n",
+            10.0 * factor,
+            100.0 * factor,
+            5.0 * factor,
+            5.0 * factor,
+            9.0 * factor,
+            9.0 * factor,
+        );
+        std::fs::write(&path, rows).unwrap();
+        path
+    };
+    let run = |table: &Path, scale: &str| {
+        let flags = [
+            "--policy",
+            "round-robin",
+            "--engines",
+            "1",
+            "--timing-table",
+            table.to_str().unwrap(),
+            "--time-scale",
+            scale,
+        ];
+        let json: Value =
+            serde_json::from_str(&json_without_wall(&config(&trace, &flags))).unwrap();
+        json
+    };
+    let one = run(&table(1.0), "1");
+    let policies = &one["policies"];
+    assert_eq!(one["cluster"]["timing_table"], table(1.0).to_str().unwrap());
+    // Alone on the engine, each request decodes one token a step: 5 ms.
+    for key in ["p50_tpot_ms", "p99_tpot_ms"] {
+        assert!(
+            (figure(policies, "round-robin", key) - 5.0).abs() < 1e-3,
+            "{key}"
+        );
+    }
+    // Twice the table's times is --time-scale 2, to the nanosecond; latencies about double
+    // (not exactly: a conversation's turns overlap others a little differently).
+    let twice = run(&table(2.0), "1");
+    let scaled = run(&table(1.0), "2");
+    for key in ["mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p50_tpot_ms"] {
+        let base = figure(policies, "round-robin", key);
+        let doubled = figure(&twice["policies"], "round-robin", key);
+        let by_scale = figure(&scaled["policies"], "round-robin", key);
+        assert!(
+            (doubled - by_scale).abs() < 1e-3,
+            "{key}: {doubled} vs {by_scale}"
+        );
+        let ratio = doubled / base;
+        assert!(
+            (1.8..2.3).contains(&ratio),
+            "{key}: {doubled} vs 2 × {base}"
+        );
+    }
+}
