@@ -30,10 +30,11 @@ pub fn mean_ci95(values: &[f64]) -> (f64, Option<[f64; 2]>) {
     if n == 0 {
         return (f64::NAN, None);
     }
-    let mean = values.iter().sum::<f64>() / n as f64;
-    if n < 2 {
-        return (mean, None);
+    // Equal values have no spread, whatever the rounding of their sum says.
+    if values.iter().all(|v| *v == values[0]) {
+        return (values[0], (n > 1).then_some([values[0]; 2]));
     }
+    let mean = values.iter().sum::<f64>() / n as f64;
     let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64;
     let half = t_975(n - 1) * (variance / n as f64).sqrt();
     (mean, Some([mean - half, mean + half]))
@@ -130,8 +131,9 @@ mod tests {
         let wide = mean_ci95(&[1.0, 2.0, 1.0, 2.0]).1.unwrap();
         let narrow = mean_ci95(&[1.0, 2.0].repeat(8)).1.unwrap();
         assert!(narrow[1] - narrow[0] < (wide[1] - wide[0]) / 2.0);
-        // Identical seeds: no spread. One: no interval.
+        // Identical seeds: no spread, even where a sum of three rounds. One: no interval.
         assert_eq!(mean_ci95(&[4.0; 3]), (4.0, Some([4.0, 4.0])));
+        assert_eq!(mean_ci95(&[0.1; 3]), (0.1, Some([0.1, 0.1])));
         assert_eq!(mean_ci95(&[4.0]), (4.0, None));
     }
 

@@ -421,7 +421,9 @@ fn a_sweep_replays_each_load_lowest_first_at_that_multiple_of_the_rate() {
 /// interval around it: the same numbers as K runs with one seed each, taken together.
 #[test]
 fn seeds_give_each_figure_the_mean_and_interval_of_the_seeds_runs() {
-    // Preemptions make the retry jitter, which the seed draws, show.
+    // Tight pools preempt, so each seed draws retry jitter. (It moves no figure here: a retry
+    // waits for the engine's next step either way, and the built-in policies draw nothing;
+    // `confidence`'s tests check the intervals' widths where the values spread.)
     let dir = tempfile::tempdir().unwrap();
     let synthetic = synthetic(5, 60, 30.0);
     let longest = synthetic
@@ -454,7 +456,6 @@ fn seeds_give_each_figure_the_mean_and_interval_of_the_seeds_runs() {
     let together = run("1", "3");
     let alone: Vec<Value> = ["1", "2", "3"].map(|seed| run(seed, "1")).into();
     assert_eq!(together["seeds"], 3);
-    let mut spread = 0;
     for key in [
         "mean_e2el_ms",
         "p90_ttft_ms",
@@ -479,14 +480,12 @@ fn seeds_give_each_figure_the_mean_and_interval_of_the_seeds_runs() {
             "{key}: {reported}"
         );
         assert!(low <= mean && mean <= high);
-        spread += usize::from(high > low);
         assert!(
             alone[0]["policies"]["round-robin"]
                 .get(format!("{key}_ci95"))
                 .is_none()
         );
     }
-    assert!(spread > 0, "the seeds' runs differ");
 }
 
 #[test]
