@@ -236,6 +236,14 @@ pub struct Slo {
     pub tpot_ms: f64,
 }
 
+impl Slo {
+    /// Whether a completed request with this TTFT and TPOT is good. A single-token request has
+    /// no TPOT and is judged on TTFT alone (vLLM does the same).
+    pub fn met_by(self, ttft_ms: f64, tpot_ms: Option<f64>) -> bool {
+        ttft_ms <= self.ttft_ms && tpot_ms.is_none_or(|t| t <= self.tpot_ms)
+    }
+}
+
 /// How requests are released.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum LoadShape {

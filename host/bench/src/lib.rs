@@ -77,7 +77,9 @@ pub use config::{
     parse_slo,
 };
 pub use direct::DirectPlan;
-pub use plot::{LatencySeries, PlotError, write_latency_cdfs};
+pub use plot::{
+    Corner, LatencySeries, Line, LineChart, PlotError, write_latency_cdfs, write_line_charts,
+};
 pub use report::{replay_metrics_json, summary_json};
 pub use schedule::Arrivals;
 pub use stats::{Distribution, ReplayMetrics, RequestOutcome, Summary, Timing, percentile};

@@ -149,7 +149,7 @@ impl Summary {
                     itl.extend(t.itl.iter().copied().map(ms));
                     let t_tpot = t.tpot().map(ms);
                     tpot.extend(t_tpot);
-                    if slo.is_some_and(|slo| meets(slo, ms(t.ttft), t_tpot)) {
+                    if slo.is_some_and(|slo| slo.met_by(ms(t.ttft), t_tpot)) {
                         good += 1;
                     }
                     if let Some(cached) = t.cached_tokens {
@@ -182,11 +182,6 @@ impl Summary {
             .sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
         s
     }
-}
-
-/// A single-token request has no TPOT and is judged on TTFT alone (vLLM does the same).
-fn meets(slo: Slo, ttft_ms: f64, tpot_ms: Option<f64>) -> bool {
-    ttft_ms <= slo.ttft_ms && tpot_ms.is_none_or(|t| t <= slo.tpot_ms)
 }
 
 /// The figures the policy lab reports for each policy it replays a trace with, filled from a

@@ -1,6 +1,7 @@
 //! The `switchyard lab` command line, validated once into a [`LabConfig`].
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
@@ -8,12 +9,12 @@ use switchyard_bench::Slo;
 use switchyard_bench::trace::{ReplayOptions, Window, parse_window};
 use switchyard_contract::{Protocol, Role};
 use switchyard_engine::ModelShape;
-use switchyard_engine::latency::{Latency, Profile};
+use switchyard_engine::latency::{Latency, Profile, TimingTable};
 
 use crate::LabError;
 use crate::config::{
-    ClusterSpec, Hardware, LabConfig, PolicySpec, ROUTER_PROBE_INTERVAL, ROUTER_REQUEST_TIMEOUT,
-    ROUTER_RETRY, TransferModel, engine_defaults,
+    ClusterSpec, Hardware, LabConfig, LoadSweep, PolicySpec, ROUTER_PROBE_INTERVAL,
+    ROUTER_REQUEST_TIMEOUT, ROUTER_RETRY, TransferModel, engine_defaults,
 };
 
 /// Bounds that keep a run finite.
@@ -21,6 +22,8 @@ const MAX_ENGINES: u32 = 4096;
 const MAX_REQUESTS: u64 = 1_000_000;
 const MAX_SPEEDUP: f64 = 1e6;
 const MAX_TOKENS_PER_PROMPT: u32 = 1 << 20;
+const MAX_SWEEP_STEPS: u32 = 64;
+const MAX_SEEDS: u32 = 1000;
 /// The router's request timeout: an index later than that is no index.
 const MAX_KV_EVENTS_DELAY_MS: u64 = ROUTER_REQUEST_TIMEOUT.as_secs() * 1000;
 
@@ -87,6 +90,12 @@ pub struct LabArgs {
           value_parser = clap::builder::PossibleValuesParser::new(Profile::ALL.map(|p| p.name)))]
     pub profile: String,
 
+    /// Cost every engine step from this table of measured step times instead of --profile's
+    /// formula (CSV `kind,tokens,batch,context,ms`: prefill lengths, decode batches ×
+    /// contexts); --profile still sets the KV link, shape and pages.
+    #[arg(long, value_name = "CSV")]
+    pub timing_table: Option<PathBuf>,
+
     /// Multiplies every modelled time, as the engine's --time-scale does.
     #[arg(long, value_name = "X", default_value_t = 1.0)]
     pub time_scale: f64,
@@ -151,12 +160,27 @@ pub struct LabArgs {
     #[arg(long, value_name = "TTFT_MS,TPOT_MS", value_parser = switchyard_bench::parse_slo)]
     pub slo: Option<Slo>,
 
+    /// Also replay at each of STEPS offered loads evenly spaced from A to B, each a multiple of
+    /// the replayed arrival rate (the trace's, times --speedup), e.g. 0.25..2:8; needs --slo.
+    /// Per load and policy: SLO attainment, goodput and the latencies (the JSON's `sweep`,
+    /// `attainment_vs_load.svg` under --out).
+    #[arg(long, value_name = "A..B:STEPS", value_parser = parse_load_sweep, requires = "slo")]
+    pub load_sweep: Option<LoadSweep>,
+
+    /// Repeat every run with K seeds (--seed, --seed + 1, ...): each figure is their mean, with
+    /// its 95% confidence interval beside it (`F_ci95`, Student's t over the seeds).
+    #[arg(long, value_name = "K", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=MAX_SEEDS as i64))]
+    pub seeds: u32,
+
     /// Write the results as JSON (one object per policy under `policies`, vLLM benchmark
     /// names) to FILE.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
 
-    /// Write the TTFT and end-to-end latency CDFs per policy (`latency_cdf.svg`) and the table
+    /// Write the TTFT, TPOT and end-to-end latency CDFs per policy (`latency_cdf.svg`), each
+    /// policy's engines' queue depth and KV usage over time (`engines_N_POLICY.svg`), the
+    /// sweep's SLO attainment against load (`attainment_vs_load.svg`) and the table
     /// (`summary.txt`) into DIR.
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
@@ -189,6 +213,25 @@ impl From<LabProtocol> for Protocol {
 pub enum OnOff {
     On,
     Off,
+}
+
+/// `A..B:STEPS`: at least two loads, positive and rising.
+fn parse_load_sweep(raw: &str) -> Result<LoadSweep, String> {
+    let usage = || format!("expected A..B:STEPS (e.g. 0.25..2:8), got {raw:?}");
+    let (range, steps) = raw.split_once(':').ok_or_else(usage)?;
+    let (from, to) = range.split_once("..").ok_or_else(usage)?;
+    let load = |s: &str| s.trim().parse::<f64>().map_err(|_| usage());
+    let (from, to) = (load(from)?, load(to)?);
+    let steps: u32 = steps.trim().parse().map_err(|_| usage())?;
+    if !(from.is_finite() && to.is_finite() && from > 0.0 && from < to) {
+        return Err(format!("the loads of {raw:?} must be positive, A below B"));
+    }
+    if !(2..=MAX_SWEEP_STEPS).contains(&steps) {
+        return Err(format!(
+            "STEPS must be in 2..={MAX_SWEEP_STEPS}, got {steps}"
+        ));
+    }
+    Ok(LoadSweep { from, to, steps })
 }
 
 /// `NAME=JSON`: the JSON is checked when the policy loads (naming it), not here.
@@ -233,6 +276,9 @@ impl LabArgs {
             cluster,
             seed: self.seed,
             slo: self.slo,
+            sweep: self.load_sweep,
+            seeds: self.seeds,
+            timing_table: self.timing_table,
             json: self.json,
             out: self.out,
         })
@@ -243,6 +289,11 @@ impl LabArgs {
             self.speedup.is_finite() && self.speedup > 0.0 && self.speedup <= MAX_SPEEDUP,
             || format!("--speedup must be a positive factor up to {MAX_SPEEDUP}"),
         )?;
+        if let Some(sweep) = self.load_sweep {
+            check(self.speedup * sweep.to <= MAX_SPEEDUP, || {
+                format!("--speedup times the sweep's highest load must be at most {MAX_SPEEDUP}")
+            })?;
+        }
         if let Some(limit) = self.limit {
             check((1..=MAX_REQUESTS).contains(&limit), || {
                 format!("--limit must be in 1..={MAX_REQUESTS}")
@@ -293,10 +344,15 @@ impl LabArgs {
             profile,
             time_scale: self.time_scale,
         };
+        let step_table = match &self.timing_table {
+            Some(path) => Some(Arc::new(TimingTable::read(path, self.time_scale, latency)?)),
+            None => None,
+        };
         Ok(ClusterSpec {
             roles,
             protocol: self.protocol.into(),
             latency,
+            step_table,
             transfer: TransferModel::new(latency, shape, self.kv_bandwidth),
             page_size: engine.page_size as usize,
             kv_pages,

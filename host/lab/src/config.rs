@@ -8,7 +8,7 @@ use std::time::Duration;
 use switchyard_bench::Slo;
 use switchyard_bench::trace::ReplayOptions;
 use switchyard_contract::{Protocol, Role};
-use switchyard_engine::latency::{Latency, Profile, TimingModel};
+use switchyard_engine::latency::{Latency, Profile, TimingModel, TimingTable};
 use switchyard_engine::scheduler::CoreConfig;
 use switchyard_engine::{EngineArgs, ModelShape};
 
@@ -25,8 +25,49 @@ pub struct LabConfig {
     /// Seeds every random draw of a simulation (the policies' WASI randomness, retry jitter).
     pub seed: u64,
     pub slo: Option<Slo>,
+    /// Also replay at each of these offered loads.
+    pub sweep: Option<LoadSweep>,
+    /// Each run is repeated with the seeds `seed..seed + seeds`, its figures averaged.
+    pub seeds: u32,
+    /// Where `cluster.step_table` was read from.
+    pub timing_table: Option<PathBuf>,
     pub json: Option<PathBuf>,
     pub out: Option<PathBuf>,
+}
+
+impl LabConfig {
+    /// The same run with `seed` and arrivals `load` times as fast as the replay's.
+    pub fn variant(&self, seed: u64, load: f64) -> LabConfig {
+        let mut config = self.clone();
+        config.seed = seed;
+        config.replay.speedup *= load;
+        config
+    }
+
+    /// The seeds every run is repeated with.
+    pub fn seed_list(&self) -> impl Iterator<Item = u64> + use<> {
+        let first = self.seed;
+        (0..u64::from(self.seeds)).map(move |k| first.wrapping_add(k))
+    }
+}
+
+/// `--load-sweep A..B:STEPS`: `steps` offered loads evenly spaced from `from` to `to`, each a
+/// multiple of the replay's arrival rate (the trace's, times `--speedup`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadSweep {
+    pub from: f64,
+    pub to: f64,
+    pub steps: u32,
+}
+
+impl LoadSweep {
+    /// The loads, lowest first.
+    pub fn loads(&self) -> Vec<f64> {
+        let last = f64::from(self.steps - 1);
+        (0..self.steps)
+            .map(|i| self.from + (self.to - self.from) * f64::from(i) / last)
+            .collect()
+    }
 }
 
 /// One policy under test.
@@ -46,7 +87,10 @@ pub struct ClusterSpec {
     /// One per engine, in endpoint order (ids and device ranks `0..n`).
     pub roles: Vec<Role>,
     pub protocol: Protocol,
+    /// Costs every step, unless `step_table` does, and sets the link KV moves over.
     pub latency: Latency,
+    /// Steps costed from measurements (`--timing-table`) instead of the profile's formula.
+    pub step_table: Option<Arc<TimingTable>>,
     pub transfer: TransferModel,
     pub page_size: usize,
     pub kv_pages: u32,
@@ -72,7 +116,10 @@ impl ClusterSpec {
 
     /// The scheduler core each engine runs.
     pub fn core_config(&self) -> CoreConfig {
-        let timing: Arc<dyn TimingModel> = Arc::new(self.latency);
+        let timing: Arc<dyn TimingModel> = match &self.step_table {
+            Some(table) => table.clone(),
+            None => Arc::new(self.latency),
+        };
         CoreConfig {
             page_size: self.page_size,
             num_pages: self.kv_pages,
@@ -209,6 +256,16 @@ pub fn engine_defaults() -> EngineArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sweep_spaces_its_loads_evenly_from_the_lowest() {
+        let sweep = LoadSweep {
+            from: 0.5,
+            to: 2.0,
+            steps: 4,
+        };
+        assert_eq!(sweep.loads(), [0.5, 1.0, 1.5, 2.0]);
+    }
 
     #[test]
     fn retry_delays_grow_to_their_cap() {

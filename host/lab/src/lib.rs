@@ -18,7 +18,9 @@
 //!              per --policy, on threads of their own:
 //!              load the component (virtual clock, seed) → simulate → PolicyReport
 //!                                        │
-//!                 LabReport ──▶ table (stdout), --json, --out DIR/{latency_cdf.svg,summary.txt}
+//!       (again per --seeds seed, and per --load-sweep load: each figure over the seeds)
+//!                                        │
+//!                 LabReport ──▶ table (stdout), --json, --out DIR/{*.svg,summary.txt}
 //! ```
 //!
 //! A simulation is deterministic: one thread, integer microseconds, an agenda whose ties
@@ -48,6 +50,7 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod confidence;
 mod config;
 mod policies;
 mod report;
@@ -66,11 +69,14 @@ use switchyard_bench::trace::{Replay, Trace, TraceError};
 
 pub use args::{LabArgs, LabProtocol, OnOff, TraceFormat};
 pub use config::{
-    ClusterSpec, Hardware, LabConfig, PolicySpec, RetryRules, TransferModel, engine_defaults,
+    ClusterSpec, Hardware, LabConfig, LoadSweep, PolicySpec, RetryRules, TransferModel,
+    engine_defaults,
 };
 pub use policies::{Planners, SimClock};
-pub use report::{LabReport, PolicyReport, to_json, write_table};
-pub use sim::{Ended, EngineStats, KvPredictions, SimResult, Transfers, simulate};
+pub use report::{LabReport, PolicyReport, SweepPoint, policy_fields, to_json, write_table};
+pub use sim::{
+    Ended, EngineStats, KvPredictions, Load, LoadSample, SimResult, Transfers, simulate,
+};
 
 /// Why a lab run could not be done.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +85,8 @@ pub enum LabError {
     Config(String),
     #[error(transparent)]
     Trace(#[from] TraceError),
+    #[error(transparent)]
+    TimingTable(#[from] switchyard_engine::latency::TableError),
     #[error("--window and --limit select no request of {0}")]
     NothingToReplay(String),
     #[error("loading policy {policy}: {source}")]
@@ -119,8 +127,7 @@ pub fn run(args: LabArgs) -> Result<(), LabError> {
         std::fs::create_dir_all(dir).map_err(|e| output_error(&dir.display().to_string(), e))?;
         let summary = dir.join("summary.txt");
         std::fs::write(&summary, &table).map_err(|e| output_error(&name("summary.txt"), e))?;
-        report::write_plot(&dir.join("latency_cdf.svg"), &report)
-            .map_err(|e| output_error(&name("latency_cdf.svg"), e))?;
+        report::write_plots(dir, &report).map_err(|(file, e)| output_error(&name(&file), e))?;
     }
     Ok(())
 }
@@ -132,58 +139,104 @@ fn output_error(path: &str, e: impl std::fmt::Display) -> LabError {
     }
 }
 
-/// Reads the trace and simulates every policy on it, as many at once as there are CPUs, each
-/// on a thread of its own (compiling its component included); draws progress on `progress`.
-/// The report's `wall` is this call's.
+/// Reads the trace and simulates every policy on it with each seed, at the configured load
+/// and at each load of the sweep, as many at once as there are CPUs, each on a thread of its
+/// own (compiling its component included); draws progress on `progress`. The report's `wall`
+/// is this call's.
 pub fn execute(config: &LabConfig, progress: ProgressDrawTarget) -> Result<LabReport, LabError> {
     let started = Instant::now();
     let trace = Trace::read(&config.trace)?;
-    let replay = trace.replay(&config.replay);
-    if replay.is_empty() {
+    let loads: Vec<f64> = std::iter::once(1.0)
+        .chain(config.sweep.iter().flat_map(|s| s.loads()))
+        .collect();
+    let replays: Vec<Replay> = loads
+        .iter()
+        .map(|&load| trace.replay(&config.variant(config.seed, load).replay))
+        .collect();
+    if replays[0].is_empty() {
         return Err(LabError::NothingToReplay(
             config.trace.display().to_string(),
         ));
     }
-    let bars = MultiProgress::with_draw_target(progress);
-    let results = simulate_all(config, &replay, &bars);
-    let policies = config
-        .policies
+    // One run per load and seed, the configured load's first.
+    let runs: Vec<(usize, LabConfig)> = loads
         .iter()
-        .zip(results)
-        .map(|(spec, result)| {
-            let sim = result?;
-            if !sim.violations.is_empty() {
-                return Err(LabError::Invariants {
-                    policy: spec.name.clone(),
-                    violations: sim.violations,
-                });
-            }
-            Ok(PolicyReport::new(spec.name.clone(), sim, config))
+        .enumerate()
+        .flat_map(|(l, &load)| config.seed_list().map(move |seed| (l, seed, load)))
+        .map(|(l, seed, load)| (l, config.variant(seed, load)))
+        .collect();
+    let bars = MultiProgress::with_draw_target(progress);
+    let mut results = simulate_all(config, &runs, &replays, &bars).into_iter();
+    let mut first: Option<Vec<PolicyReport>> = None;
+    let mut fields: Vec<Vec<serde_json::Map<String, serde_json::Value>>> =
+        vec![Vec::new(); loads.len()];
+    for (l, run) in &runs {
+        let policies = config
+            .policies
+            .iter()
+            .map(|spec| {
+                let sim = results.next().expect("a result per policy and run")?;
+                if !sim.violations.is_empty() {
+                    return Err(LabError::Invariants {
+                        policy: spec.name.clone(),
+                        violations: sim.violations,
+                    });
+                }
+                Ok(PolicyReport::new(spec.name.clone(), sim, run))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        fields[*l].push(report::policy_fields(run, &policies));
+        first.get_or_insert(policies);
+    }
+    let mut over_loads = fields.into_iter().map(confidence::over_seeds);
+    let over_seeds = over_loads.next().expect("the configured load");
+    let sweep = loads[1..]
+        .iter()
+        .zip(&replays[1..])
+        .zip(over_loads)
+        .map(|((&load, replay), policies)| report::SweepPoint {
+            load,
+            // The summary's rate is the trace's own, in trace time.
+            request_rate: replay.summary().request_rate * config.replay.speedup * load,
+            policies,
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
     Ok(LabReport {
-        simulated_requests: replay.len(),
-        replayed: replay.summary(),
+        simulated_requests: replays[0].len(),
+        replayed: replays[0].summary(),
         wall: started.elapsed(),
-        policies,
+        simulations: runs.len() * config.policies.len(),
+        policies: first.expect("one run at least"),
+        over_seeds,
+        sweep,
     })
 }
 
-/// One simulation per policy, in the policies' order, on up to one thread per CPU.
+/// Every policy's simulation of every run (a load's replay and a seed), in that order, on up
+/// to one thread per CPU.
 fn simulate_all(
     config: &LabConfig,
-    replay: &Replay,
+    runs: &[(usize, LabConfig)],
+    replays: &[Replay],
     bars: &MultiProgress,
 ) -> Vec<Result<SimResult, LabError>> {
+    let slots: Vec<_> = runs
+        .iter()
+        .flat_map(|(l, run)| {
+            config
+                .policies
+                .iter()
+                .map(move |spec| (run, spec, &replays[*l]))
+        })
+        .map(|(run, spec, replay)| {
+            let bar = bars.add(progress_bar(spec, run, replay.len() as u64));
+            (run, spec, replay, bar)
+        })
+        .collect();
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
-        .min(config.policies.len());
+        .min(slots.len());
     let next = AtomicUsize::new(0);
-    let slots: Vec<_> = config
-        .policies
-        .iter()
-        .map(|spec| (spec, bars.add(progress_bar(spec, replay.len() as u64))))
-        .collect();
     let mut results: Vec<Option<Result<SimResult, LabError>>> =
         std::iter::repeat_with(|| None).take(slots.len()).collect();
     std::thread::scope(|scope| {
@@ -193,10 +246,10 @@ fn simulate_all(
                     let mut done = Vec::new();
                     loop {
                         let index = next.fetch_add(1, Ordering::Relaxed);
-                        let Some((spec, bar)) = slots.get(index) else {
+                        let Some((run, spec, replay, bar)) = slots.get(index) else {
                             return done;
                         };
-                        done.push((index, simulate_policy(config, spec, replay, bar)));
+                        done.push((index, simulate_policy(run, spec, replay, bar)));
                         bar.finish_and_clear();
                     }
                 })
@@ -245,13 +298,16 @@ fn progress_target() -> ProgressDrawTarget {
     }
 }
 
-fn progress_bar(spec: &PolicySpec, total: u64) -> ProgressBar {
+fn progress_bar(spec: &PolicySpec, run: &LabConfig, total: u64) -> ProgressBar {
     let bar = ProgressBar::new(total);
     if let Ok(style) =
         ProgressStyle::with_template("{elapsed_precise} [{wide_bar}] {pos}/{len} requests {msg}")
     {
         bar.set_style(style);
     }
-    bar.set_message(spec.name.clone());
+    bar.set_message(format!(
+        "{} (seed {}, speedup {})",
+        spec.name, run.seed, run.replay.speedup
+    ));
     bar
 }

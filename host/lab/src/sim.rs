@@ -45,11 +45,12 @@ use switchyard_engine::scheduler::{Backend, Core, Counters, Output, Time};
 use crate::config::ClusterSpec;
 use crate::policies::{Planners, SimClock};
 use audit::Audit;
-use engine::{Engine, Leg, Load, Waiter};
+use engine::{Engine, Leg, Waiter};
 use kv::{KvView, Published};
 use queue::Agenda;
 use request::Request;
 
+pub use engine::Load;
 pub use kv::KvPredictions;
 pub use request::Ended;
 
@@ -93,8 +94,18 @@ pub struct SimResult {
     pub policy_faults: u64,
     /// How well the index's `cached-prefix` foretold what engines served from cache.
     pub kv_predictions: KvPredictions,
+    /// Every engine's load at each of the router's probes, in time order.
+    pub timeline: Vec<LoadSample>,
     /// Every broken invariant, described (none, unless the lab has a bug).
     pub violations: Vec<String>,
+}
+
+/// What one probe of the router read: each engine's load, in endpoint order.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadSample {
+    /// Since the run's start.
+    pub at: Duration,
+    pub engines: Vec<Load>,
 }
 
 /// One engine over the run.
@@ -155,6 +166,7 @@ struct Simulation<'a> {
     rng: StdRng,
     transfers: Transfers,
     policy_faults: u64,
+    timeline: Vec<LoadSample>,
     audit: Audit,
 }
 
@@ -215,6 +227,7 @@ impl<'a> Simulation<'a> {
             rng: StdRng::seed_from_u64(seed),
             transfers: Transfers::default(),
             policy_faults: 0,
+            timeline: Vec::new(),
             audit: Audit::default(),
         }
     }
@@ -291,6 +304,10 @@ impl<'a> Simulation<'a> {
                 for e in &mut self.engines {
                     e.probed = Load::of(&e.core.gauges());
                 }
+                self.timeline.push(LoadSample {
+                    at: self.now.saturating_since(Time::ZERO),
+                    engines: self.engines.iter().map(|e| e.probed).collect(),
+                });
                 if !self.all_ended() {
                     let next = self.now + self.cluster.probe_interval;
                     self.agenda.schedule(next, Event::Probe);
@@ -511,6 +528,7 @@ impl<'a> Simulation<'a> {
             transfers: self.transfers,
             policy_faults: self.policy_faults,
             kv_predictions: self.kv_predictions,
+            timeline: self.timeline,
             violations: self.audit.into_violations(),
         }
     }

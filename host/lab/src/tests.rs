@@ -141,6 +141,7 @@ pub(crate) fn cluster(protocol: Protocol, roles: Vec<Role>, kv_pages: u32) -> Cl
         roles,
         protocol,
         latency,
+        step_table: None,
         transfer: TransferModel::new(latency, ModelShape::Llama3_8b, None),
         page_size: engine.page_size as usize,
         kv_pages,

@@ -28,16 +28,16 @@ pub(super) enum Leg {
     HeldPrefill,
 }
 
-/// The engine's load as the router last read it (its `/metrics`).
+/// An engine's load as the router reads it (its `/metrics`).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct Load {
+pub struct Load {
     pub running: u32,
     pub waiting: u32,
     pub kv_usage: f32,
 }
 
 impl Load {
-    pub fn of(gauges: &Gauges) -> Load {
+    pub(super) fn of(gauges: &Gauges) -> Load {
         let total = gauges.kv_pages_used + gauges.kv_pages_free;
         Load {
             running: gauges.running as u32,

@@ -323,3 +323,270 @@ fn snapshots_carry_the_prompt_tokens_each_engine_has_not_prefilled_yet() {
         "prefilled requests count in flight only: {seen:?}"
     );
 }
+
+/// A figure of a policy in a JSON object of policies.
+fn figure(policies: &Value, policy: &str, key: &str) -> f64 {
+    policies[policy][key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{policy}.{key}: {}", policies[policy]))
+}
+
+/// A sweep replays each load, lowest first, as that multiple of the replayed rate: its first
+/// load (1) is the configured run, field for field; the rate grows with the load and SLO
+/// attainment falls. The per-request paired difference to the first policy is, with every
+/// request completed by both, the difference of their means.
+#[test]
+fn a_sweep_replays_each_load_lowest_first_at_that_multiple_of_the_rate() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(3, 60, 6.0));
+    let out = dir.path().join("out");
+    let config = config(
+        &trace,
+        &[
+            "--policy",
+            "round-robin",
+            "--policy",
+            "kv-aware",
+            "--engines",
+            "2",
+            "--slo",
+            "250,12",
+            "--load-sweep",
+            "1..4:4",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+    let json: Value = serde_json::from_str(&json_without_wall(&config)).unwrap();
+    let sweep = json["sweep"].as_array().expect("a sweep");
+    let loads: Vec<f64> = sweep.iter().map(|p| p["load"].as_f64().unwrap()).collect();
+    assert_eq!(loads, [1.0, 2.0, 3.0, 4.0]);
+    assert_eq!(
+        sweep[0]["policies"], json["policies"],
+        "load 1 is the run itself"
+    );
+    let rate = sweep[0]["request_rate"].as_f64().unwrap();
+    for point in sweep {
+        let expected = rate * point["load"].as_f64().unwrap();
+        let rate = point["request_rate"].as_f64().unwrap();
+        assert!(
+            (rate - expected).abs() < 1e-9 * expected,
+            "{rate} vs {expected}"
+        );
+    }
+    for policy in ["round-robin", "kv-aware"] {
+        let span = |p: &Value| figure(&p["policies"], policy, "duration");
+        assert!(
+            span(&sweep[3]) < span(&sweep[0]) / 2.0,
+            "4x the rate, a shorter run"
+        );
+        let attainment: Vec<f64> = sweep
+            .iter()
+            .map(|p| figure(&p["policies"], policy, "slo_attainment"))
+            .collect();
+        assert!(attainment.iter().all(|a| (0.0..=1.0).contains(a)));
+        assert!(
+            attainment[3] < attainment[0],
+            "{policy}: 4x the load, fewer requests in the SLO: {attainment:?}"
+        );
+    }
+    for point in sweep {
+        let policies = &point["policies"];
+        assert_eq!(figure(policies, "kv-aware", "failed"), 0.0);
+        let paired = &policies["kv-aware"]["paired_vs_first"];
+        assert_eq!(paired["pairs"], 60);
+        for key in ["mean_ttft_ms", "mean_e2el_ms"] {
+            let of_means = figure(policies, "kv-aware", key) - figure(policies, "round-robin", key);
+            let paired = paired[key].as_f64().unwrap();
+            assert!(
+                (paired - of_means).abs() < 1e-6,
+                "{key}: {paired} vs {of_means}"
+            );
+        }
+    }
+    // The plots: attainment against load, and each policy's engines over time.
+    let report = execute(&config, indicatif::ProgressDrawTarget::hidden()).unwrap();
+    std::fs::create_dir_all(&out).unwrap();
+    crate::report::write_plots(&out, &report).unwrap();
+    let svg = std::fs::read_to_string(out.join("attainment_vs_load.svg")).unwrap();
+    assert!(
+        svg.contains("SLO attainment") && svg.contains("kv-aware"),
+        "{svg}"
+    );
+    let engines = std::fs::read_to_string(out.join("engines_1_kv-aware.svg")).unwrap();
+    assert!(engines.contains("engine 1"), "{engines}");
+}
+
+/// `--seeds K` reports each figure as the mean of the K seeds' runs, with Student's 95%
+/// interval around it: the same numbers as K runs with one seed each, taken together.
+#[test]
+fn seeds_give_each_figure_the_mean_and_interval_of_the_seeds_runs() {
+    // Tight pools preempt, so each seed draws retry jitter. (It moves no figure here: a retry
+    // waits for the engine's next step either way, and the built-in policies draw nothing;
+    // `confidence`'s tests check the intervals' widths where the values spread.)
+    let dir = tempfile::tempdir().unwrap();
+    let synthetic = synthetic(5, 60, 30.0);
+    let longest = synthetic
+        .requests()
+        .iter()
+        .map(|r| r.input_length)
+        .max()
+        .unwrap();
+    let pages = (longest / 16 + 24).to_string();
+    let trace = trace_file(dir.path(), &synthetic);
+    let flags = |seed: &'static str, seeds: &'static str| {
+        let mut flags = vec![
+            "--policy",
+            "round-robin",
+            "--engines",
+            "2",
+            "--slo",
+            "800,40",
+        ];
+        flags.extend(["--seed", seed, "--seeds", seeds]);
+        flags
+    };
+    let run = |seed, seeds| {
+        let mut flags = flags(seed, seeds);
+        flags.extend(["--kv-pages", &pages]);
+        let json: Value =
+            serde_json::from_str(&json_without_wall(&config(&trace, &flags))).unwrap();
+        json
+    };
+    let together = run("1", "3");
+    let alone: Vec<Value> = ["1", "2", "3"].map(|seed| run(seed, "1")).into();
+    assert_eq!(together["seeds"], 3);
+    for key in [
+        "mean_e2el_ms",
+        "p90_ttft_ms",
+        "slo_attainment",
+        "preemptions",
+    ] {
+        let values: Vec<f64> = alone
+            .iter()
+            .map(|j| figure(&j["policies"], "round-robin", key))
+            .collect();
+        let (mean, ci) = crate::confidence::mean_ci95(&values);
+        let [low, high] = ci.unwrap();
+        let policy = &together["policies"]["round-robin"];
+        assert!((figure(&together["policies"], "round-robin", key) - mean).abs() < 1e-9);
+        let reported = &policy[format!("{key}_ci95")];
+        assert!(
+            (reported[0].as_f64().unwrap() - low).abs() < 1e-9,
+            "{key}: {reported}"
+        );
+        assert!(
+            (reported[1].as_f64().unwrap() - high).abs() < 1e-9,
+            "{key}: {reported}"
+        );
+        assert!(low <= mean && mean <= high);
+        assert!(
+            alone[0]["policies"]["round-robin"]
+                .get(format!("{key}_ci95"))
+                .is_none()
+        );
+    }
+}
+
+#[test]
+fn a_sweep_needs_an_slo_and_rising_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(3, 4, 8.0));
+    let plugins = switchyard_tests::plugins_dir();
+    let parse = |extra: &[&str]| {
+        let mut argv = vec![
+            "lab",
+            "--trace",
+            trace.to_str().unwrap(),
+            "--plugins",
+            plugins.to_str().unwrap(),
+            "--policy",
+            "round-robin",
+            "--engines",
+            "1",
+        ];
+        argv.extend(extra);
+        Cli::try_parse_from(argv).map(|c| c.lab)
+    };
+    for bad in [
+        &["--load-sweep", "0.5..2:4"][..],
+        &["--slo", "1,1", "--load-sweep", "2..1:4"],
+        &["--slo", "1,1", "--load-sweep", "0..1:4"],
+        &["--slo", "1,1", "--load-sweep", "1..2:1"],
+        &["--slo", "1,1", "--load-sweep", "1..2"],
+        &["--slo", "1,1", "--seeds", "0"],
+    ] {
+        assert!(parse(bad).is_err(), "{bad:?} parses");
+    }
+    let config = parse(&["--slo", "1,1", "--load-sweep", "0.5..2:4"])
+        .unwrap()
+        .validate()
+        .unwrap();
+    assert_eq!(config.sweep.unwrap().loads(), [0.5, 1.0, 1.5, 2.0]);
+}
+
+/// `--timing-table` costs the engines' steps from the table, not the profile: requests far
+/// apart decode at the table's step time, and a table twice as slow is `--time-scale 2`.
+#[test]
+fn a_timing_table_costs_every_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(3, 6, 0.05));
+    let table = |factor: f64| {
+        let path = dir.path().join(format!("steps-{factor}.csv"));
+        let rows = format!(
+            "kind,tokens,batch,context,ms\nprefill,100,,,{}\nprefill,1000,,,{}\n\
+             decode,,1,100,{}\ndecode,,1,2000,{}\ndecode,,8,100,{}\ndecode,,8,2000,{}\n",
+            10.0 * factor,
+            100.0 * factor,
+            5.0 * factor,
+            5.0 * factor,
+            9.0 * factor,
+            9.0 * factor,
+        );
+        std::fs::write(&path, rows).unwrap();
+        path
+    };
+    let run = |table: &Path, scale: &str| {
+        let flags = [
+            "--policy",
+            "round-robin",
+            "--engines",
+            "1",
+            "--timing-table",
+            table.to_str().unwrap(),
+            "--time-scale",
+            scale,
+        ];
+        let json: Value =
+            serde_json::from_str(&json_without_wall(&config(&trace, &flags))).unwrap();
+        json
+    };
+    let one = run(&table(1.0), "1");
+    let policies = &one["policies"];
+    assert_eq!(one["cluster"]["timing_table"], table(1.0).to_str().unwrap());
+    // Alone on the engine, each request decodes one token a step: 5 ms.
+    for key in ["p50_tpot_ms", "p99_tpot_ms"] {
+        assert!(
+            (figure(policies, "round-robin", key) - 5.0).abs() < 1e-3,
+            "{key}"
+        );
+    }
+    // Twice the table's times is --time-scale 2, to the nanosecond; latencies about double
+    // (not exactly: a conversation's turns overlap others a little differently).
+    let twice = run(&table(2.0), "1");
+    let scaled = run(&table(1.0), "2");
+    for key in ["mean_ttft_ms", "p99_ttft_ms", "mean_e2el_ms", "p50_tpot_ms"] {
+        let base = figure(policies, "round-robin", key);
+        let doubled = figure(&twice["policies"], "round-robin", key);
+        let by_scale = figure(&scaled["policies"], "round-robin", key);
+        assert!(
+            (doubled - by_scale).abs() < 1e-3,
+            "{key}: {doubled} vs {by_scale}"
+        );
+        let ratio = doubled / base;
+        assert!(
+            (1.8..2.3).contains(&ratio),
+            "{key}: {doubled} vs 2 × {base}"
+        );
+    }
+}
