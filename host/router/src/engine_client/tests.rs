@@ -265,3 +265,35 @@ async fn sequential_streams_keep_their_engine_connections() {
         "{connections:?}"
     );
 }
+
+/// An engine that keeps the body open after `[DONE]` does not hold the stream: it ends at
+/// `[DONE]`, long before the 60 s a silent stream is given, and only the background read of
+/// the body's end waits on the engine.
+#[tokio::test]
+async fn a_stream_ends_at_done_although_the_engine_keeps_its_body_open() {
+    let events = "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"x\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{events}\r\n",
+        events.len()
+    );
+    let engine = canned_engine(answer.into_bytes(), true).await;
+    let client = client(Duration::from_secs(20));
+    assert_eq!(client.timeouts().stream_idle, Duration::from_secs(60));
+    let request = CompletionRequest::new(vec![1], 1, "cmpl-t".into());
+    let mut chunks = client
+        .generate_leg(&engine, "/v1/completions", &request, "cmpl-t", true, None)
+        .await
+        .expect("streams");
+    let read = async {
+        let mut texts = 0;
+        while let Some(chunk) = chunks.next().await {
+            chunk.expect("a chunk");
+            texts += 1;
+        }
+        texts
+    };
+    let texts = tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("ended at [DONE], not at the idle timeout");
+    assert_eq!(texts, 1);
+}
