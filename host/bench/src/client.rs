@@ -19,6 +19,12 @@ use switchyard_wire::error_chain;
 /// Bytes of an error body kept in the error message.
 const ERROR_BODY_EXCERPT: usize = 200;
 
+/// How long a stream's body may stay open after `[DONE]` before it is dropped unread. Servers
+/// end it in the same write as `[DONE]` (switchyard, the reference engine) or in the next one
+/// (uvicorn: vLLM, SGLang), so this is only reached by a server that holds the body open, and
+/// it bounds what that costs each request of a closed loop.
+const BODY_END_AFTER_DONE: Duration = Duration::from_millis(50);
+
 /// Why one request failed. Messages are grouped and counted in the report, so they carry the
 /// kind of failure and not per-request details like ids.
 #[derive(Debug, thiserror::Error)]
@@ -206,6 +212,9 @@ async fn time_stream(
         chunks += 1;
     }
     timing.e2e = start.elapsed();
+    // Read to the body's end: dropped before it, the connection is closed unless its end was
+    // already read with `[DONE]`, and the next request opens a new one.
+    let _ = tokio::time::timeout(BODY_END_AFTER_DONE, events.finish()).await;
     // A stream that ends at once with EOS is a complete answer of zero tokens; one that never
     // carried a choice is not an answer at all.
     if last_chunk.is_none() {

@@ -519,6 +519,38 @@ async fn closed_loop_counts_every_token() {
     assert_eq!(first["max_tokens"], 8);
 }
 
+/// One request at a time keeps its connection although the server ends each body in a write of
+/// its own after `[DONE]` (as uvicorn does): dropped at `[DONE]`, each body's connection was
+/// closed and every request opened a new one (50 of 50). Two, not one: hyper-util's pool
+/// returns a connection from another task once its body is read, so the next request finds none
+/// idle, races a new connect against the return, and the two then take turns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_streams_keep_their_connection() {
+    let server = mock::MockServer::start().await;
+    let report = run_against(
+        &server,
+        &[
+            "--num-requests",
+            "50",
+            "--concurrency",
+            "1",
+            "--output-len",
+            "2",
+            "--input-len",
+            "8",
+        ],
+    )
+    .await
+    .expect("runs");
+    assert_eq!(
+        report.overall.completed, 50,
+        "errors: {:?}",
+        report.overall.errors
+    );
+    let by_connection = server.calls.lock().completions_by_connection.clone();
+    assert!(by_connection.len() <= 2, "{by_connection:?}");
+}
+
 #[tokio::test]
 async fn open_loop_compare_direct_runs_the_microserving_sequence() {
     let server = mock::MockServer::start().await;

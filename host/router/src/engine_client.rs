@@ -54,7 +54,7 @@ use serde::de::DeserializeOwned;
 use switchyard_wire::completion::CompletionResponse;
 use switchyard_wire::error_chain;
 use switchyard_wire::microserving::DEFAULT_CALL_TIMEOUT;
-use switchyard_wire::sse::{ChunkStream, SseError, parse_chunks, single_chunk};
+use switchyard_wire::sse::{self, ChunkStream, SseError, single_chunk};
 use switchyard_wire::vllm::REQUEST_ID_HEADER;
 use thread_local::ThreadLocal;
 
@@ -69,6 +69,13 @@ const MAX_ANSWER_BYTES: usize = 1 << 20;
 
 /// How long an idle pooled connection to an engine is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// How long a streamed body may stay open after `[DONE]` before its connection is dropped.
+/// uvicorn (vLLM, SGLang) writes the body's end apart, right after `[DONE]`: a body dropped
+/// unread at `[DONE]` closed its connection and every stream opened a new one. The reading
+/// is detached, so only an engine that holds the body open waits this long, holding a task
+/// and its connection, not a client.
+const BODY_END_AFTER_DONE: Duration = Duration::from_secs(1);
 
 /// How long the router waits on an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -545,8 +552,16 @@ impl EngineClient {
             .into_body()
             .into_data_stream()
             .map_err(|e| error_chain(&e));
+        // The body's end is read in the background, so that `[DONE]` reaches the client at
+        // once and the connection stays pooled (see `BODY_END_AFTER_DONE`).
+        let events = sse::data_events(bytes).on_done(|rest| {
+            tokio::spawn(tokio::time::timeout(
+                BODY_END_AFTER_DONE,
+                rest.read_to_end(),
+            ));
+        });
         Ok(with_idle_timeout(
-            parse_chunks(bytes),
+            sse::chunks(events),
             self.timeouts.stream_idle,
         ))
     }

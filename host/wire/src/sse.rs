@@ -6,9 +6,11 @@
 //! is reported as an error, never as a short success.
 
 use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
-use eventsource_stream::{EventStreamError, Eventsource};
+use eventsource_stream::{Event, EventStreamError, Eventsource};
+use futures::stream::FusedStream;
 use futures::{Stream, StreamExt};
 
 use serde::Serialize;
@@ -64,44 +66,114 @@ pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<CompletionResponse, SseE
 
 /// The data of each event of an SSE byte stream, ending after `data: [DONE]`. Events with no
 /// data are skipped. A stream that ends without `[DONE]` yields [`SseError::Truncated`], and the
-/// first error ends it (it is fused).
+/// first error ends it (it is fused). What follows `[DONE]` is left unread:
+/// [`DataEvents::finish`] or [`DataEvents::on_done`] reads it.
 pub fn data_events<S, E>(bytes: S) -> DataEvents
 where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {
-    let events = capped(bytes, MAX_EVENT_BYTES).eventsource();
-    let state = (Box::pin(events), false);
-    Box::pin(
-        futures::stream::unfold(state, |(mut events, done)| async move {
-            if done {
-                return None;
-            }
-            loop {
-                match events.next().await {
-                    None => return Some((Err(SseError::Truncated), (events, true))),
-                    Some(Err(EventStreamError::Transport(CappedError::TooLarge))) => {
-                        return Some((Err(SseError::EventTooLarge), (events, true)));
-                    }
-                    Some(Err(e)) => {
-                        return Some((Err(SseError::Transport(e.to_string())), (events, true)));
-                    }
-                    Some(Ok(event)) => {
-                        let data = event.data.trim();
-                        if data.is_empty() {
-                            continue;
-                        }
-                        if data == "[DONE]" {
-                            return None;
-                        }
-                        let data = data.to_owned();
-                        return Some((Ok(data), (events, false)));
-                    }
+    DataEvents {
+        events: Box::pin(capped(bytes, MAX_EVENT_BYTES).eventsource()),
+        state: Reading::Events,
+        on_done: None,
+    }
+}
+
+/// The data of an SSE stream's events; see [`data_events`].
+pub struct DataEvents {
+    events: Events,
+    state: Reading,
+    on_done: Option<Box<dyn FnOnce(BodyRest) + Send>>,
+}
+
+/// The parsed events of a body.
+type Events = Pin<Box<dyn Stream<Item = Result<Event, EventStreamError<CappedError>>> + Send>>;
+
+/// Where a [`DataEvents`] is in its stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reading {
+    Events,
+    /// `[DONE]` came: the body's rest (its end, normally) is unread.
+    Done,
+    /// It failed; nothing more is read.
+    Failed,
+}
+
+impl DataEvents {
+    /// After `[DONE]`, reads the body to its end (see [`BodyRest`]). Does nothing unless
+    /// `[DONE]` ended the stream, or if [`DataEvents::on_done`] took the rest.
+    pub async fn finish(self) {
+        if self.state == Reading::Done {
+            BodyRest(self.events).read_to_end().await;
+        }
+    }
+
+    /// Hands the body's rest to `rest` when `[DONE]` comes, before the stream ends: for a
+    /// reader that must not wait on the sender after `[DONE]`, to read it elsewhere.
+    pub fn on_done(mut self, rest: impl FnOnce(BodyRest) + Send + 'static) -> Self {
+        self.on_done = Some(Box::new(rest));
+        self
+    }
+
+    fn done(&mut self) {
+        self.state = Reading::Done;
+        if let Some(rest) = self.on_done.take() {
+            let events = std::mem::replace(&mut self.events, Box::pin(futures::stream::empty()));
+            rest(BodyRest(events));
+        }
+    }
+}
+
+/// What follows `[DONE]` in a body: normally nothing but its end (HTTP/1.1's last chunk). A
+/// body read to its end leaves its connection reusable; one dropped before it is closed by the
+/// HTTP client unless its end came in the same read as `[DONE]` (uvicorn, which serves vLLM and
+/// SGLang, writes it apart), and the next request opens a new connection.
+pub struct BodyRest(Events);
+
+impl BodyRest {
+    /// Reads the body to its end and drops what it holds. Waits as long as the sender keeps
+    /// the body open: the caller bounds it.
+    pub async fn read_to_end(mut self) {
+        while let Some(Ok(_)) = self.0.next().await {}
+    }
+}
+
+impl Stream for DataEvents {
+    type Item = Result<String, SseError>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        while this.state == Reading::Events {
+            let failure = match ready!(this.events.poll_next_unpin(cx)) {
+                None => SseError::Truncated,
+                Some(Err(EventStreamError::Transport(CappedError::TooLarge))) => {
+                    SseError::EventTooLarge
                 }
-            }
-        })
-        .fuse(),
-    )
+                Some(Err(e)) => SseError::Transport(e.to_string()),
+                Some(Ok(event)) => {
+                    let data = event.data.trim();
+                    if data.is_empty() {
+                        continue;
+                    }
+                    if data == "[DONE]" {
+                        this.done();
+                        break;
+                    }
+                    return Poll::Ready(Some(Ok(data.to_owned())));
+                }
+            };
+            this.state = Reading::Failed;
+            return Poll::Ready(Some(Err(failure)));
+        }
+        Poll::Ready(None)
+    }
+}
+
+impl FusedStream for DataEvents {
+    fn is_terminated(&self) -> bool {
+        self.state != Reading::Events
+    }
 }
 
 /// `bytes`, ending with [`SseError::EventTooLarge`] once more than `max` bytes pass without a
@@ -147,20 +219,22 @@ impl std::fmt::Display for CappedError {
     }
 }
 
-/// The data of an SSE stream's events; see [`data_events`].
-pub type DataEvents = Pin<Box<dyn Stream<Item = Result<String, SseError>> + Send>>;
-
-/// Parse an SSE byte stream into completion chunks (chat chunks read as completion ones, see
-/// [`CompletionResponse::fold_chat`]); see [`data_events`]. A chunk that is not a completion
-/// response ends the stream with [`SseError::BadChunk`], an error event with
-/// [`SseError::Engine`].
+/// Parse an SSE byte stream into completion chunks; see [`chunks`].
 pub fn parse_chunks<S, E>(bytes: S) -> ChunkStream
 where
     S: Stream<Item = Result<Bytes, E>> + Send + 'static,
     E: std::fmt::Display + Send + 'static,
 {
+    chunks(data_events(bytes))
+}
+
+/// Parse events into completion chunks (chat chunks read as completion ones, see
+/// [`CompletionResponse::fold_chat`]); see [`data_events`]. A chunk that is not a completion
+/// response ends the stream with [`SseError::BadChunk`], an error event with
+/// [`SseError::Engine`].
+pub fn chunks(events: DataEvents) -> ChunkStream {
     Box::pin(
-        data_events(bytes)
+        events
             .map(|item| {
                 item.and_then(|data| {
                     let mut chunk = serde_json::from_str::<CompletionResponse>(&data)
@@ -191,6 +265,8 @@ pub fn single_chunk(response: CompletionResponse) -> ChunkStream {
 
 #[cfg(test)]
 mod tests {
+    use futures::FutureExt;
+
     use super::*;
 
     fn stream_of(parts: &[&'static str]) -> ChunkStream {
@@ -259,6 +335,77 @@ mod tests {
         let chunks: Vec<_> = parse_chunks(many).collect().await;
         assert_eq!(chunks.len(), 10_000);
         assert!(chunks.iter().all(Result::is_ok));
+    }
+
+    type Sender = futures::channel::mpsc::UnboundedSender<Result<Bytes, std::io::Error>>;
+
+    /// Events over a body that stays open until the sender is dropped.
+    fn open_body() -> (Sender, DataEvents) {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        (tx, data_events(rx))
+    }
+
+    fn send(tx: &Sender, bytes: impl Into<Bytes>) {
+        tx.unbounded_send(Ok(bytes.into())).expect("receiver alive");
+    }
+
+    #[tokio::test]
+    async fn done_ends_the_stream_and_finish_reads_the_body_to_its_end() {
+        let (tx, mut events) = open_body();
+        send(&tx, "data: 1\n\ndata: [DONE]\n\n");
+        assert_eq!(events.next().await.expect("an event").expect("data"), "1");
+        assert!(
+            events.next().await.is_none(),
+            "[DONE] ends it, the body still open"
+        );
+        let mut finish = Box::pin(events.finish());
+        assert!(
+            futures::poll!(&mut finish).is_pending(),
+            "waits for the end"
+        );
+        send(&tx, "\n");
+        assert!(futures::poll!(&mut finish).is_pending());
+        drop(tx);
+        finish.await;
+    }
+
+    #[tokio::test]
+    async fn on_done_hands_the_rest_over_before_the_stream_ends() {
+        let rest = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let (tx, events) = open_body();
+        let slot = rest.clone();
+        let mut events = events.on_done(move |r| *slot.lock().expect("slot") = Some(r));
+        send(&tx, "data: [DONE]\n\n");
+        assert!(events.next().await.is_none());
+        let rest = rest
+            .lock()
+            .expect("slot")
+            .take()
+            .expect("handed over at [DONE]");
+        // The stream's own finish has nothing left to read.
+        assert!(events.finish().now_or_never().is_some());
+        let mut to_end = Box::pin(rest.read_to_end());
+        assert!(futures::poll!(&mut to_end).is_pending());
+        drop(tx);
+        to_end.await;
+    }
+
+    #[tokio::test]
+    async fn finish_reads_nothing_after_a_failure() {
+        let (tx, mut events) = open_body();
+        send(&tx, "data: {\"id\":\"");
+        for _ in 0..=MAX_EVENT_BYTES / 1024 {
+            send(&tx, vec![b'a'; 1024]);
+        }
+        assert!(matches!(
+            events.next().await,
+            Some(Err(SseError::EventTooLarge))
+        ));
+        assert!(
+            events.finish().now_or_never().is_some(),
+            "the body stays open"
+        );
+        drop(tx);
     }
 
     #[tokio::test]

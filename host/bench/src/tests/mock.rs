@@ -38,6 +38,10 @@ pub struct Calls {
     /// Generations being streamed now, and the most there ever were at once.
     pub generating: usize,
     pub max_generating: usize,
+    /// Connections accepted so far.
+    pub connections: usize,
+    /// Completions served on each connection, by the connection's order of acceptance.
+    pub completions_by_connection: BTreeMap<usize, usize>,
     /// Every whole-block prefix of every prompt so far.
     cached_prefixes: HashSet<Vec<u8>>,
 }
@@ -106,12 +110,17 @@ impl MockServer {
                 let Ok((stream, _)) = listener.accept().await else {
                     return;
                 };
+                let connection = {
+                    let mut calls = shared.lock();
+                    calls.connections += 1;
+                    calls.connections
+                };
                 // Without it Nagle holds small SSE chunks back until the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
                 let (base, calls) = (base.clone(), shared.clone());
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
-                        handle(req, base.clone(), calls.clone())
+                        handle(req, connection, base.clone(), calls.clone())
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -125,6 +134,7 @@ impl MockServer {
 
 async fn handle(
     req: Request<Incoming>,
+    connection: usize,
     base: String,
     calls: Arc<Mutex<Calls>>,
 ) -> Result<Response<Body>, Infallible> {
@@ -163,6 +173,11 @@ async fn handle(
         })),
         "/microserving/remote_send" => json_response(json!({})),
         "/v1/completions" | "/microserving/start_generate" => {
+            *calls
+                .lock()
+                .completions_by_connection
+                .entry(connection)
+                .or_default() += 1;
             let cached = calls.lock().cache(&prompt_bytes(&body["prompt"]));
             completion(&body, cached, Generating::start(calls))
         }
@@ -226,14 +241,19 @@ fn completion(body: &Value, cached_tokens: usize, generating: Generating) -> Res
         })));
     }
     events.push(Bytes::from_static(b"data: [DONE]\n\n"));
-    let frames = futures::stream::iter(events).then(move |event| {
-        // Held by the body stream: released when the last chunk went out.
-        let _ = &generating;
-        async move {
-            tokio::time::sleep(CHUNK_GAP).await;
-            Ok::<_, Infallible>(Frame::data(event))
-        }
-    });
+    let frames = futures::stream::iter(events.into_iter().map(Some))
+        // The body ends a gap after `[DONE]`, in a write of its own, as uvicorn (vLLM's and
+        // SGLang's server) ends it.
+        .chain(futures::stream::once(async { None }))
+        .then(move |event| {
+            // Held by the body stream: released when the last chunk went out.
+            let _ = &generating;
+            async move {
+                tokio::time::sleep(CHUNK_GAP).await;
+                event
+            }
+        })
+        .filter_map(|event| async move { event.map(|e| Ok::<_, Infallible>(Frame::data(e))) });
     Response::builder()
         .header("content-type", "text/event-stream")
         .body(BodyExt::boxed(StreamBody::new(frames)))

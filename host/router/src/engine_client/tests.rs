@@ -1,6 +1,7 @@
 //! The client against canned engines on loopback: raw HTTP answers that are too big, stall, or
 //! break off.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -165,4 +166,134 @@ fn a_calls_uri_is_the_base_followed_by_the_path() {
         assert_eq!(target.with_path(path).expect("uri").to_string(), uri);
     }
     assert!(Target::parse("127.0.0.1:8000").is_none(), "no scheme");
+}
+
+/// The connections an engine accepted, and those of them the client closed.
+#[derive(Debug, Default)]
+struct Connections {
+    accepted: std::sync::atomic::AtomicUsize,
+    closed: std::sync::atomic::AtomicUsize,
+}
+
+/// Serves streamed completions on every connection it accepts, as uvicorn (vLLM's and SGLang's
+/// server) ends them: `[DONE]` in one write, the chunked body's end in another, a moment later.
+async fn uvicorn_like_engine() -> (Upstream, Arc<Connections>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let connections = Arc::new(Connections::default());
+    let counts = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            counts.accepted.fetch_add(1, Ordering::SeqCst);
+            let counts = counts.clone();
+            tokio::spawn(async move {
+                serve_streams(stream).await;
+                counts.closed.fetch_add(1, Ordering::SeqCst);
+            });
+        }
+    });
+    (engine_at(addr), connections)
+}
+
+/// Answers each request on `stream` until the client closes it.
+async fn serve_streams(mut stream: tokio::net::TcpStream) {
+    let events = "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"x\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+    let head =
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+    let first = format!("{head}{:x}\r\n{events}\r\n", events.len());
+    let mut pending = Vec::new();
+    while read_request(&mut stream, &mut pending).await {
+        let answer = async {
+            stream.write_all(first.as_bytes()).await?;
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            stream.write_all(b"0\r\n\r\n").await
+        };
+        if answer.await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Reads one request (head and `content-length` body); false once the client closed. Bytes
+/// past it stay in `pending`.
+async fn read_request(stream: &mut tokio::net::TcpStream, pending: &mut Vec<u8>) -> bool {
+    loop {
+        if let Some(head_end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&pending[..head_end]).to_ascii_lowercase();
+            let body: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if pending.len() >= head_end + 4 + body {
+                pending.drain(..head_end + 4 + body);
+                return true;
+            }
+        }
+        let mut buf = [0u8; 16 << 10];
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// Streams read to `[DONE]` one after another reuse their engine connections: the body's end,
+/// written apart after `[DONE]`, is read in the background. Dropped unread at `[DONE]`, each
+/// connection was closed: 100 streams, 100 connections. Not one connection: a stream asked
+/// for before the last body's end came finds none idle and opens one (here about half of
+/// them, as the end comes 1 ms late; on loopback with uvicorn it comes at once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sequential_streams_keep_their_engine_connections() {
+    let (engine, connections) = uvicorn_like_engine().await;
+    let client = client(Duration::from_secs(20));
+    let request = CompletionRequest::new(vec![1], 1, "cmpl-t".into());
+    for _ in 0..100 {
+        let mut chunks = client
+            .generate_leg(&engine, "/v1/completions", &request, "cmpl-t", true, None)
+            .await
+            .expect("streams");
+        let mut texts = 0;
+        while let Some(chunk) = chunks.next().await {
+            chunk.expect("a chunk");
+            texts += 1;
+        }
+        assert_eq!(texts, 1);
+    }
+    assert!(
+        connections.accepted.load(Ordering::SeqCst) < 100,
+        "{connections:?}"
+    );
+}
+
+/// An engine that keeps the body open after `[DONE]` does not hold the stream: it ends at
+/// `[DONE]`, long before the 60 s a silent stream is given, and only the background read of
+/// the body's end waits on the engine.
+#[tokio::test]
+async fn a_stream_ends_at_done_although_the_engine_keeps_its_body_open() {
+    let events = "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"text\":\"x\",\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+    let answer = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{events}\r\n",
+        events.len()
+    );
+    let engine = canned_engine(answer.into_bytes(), true).await;
+    let client = client(Duration::from_secs(20));
+    assert_eq!(client.timeouts().stream_idle, Duration::from_secs(60));
+    let request = CompletionRequest::new(vec![1], 1, "cmpl-t".into());
+    let mut chunks = client
+        .generate_leg(&engine, "/v1/completions", &request, "cmpl-t", true, None)
+        .await
+        .expect("streams");
+    let read = async {
+        let mut texts = 0;
+        while let Some(chunk) = chunks.next().await {
+            chunk.expect("a chunk");
+            texts += 1;
+        }
+        texts
+    };
+    let texts = tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("ended at [DONE], not at the idle timeout");
+    assert_eq!(texts, 1);
 }
