@@ -26,20 +26,18 @@ CONNECTIONS, BASE_PORT, BIN, ENVOY, EPP_WORKERS)
 import json
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import (  # noqa: E402  (the shared responder, wrk and process handling)
-    CLK_TCK, COMPLETION, MODELS, WRK_LUA, Fleet, parse_wrk, wait_ok,
+from bench_common import (  # noqa: E402  (the null engine, wrk and process handling)
+    CLK_TCK, WRK_LUA, WRK_SECONDS, Fleet, machine_load, nginx_argv, nginx_conf, responder,
+    run_wrk, running, wait_ok,
 )
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
-WRK_SECONDS = int(os.environ.get("WRK_SECONDS", "5"))
 CONNECTIONS = [int(c) for c in os.environ.get("CONNECTIONS", "1,16").split(",")]
 BASE_PORT = int(os.environ.get("BASE_PORT", "18400"))
 BIN = os.environ.get("BIN", "target/release/switchyard")
@@ -60,27 +58,6 @@ def port(name: str) -> int:
 
 def url(name: str) -> str:
     return f"http://127.0.0.1:{port(name)}"
-
-
-def responder_conf(prefix: Path) -> str:
-    return f"""
-daemon off;
-worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    keepalive_requests 1000000;
-    server {{
-        listen 127.0.0.1:{port("null")};
-        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
-        location = /metrics {{ default_type text/plain; return 200 ''; }}
-        location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
-    }}
-}}
-"""
 
 
 def socket(p: int) -> dict:
@@ -138,11 +115,7 @@ def envoy_conf(name: str) -> dict:
 
 
 def start_all(fleet: Fleet, out: Path) -> None:
-    prefix = out / "nginx"
-    for sub in ("", "body"):
-        (prefix / sub).mkdir(parents=True, exist_ok=True)
-    (prefix / "nginx.conf").write_text(responder_conf(prefix))
-    fleet.start("null", ["nginx", "-p", str(prefix), "-c", str(prefix / "nginx.conf")])
+    fleet.start("null", nginx_argv(nginx_conf(out / "nginx", responder(port("null")))))
     wait_ok(fleet, "null", url("null"))
     fleet.start("epp", [BIN, "epp", "--plugins", "plugins", "--policy", "round-robin",
                         "--endpoint", url("null"), "--workers", EPP_WORKERS,
@@ -157,14 +130,6 @@ def start_all(fleet: Fleet, out: Path) -> None:
                            "--base-id", str(PORT_NAMES.index(name))])
     for name in TARGETS:
         wait_ok(fleet, name, url(name))
-
-
-def run_wrk(out: Path, target_url: str, connections: int) -> dict:
-    result = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{WRK_SECONDS}s", "--latency",
-         "-s", str(out / "post.lua"), target_url + "/v1/completions"],
-        capture_output=True, text=True, timeout=WRK_SECONDS + 60, check=True)
-    return parse_wrk(result.stdout)
 
 
 def policy_call_mean_us() -> float:
@@ -231,22 +196,17 @@ def summary(runs: list[dict], header: str) -> str:
 
 def main() -> None:
     out = Path(sys.argv[1]).resolve()
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "post.lua").write_text(WRK_LUA)
-    fleet = Fleet(out)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
+    with running(out) as fleet:
         start_all(fleet, out)
         load_before = os.getloadavg()
         runs = measure(fleet, out)
         policy_us = policy_call_mean_us()
-    finally:
-        fleet.stop()
     (out / "runs.json").write_text(json.dumps(runs, indent=1))
-    header = (f"{os.cpu_count()} vCPUs; load average before {load_before[0]:.2f}, after "
-              f"{os.getloadavg()[0]:.2f}; {ROUNDS} interleaved rounds, medians (added: envoy-epp "
-              f"minus envoy-rr within each round); wrk -t1 {WRK_SECONDS} s per run; EPP --workers "
-              f"{EPP_WORKERS}; the EPP's mean policy call {policy_us:.1f} µs.")
+    header = (f"{machine_load(load_before)}; {ROUNDS} interleaved rounds, medians (added: "
+              f"envoy-epp minus envoy-rr within each round); wrk -t1 {WRK_SECONDS} s per run; EPP "
+              f"--workers {EPP_WORKERS}; the EPP's mean policy call {policy_us:.1f} µs.")
     table = summary(runs, header)
     (out / "summary.md").write_text(table)
     print(table)

@@ -21,7 +21,6 @@ Usage: bench_pd_peers.py OUT  (scripts/bench-peers.sh runs it after the forward 
 
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -29,7 +28,8 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_peers import BIN, CLK_TCK, ROUNDS, VENV, Fleet, run_bench  # noqa: E402
+from bench_common import CLK_TCK, Fleet, machine_load, running  # noqa: E402
+from bench_peers import BIN, ROUNDS, VENV, run_bench  # noqa: E402
 
 PD_BASE_PORT = int(os.environ.get("PD_BASE_PORT", "18400"))
 PREFILL, DECODE, PREFILL_KV, DECODE_KV, SWITCHYARD, VLLM_ROUTER, VLLM_ROUTER_METRICS = (
@@ -138,22 +138,16 @@ def summary(runs: list[dict], header: str) -> str:
 
 def main() -> None:
     out = Path(sys.argv[1]).resolve()
-    for sub in ("logs", "bench"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
-    fleet = Fleet(out)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
+    (out / "bench").mkdir(parents=True, exist_ok=True)
+    with running(out) as fleet:
         start(fleet)
         load_before = os.getloadavg()
         runs = measure(fleet, out)
         leases = {name: {k: metric(port, f"switchyard_engine_vllm_leases_{k}")
                          for k in ("held", "issued_total", "pulled_total", "expired_total")}
                   for name, port in (("prefill", PREFILL),)}
-    finally:
-        fleet.stop()
     (out / "pd-runs.json").write_text(json.dumps(runs, indent=1))
-    header = (f"vLLM P/D: {os.cpu_count()} vCPUs; load average before {load_before[0]:.2f}, "
-              f"after {os.getloadavg()[0]:.2f}; {ROUNDS} interleaved rounds, medians; "
+    header = (f"vLLM P/D: {machine_load(load_before)}; {ROUNDS} interleaved rounds, medians; "
               "switchyard bench per run, input 24 tokens, output 2. p50/p99: E2E (non-streaming) "
               "or TTFT (streaming). The prefill engine's leases after the run: "
               f"{leases['prefill']}.")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """switchyard against its peers, side by side in one run, in front of one null engine.
 
-The null engine is an nginx static responder (nginx_conf below): it answers every completion
+The null engine is an nginx static responder (bench_common.py's): it answers every completion
 with the same 2-token body without reading the request, so the engine costs as little as a
 server on this machine can. Every router under test (switchyard, the pass-through floor,
 vllm-router, sglang-router, smg, nginx as a keep-alive reverse proxy) runs at once, each in forward
@@ -26,37 +26,19 @@ Usage: bench_peers.py OUT  (scripts/bench-peers.sh sets it up; environment knobs
 
 import json
 import os
-import re
-import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-ISSUE_BODY = '{"model":"m","prompt":"The capital of France is","max_tokens":2}'
-
-# The responder's answers: a 2-token completion as one JSON body, and as an SSE stream.
-COMPLETION = (
-    '{"id":"cmpl-null","object":"text_completion","created":0,"model":"m",'
-    '"choices":[{"index":0,"text":" Paris.","logprobs":null,"finish_reason":"length"}],'
-    '"usage":{"prompt_tokens":6,"completion_tokens":2,"total_tokens":8}}'
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import (  # noqa: E402  (the null engine, wrk and process handling)
+    CLK_TCK, WRK_LUA, WRK_SECONDS, Fleet, Proc, machine_load, nginx_argv, nginx_conf, responder,
+    run_wrk, running, wait_ok,
 )
-SSE = (
-    'data: {"id":"cmpl-null","object":"text_completion","created":0,"model":"m",'
-    '"choices":[{"index":0,"text":" Paris","logprobs":null,"finish_reason":null}]}\\n\\n'
-    'data: {"id":"cmpl-null","object":"text_completion","created":0,"model":"m",'
-    '"choices":[{"index":0,"text":".","logprobs":null,"finish_reason":"length"}],'
-    '"usage":{"prompt_tokens":6,"completion_tokens":2,"total_tokens":8}}\\n\\n'
-    "data: [DONE]\\n\\n"
-)
-MODELS = '{"object":"list","data":[{"id":"m","object":"model","owned_by":"null"}]}'
 
 BASE_PORT = int(os.environ.get("BASE_PORT", "18300"))
 ROUNDS = int(os.environ.get("ROUNDS", "3"))
-WRK_SECONDS = int(os.environ.get("WRK_SECONDS", "5"))
 BENCH_SECONDS = float(os.environ.get("BENCH_SECONDS", "3"))
 BIN = os.environ.get("BIN", "target/release/switchyard")
 PASSTHROUGH = os.environ.get("PASSTHROUGH", "target/release/examples/passthrough")
@@ -76,63 +58,19 @@ LOAD_PREFIXES = tuple(filter(None, os.environ.get("LOADS", "").split(",")))
 ENGINE_CLOSES = os.environ.get("ENGINE_CLOSES") == "1"
 ENGINE_KEEPALIVE = ("keepalive_requests 1000; keepalive_timeout 5s;" if ENGINE_CLOSES
                     else "keepalive_requests 1000000;")
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def nginx_conf(prefix: Path, listen: str, tls: Path) -> str:
-    """One nginx worker, access log off: the responder on both ports (and both again over TLS,
-    with `tls`'s certificate), or `listen` as the proxy."""
-    common = f"""
-daemon off;
-worker_processes 1;
-pid {prefix}/nginx.pid;
-error_log {prefix}/error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-    access_log off;
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    keepalive_requests 1000000;
-"""
-    if listen == "responder":
-        return common + f"""
-    server {{
-        listen 127.0.0.1:{port("null-json")};
-        {ENGINE_KEEPALIVE}
-        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
-        location = /metrics {{ default_type text/plain; return 200 ''; }}
-        location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
-    }}
-    server {{
-        listen 127.0.0.1:{port("null-sse")};
-        {ENGINE_KEEPALIVE}
-        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
-        location = /metrics {{ default_type text/plain; return 200 ''; }}
-        location / {{ default_type text/event-stream; return 200 '{SSE}'; }}
-    }}
-    server {{
-        listen 127.0.0.1:{port("null-tls-json")} ssl;
-        {ENGINE_KEEPALIVE}
-        ssl_certificate {tls}/engine.crt;
-        ssl_certificate_key {tls}/engine.key;
-        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
-        location = /metrics {{ default_type text/plain; return 200 ''; }}
-        location / {{ default_type application/json; return 200 '{COMPLETION}'; }}
-    }}
-    server {{
-        listen 127.0.0.1:{port("null-tls-sse")} ssl;
-        {ENGINE_KEEPALIVE}
-        ssl_certificate {tls}/engine.crt;
-        ssl_certificate_key {tls}/engine.key;
-        location = /v1/models {{ default_type application/json; return 200 '{MODELS}'; }}
-        location = /metrics {{ default_type text/plain; return 200 ''; }}
-        location / {{ default_type text/event-stream; return 200 '{SSE}'; }}
-    }}
-}}
-"""
+def responder_conf(prefix: Path, tls: Path) -> Path:
+    """The null engine on both ports, JSON and SSE, and both again over TLS with `tls`'s
+    certificate."""
+    return nginx_conf(prefix, "".join(
+        responder(port(f"null-{over}{kind}"), stream=kind == "sse", keepalive=ENGINE_KEEPALIVE,
+                  tls=tls if over else None)
+        for over in ("", "tls-") for kind in ("json", "sse")))
+
+
+def proxy_conf(prefix: Path) -> Path:
+    """nginx as a keep-alive reverse proxy in front of the responder's two plain ports."""
     servers = ""
     for kind in ("json", "sse"):
         servers += f"""
@@ -147,7 +85,7 @@ http {{
         }}
     }}
 """
-    return common + servers + "}\n"
+    return nginx_conf(prefix, servers)
 
 
 # Every listening port, by name; a router's two instances are NAME-json and NAME-sse.
@@ -201,118 +139,6 @@ def router_argv(target: str, kind: str, tls: Path) -> list[str]:
                        "--prometheus-port", str(port(f"{target}-metrics-{kind}")),
                        "--log-level", "warning" if target == "vllm-router" else "warn"]
     raise ValueError(target)
-
-
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen
-
-    def cpu_ticks(self) -> int:
-        """utime+stime of the process and every descendant (a Python launcher's Rust router
-        may run in a child)."""
-        total = 0
-        for pid in [self.popen.pid] + descendants(self.popen.pid):
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                total += int(fields[11]) + int(fields[12])
-            except (OSError, IndexError, ValueError):
-                pass
-        return total
-
-
-def descendants(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
-    return children + [d for c in children for d in descendants(c)]
-
-
-@dataclass
-class Fleet:
-    """Every process this run started; `stop` ends them all, whatever happened."""
-    out: Path
-    procs: dict[str, Proc] = field(default_factory=dict)
-
-    def start(self, name: str, argv: list[str]) -> Proc:
-        log = open(self.out / "logs" / f"{name}.log", "wb")
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
-        proc = Proc(name, popen)
-        self.procs[name] = proc
-        return proc
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.popen.poll() is None:
-                os.killpg(proc.popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs.values():
-            try:
-                proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.popen.pid, signal.SIGKILL)
-                proc.popen.wait()
-
-
-def wait_ok(fleet: Fleet, name: str, probe: str, seconds: float = 60) -> None:
-    """Poll `probe` until it answers 2xx to a completion POST (routers are ready only once
-    they have registered the responder)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if fleet.procs[name].popen.poll() is not None:
-            raise SystemExit(f"{name} exited; see {fleet.out}/logs/{name}.log")
-        try:
-            request = urllib.request.Request(
-                probe + "/v1/completions", data=ISSUE_BODY.encode(),
-                headers={"Content-Type": "application/json"})
-            with urllib.request.urlopen(request, timeout=2) as answer:
-                if 200 <= answer.status < 300:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{name} did not answer a completion within {seconds} s "
-                     f"(logs in {fleet.out}/logs)")
-
-
-WRK_LUA = f"""
-wrk.method = "POST"
-wrk.body = '{ISSUE_BODY}'
-wrk.headers["Content-Type"] = "application/json"
-"""
-
-
-def parse_wrk(text: str) -> dict:
-    """Requests, req/s, latency percentiles (µs) and failures from `wrk --latency` output."""
-    def micros(value: str) -> float:
-        number, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", value).groups()
-        return float(number) * {"us": 1, "ms": 1e3, "s": 1e6, "m": 60e6}[unit]
-
-    percentiles = dict(re.findall(r"^\s+(50|99)(?:\.000)?%\s+(\S+)", text, re.M))
-    requests = int(re.search(r"(\d+) requests in", text).group(1))
-    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
-    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
-    return {
-        "requests": requests,
-        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1)),
-        "p50_us": micros(percentiles["50"]),
-        "p99_us": micros(percentiles["99"]),
-        "failed": (int(non_2xx.group(1)) if non_2xx else 0)
-        + (sum(map(int, errors.groups())) if errors else 0),
-    }
-
-
-def run_wrk(out: Path, target_url: str, connections: int) -> dict:
-    script = out / "post.lua"
-    result = subprocess.run(
-        ["wrk", "-t1", f"-c{connections}", f"-d{WRK_SECONDS}s", "--latency",
-         "-s", str(script), target_url + "/v1/completions"],
-        capture_output=True, text=True, timeout=WRK_SECONDS + 60, check=True)
-    return parse_wrk(result.stdout)
 
 
 def run_bench(out: Path, target_url: str, concurrency: int, stream: bool, tag: str) -> dict:
@@ -373,18 +199,11 @@ def make_certificates(tls: Path) -> None:
 def start_all(fleet: Fleet, out: Path) -> None:
     tls = out / "tls"
     make_certificates(tls)
-    for role in ("responder", "proxy"):
-        prefix = out / "nginx" / role
-        for sub in ("", "body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (prefix / sub).mkdir(parents=True, exist_ok=True)
-        (prefix / "nginx.conf").write_text(nginx_conf(prefix, role, tls))
     name = "null engine"
-    fleet.start(name, ["nginx", "-p", str(out / "nginx/responder"), "-c",
-                       str(out / "nginx/responder/nginx.conf")])
+    fleet.start(name, nginx_argv(responder_conf(out / "nginx/responder", tls)))
     for kind in ("json", "sse"):
         wait_ok(fleet, name, url("null-" + kind))
-    fleet.start("nginx-proxy", ["nginx", "-p", str(out / "nginx/proxy"), "-c",
-                                str(out / "nginx/proxy/nginx.conf")])
+    fleet.start("nginx-proxy", nginx_argv(proxy_conf(out / "nginx/proxy")))
     for target in TARGETS[2:]:
         if target in SKIP:
             continue
@@ -455,20 +274,14 @@ def summary(runs: list[dict], header: str) -> str:
 
 def main() -> None:
     out = Path(sys.argv[1]).resolve()
-    for sub in ("logs", "bench"):
-        (out / sub).mkdir(parents=True, exist_ok=True)
+    (out / "bench").mkdir(parents=True, exist_ok=True)
     (out / "post.lua").write_text(WRK_LUA)
-    fleet = Fleet(out)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
+    with running(out) as fleet:
         start_all(fleet, out)
         load_before = os.getloadavg()
         runs = measure(fleet, out)
-    finally:
-        fleet.stop()
     (out / "runs.json").write_text(json.dumps(runs, indent=1))
-    header = (f"{os.cpu_count()} vCPUs; load average before {load_before[0]:.2f}, after "
-              f"{os.getloadavg()[0]:.2f}; {ROUNDS} interleaved rounds, medians; wrk -t1 "
+    header = (f"{machine_load(load_before)}; {ROUNDS} interleaved rounds, medians; wrk -t1 "
               f"{WRK_SECONDS} s, switchyard bench {BENCH_SECONDS:g} s per run. p50/p99: wrk's "
               "latency, bench's E2E (non-streaming) or TTFT (streaming). The null engine "
               + ("closes each connection after 1,000 requests and idle ones after 5 s."

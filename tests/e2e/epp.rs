@@ -5,8 +5,6 @@
 //! on `x-gateway-destination-endpoint`. Two reference engines; loopback only.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -22,7 +20,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::google::protobuf::{ListValue, Struct, Value as PbValue, value::Kind};
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, EnvoyProcess, EppProcess, free_port};
+use switchyard_tests::{EngineProcess, EppProcess, Gateway, Pool, free_port};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic_health::pb::HealthCheckRequest;
@@ -542,277 +540,6 @@ async fn with_fallbacks_the_destination_is_the_policys_next_picks_in_order() {
 
 // === behind a real Envoy ===
 
-/// Envoy as a child process, killed when dropped.
-struct Envoy {
-    /// First, so Envoy stops before its config directory goes.
-    _process: EnvoyProcess,
-    /// `http://127.0.0.1:PORT`
-    url: String,
-    /// The listener that sets the subset hint.
-    hinted: String,
-    /// Its access log: `UPSTREAM_HOST PREFILLER STATUS` per request.
-    log: PathBuf,
-    _dir: tempfile::TempDir,
-}
-
-/// How Envoy finds the host the EPP names.
-enum Pool {
-    /// The reference wiring: an `ORIGINAL_DST` cluster connects to the one `ip:port` in
-    /// `x-gateway-destination-endpoint`.
-    OriginalDst,
-    /// A static cluster of these engines with the `override_host` load balancer, which takes
-    /// the header's ordered list and walks it on retries (one retry on a 5xx or a failed
-    /// connection).
-    OverrideHost(Vec<SocketAddr>),
-}
-
-impl Envoy {
-    /// Envoy on free loopback ports with `epp` as its ext_proc server, its `hinted` listener
-    /// restricting picks to `subset`; returns once its admin interface says it is live.
-    async fn start(epp: SocketAddr, subset: &str) -> Envoy {
-        Self::start_with(epp, subset, &Pool::OriginalDst).await
-    }
-
-    async fn start_with(epp: SocketAddr, subset: &str, pool: &Pool) -> Envoy {
-        let ports = Ports {
-            gateway: free_port(),
-            hinted: free_port(),
-            admin: free_port(),
-        };
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = dir.path().join("envoy.json");
-        let log = dir.path().join("access.log");
-        std::fs::write(
-            &config,
-            envoy_config(ports, epp, pool, subset, &log).to_string(),
-        )
-        .expect("write the Envoy config");
-        // The access log is the test's record of where each request went.
-        let process = EnvoyProcess::spawn(&config, &["--file-flush-interval-msec", "20"]);
-        let envoy = Envoy {
-            _process: process,
-            url: format!("http://127.0.0.1:{}", ports.gateway),
-            hinted: format!("http://127.0.0.1:{}", ports.hinted),
-            log,
-            _dir: dir,
-        };
-        let ready = format!("http://127.0.0.1:{}/ready", ports.admin);
-        eventually(Duration::from_secs(30), || async {
-            match client().get(&ready).send().await {
-                Ok(r) if r.status() == 200 => None,
-                Ok(r) => Some(format!("Envoy /ready: {}", r.status())),
-                Err(e) => Some(format!("Envoy /ready: {e}")),
-            }
-        })
-        .await;
-        envoy
-    }
-
-    /// The access log's lines so far.
-    fn requests(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log)
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_owned)
-            .collect()
-    }
-
-    /// The `n`th request's log line (1-based), once Envoy has written it.
-    async fn request(&self, n: usize) -> String {
-        let mut line = String::new();
-        eventually(Duration::from_secs(10), || {
-            let lines = self.requests();
-            if let Some(l) = lines.get(n - 1) {
-                line = l.clone();
-            }
-            async move {
-                (lines.len() < n)
-                    .then(|| format!("{} requests logged, waiting for {n}", lines.len()))
-            }
-        })
-        .await;
-        line
-    }
-}
-
-/// The Inference Extension's reference wiring: every request through ext_proc (both bodies
-/// `FULL_DUPLEX_STREAMED`, trailers sent, as that mode requires), then to the host the EPP
-/// named in `x-gateway-destination-endpoint` (`ORIGINAL_DST`). The EPP failing closes the
-/// request (no `failure_mode_allow`). A second listener, `hinted`, first sets the
-/// `envoy.lb.subset_hint` metadata to `subset` with Envoy's `set_metadata` filter. The access
-/// log records each request's upstream host (the last tried), the prefiller header it carried
-/// and its status.
-fn envoy_config(
-    ports: Ports,
-    epp: SocketAddr,
-    pool: &Pool,
-    subset: &str,
-    log: &std::path::Path,
-) -> Value {
-    let retries = matches!(pool, Pool::OverrideHost(_));
-    json!({
-        "admin": {"address": socket("127.0.0.1", ports.admin)},
-        "static_resources": {
-            "listeners": [
-                listener("gateway", socket("127.0.0.1", ports.gateway), None, retries, log),
-                listener("hinted", socket("127.0.0.1", ports.hinted), Some(subset), retries, log),
-            ],
-            "clusters": [
-                pool_cluster(pool),
-                {
-                    "name": "epp",
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        },
-                    },
-                    "load_assignment": {
-                        "cluster_name": "epp",
-                        "endpoints": [{"lb_endpoints": [{"endpoint": {
-                            "address": socket(&epp.ip().to_string(), epp.port()),
-                        }}]}],
-                    },
-                },
-            ],
-        },
-    })
-}
-
-fn socket(host: &str, port: u16) -> Value {
-    json!({"socket_address": {"address": host, "port_value": port}})
-}
-
-fn pool_cluster(pool: &Pool) -> Value {
-    match pool {
-        Pool::OriginalDst => json!({
-            "name": "pool",
-            "type": "ORIGINAL_DST",
-            "lb_policy": "CLUSTER_PROVIDED",
-            "connect_timeout": "2s",
-            "original_dst_lb_config": {
-                "use_http_header": true,
-                "http_header_name": DESTINATION,
-            },
-        }),
-        Pool::OverrideHost(engines) => {
-            let endpoints: Vec<Value> = engines
-                .iter()
-                .map(|e| json!({"endpoint": {"address": socket(&e.ip().to_string(), e.port())}}))
-                .collect();
-            json!({
-                "name": "pool",
-                "type": "STATIC",
-                "connect_timeout": "2s",
-                "load_assignment": {"cluster_name": "pool", "endpoints": [{"lb_endpoints": endpoints}]},
-                "load_balancing_policy": {"policies": [{"typed_extension_config": {
-                    "name": "envoy.load_balancing_policies.override_host",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost",
-                        "override_host_sources": [{"header": DESTINATION}],
-                        "fallback_policy": {"policies": [{"typed_extension_config": {
-                            "name": "envoy.load_balancing_policies.round_robin",
-                            "typed_config": {"@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.round_robin.v3.RoundRobin"},
-                        }}]},
-                    },
-                }}]},
-            })
-        }
-    }
-}
-
-/// Envoy's ports: its listeners' and its admin interface's.
-#[derive(Clone, Copy)]
-struct Ports {
-    gateway: u16,
-    hinted: u16,
-    admin: u16,
-}
-
-fn listener(
-    name: &str,
-    address: Value,
-    subset: Option<&str>,
-    retries: bool,
-    log: &std::path::Path,
-) -> Value {
-    let ext_proc = json!({
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
-            },
-            "message_timeout": "10s",
-            // The hint reaches the EPP only from the namespaces Envoy is told to forward.
-            "metadata_options": {"forwarding_namespaces": {"untyped": ["envoy.lb.subset_hint"]}},
-        },
-    });
-    let router = json!({
-        "name": "envoy.filters.http.router",
-        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-    });
-    let mut filters: Vec<Value> = subset
-        .map(|subset| json!({
-            "name": "envoy.filters.http.set_metadata",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config",
-                "metadata": [{
-                    "metadata_namespace": "envoy.lb.subset_hint",
-                    "value": {"x-gateway-destination-endpoint-subset": [subset]},
-                }],
-            },
-        }))
-        .into_iter()
-        .collect();
-    filters.extend([ext_proc, router]);
-    json!({
-        "name": name,
-        "address": address,
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                "stat_prefix": name,
-                "access_log": [{
-                    "name": "envoy.access_loggers.file",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
-                        "path": log,
-                        "log_format": {"text_format_source": {"inline_string":
-                            "%UPSTREAM_HOST% %REQ(X-PREFILLER-HOST-PORT)% %RESPONSE_CODE%\n"}},
-                    },
-                }],
-                "route_config": {"virtual_hosts": [{
-                    "name": "pool",
-                    "domains": ["*"],
-                    "routes": [{
-                        "match": {"prefix": "/"},
-                        "route": route(retries),
-                    }],
-                }]},
-                "http_filters": filters,
-            },
-        }]}],
-    })
-}
-
-fn route(retries: bool) -> Value {
-    let mut route = json!({"cluster": "pool", "timeout": "0s"});
-    if retries {
-        route["retry_policy"] = json!({"retry_on": "5xx,connect-failure", "num_retries": 1});
-    }
-    route
-}
-
 /// A completion through `url` (`x-switchyard-policy: policy` when given): its status and the
 /// body's chunks as they arrived.
 async fn complete(url: &str, policy: Option<&str>, body: &Value) -> (u16, Vec<bytes::Bytes>) {
@@ -849,13 +576,13 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
         &[&engines[0].url, &engines[1].url],
         &["--policy", "round-robin"],
     );
-    let envoy = Envoy::start(epp.grpc, &b).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, Some(b.as_str()));
     let prompt = json!({"prompt": "The gateway asks the picker", "max_tokens": 12});
 
     // round-robin forwards to the least-loaded endpoint, ties to the first.
     let (status, body) = complete(&envoy.url, None, &prompt).await;
     assert_eq!(status, 200, "{body:?}");
-    assert_eq!(envoy.request(1).await, format!("{a} - 200"));
+    assert_eq!(envoy.request(1), format!("{a} - 200"));
 
     // disagg hands off: the decode endpoint gets the request, naming the prefill one; the
     // stream arrives in chunks, the engine's own events unchanged.
@@ -863,7 +590,7 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
     streamed["stream"] = json!(true);
     let (status, chunks) = complete(&envoy.url, Some("disagg"), &streamed).await;
     assert_eq!(status, 200);
-    assert_eq!(envoy.request(2).await, format!("{b} {a} 200"));
+    assert_eq!(envoy.request(2), format!("{b} {a} 200"));
     assert!(chunks.len() > 1, "one chunk: the stream was buffered");
     let through: String = chunks
         .iter()
@@ -884,9 +611,9 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
 
     // A subset hint set by Envoy's own filter: round-robin would pick the first engine, the
     // hint leaves it the second.
-    let (status, _) = complete(&envoy.hinted, None, &prompt).await;
+    let (status, _) = complete(envoy.hinted.as_deref().expect("hinted"), None, &prompt).await;
     assert_eq!(status, 200);
-    assert_eq!(envoy.request(3).await, format!("{b} - 200"));
+    assert_eq!(envoy.request(3), format!("{b} - 200"));
 
     // The first engine gone: once the EPP's probes see it, requests go to the second.
     engines[0].kill();
@@ -897,7 +624,7 @@ async fn behind_envoy_requests_go_where_the_policy_says() {
         let (envoy, prompt, b) = (&envoy, &prompt, &b);
         async move {
             let (status, _) = complete(&envoy.url, None, prompt).await;
-            let line = envoy.request(n).await;
+            let line = envoy.request(n);
             (status != 200 || !line.starts_with(b)).then(|| format!("{status}: {line}"))
         }
     })
@@ -937,11 +664,11 @@ async fn behind_envoy_a_hot_swapped_policy_changes_picks_and_fails_nothing() {
         &[&engines[0].url, &engines[1].url],
         &["--plugins", &dir, "--policy", "picker"],
     );
-    let envoy = Envoy::start(epp.grpc, &b).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
     let prompt = json!({"prompt": "Swap the picker", "max_tokens": 4});
     let (status, _) = complete(&envoy.url, None, &prompt).await;
     assert_eq!(status, 200);
-    assert_eq!(envoy.request(1).await, format!("{a} - 200"));
+    assert_eq!(envoy.request(1), format!("{a} - 200"));
 
     // Requests keep coming while the file is replaced (by rename: the watcher never reads
     // half a file).
@@ -984,7 +711,7 @@ async fn behind_envoy_a_hot_swapped_policy_changes_picks_and_fails_nothing() {
 async fn behind_envoy_the_epp_killed_fails_closed_and_serves_again_when_back() {
     let engines = [EngineProcess::spawn(&[])];
     let mut epp = EppProcess::start(&[&engines[0].url], &["--policy", "round-robin"]);
-    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
     let prompt = json!({"prompt": "Is the picker there?", "max_tokens": 4});
     assert_eq!(complete(&envoy.url, None, &prompt).await.0, 200);
 
@@ -1032,7 +759,7 @@ async fn behind_envoy_with_override_host_a_failing_pick_falls_back_to_the_next()
         &["--policy", "round-robin", "--destination-fallbacks", "1"],
     );
     let pool = Pool::OverrideHost(engines.iter().map(|e| e.http_addr).collect());
-    let envoy = Envoy::start_with(epp.grpc, &b, &pool).await;
+    let envoy = Gateway::start(epp.grpc, &pool, None);
     let prompt = json!({"prompt": "Walk the list", "max_tokens": 4});
 
     // Each retry goes to the list's next endpoint, never where Envoy's own round-robin
@@ -1042,7 +769,7 @@ async fn behind_envoy_with_override_host_a_failing_pick_falls_back_to_the_next()
     for n in 1..=REQUESTS {
         let (status, body) = complete(&envoy.url, None, &prompt).await;
         assert_eq!(status, 200, "{body:?}");
-        assert_eq!(envoy.request(n).await, format!("{b} - 200"));
+        assert_eq!(envoy.request(n), format!("{b} - 200"));
     }
     let injected = |engine: &EngineProcess| {
         let url = engine.endpoint("/metrics");
@@ -1059,7 +786,7 @@ async fn behind_envoy_with_override_host_a_failing_pick_falls_back_to_the_next()
 // === a request's life through Envoy ===
 
 /// A request through `url` whose response is read as it comes.
-async fn open_stream(url: &str, body: &Value) -> reqwest::Response {
+pub(crate) async fn open_stream(url: &str, body: &Value) -> reqwest::Response {
     let response = client()
         .post(format!("{url}/v1/completions"))
         .json(body)
@@ -1118,7 +845,7 @@ async fn behind_envoy_the_epps_refusals_reach_the_client_as_openai_errors() {
             "0",
         ],
     );
-    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
 
     // The client's mistake: 400 from the EPP, through Envoy, with the OpenAI error body.
     let response = client()
@@ -1190,7 +917,7 @@ async fn behind_envoy_on_complete_is_called_when_the_response_stream_ends() {
         ],
     );
     let admin = format!("http://127.0.0.1:{admin_port}");
-    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
     let faults = || async { policy_entry(&admin, "spin").await["errors"].clone() };
 
     let mut stream = open_stream(&envoy.url, &long_stream(32)).await;
@@ -1219,7 +946,7 @@ async fn behind_envoy_a_client_leaving_mid_stream_leaves_nothing_in_flight() {
         &["--policy", "round-robin", "--admin-port", &admin_port],
     );
     let admin = format!("http://127.0.0.1:{admin_port}");
-    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
     let metrics = format!("{}/metrics", epp.metrics_url);
     let engine_metrics = engines[0].endpoint("/metrics");
     let cancelled = metric(&metrics, CANCELLED).await;
@@ -1259,7 +986,7 @@ async fn behind_envoy_sigterm_drains_the_epp_and_it_exits_by_itself() {
             "20s",
         ],
     );
-    let envoy = Envoy::start(epp.grpc, &address(&engines[0])).await;
+    let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
     let channel = tonic::transport::Channel::from_shared(format!("http://{}", epp.grpc_health))
         .expect("a URI")
         .connect()

@@ -236,6 +236,17 @@ fn jain(shares: &[f64]) -> f64 {
     sum * sum / (shares.len() as f64 * squares)
 }
 
+/// The answers given while both tenants waited: after the blocking request's, until chat's
+/// last. Every request is served.
+fn while_both_waited(answers: &[Answer]) -> &[Answer] {
+    assert!(answers.iter().all(|a| a.status == 200), "{answers:#?}");
+    let last_chat = answers
+        .iter()
+        .rposition(|a| a.name.starts_with("chat"))
+        .expect("chat was served");
+    &answers[1..=last_chat]
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_burst_does_not_take_more_than_its_weighted_share() {
     let stage = Stage::start(40, &["--tenant-weight", "chat=2"]);
@@ -250,13 +261,8 @@ async fn a_tenants_burst_does_not_take_more_than_its_weighted_share() {
     }
     stage.wait_for("switchyard_queue_depth", 36.0).await;
     let answers = stage.answers(requests).await;
-    assert!(answers.iter().all(|a| a.status == 200), "{answers:#?}");
-    // While both tenants waited (until chat's last answer), what each got over its weight.
-    let last_chat = answers
-        .iter()
-        .rposition(|a| a.name.starts_with("chat"))
-        .expect("chat was served");
-    let window = &answers[1..=last_chat];
+    // While both tenants waited, what each got over its weight.
+    let window = while_both_waited(&answers);
     let served = |tenant| window.iter().filter(|a| a.name.starts_with(tenant)).count() as f64;
     let shares = [served("chat") / 2.0, served("bulk") / 1.0];
     let index = jain(&shares);
@@ -312,12 +318,7 @@ async fn least_service_shares_tokens_by_weight_when_one_tenant_sends_ten_times_m
             .await;
     }
     let answers = stage.answers(requests).await;
-    assert!(answers.iter().all(|a| a.status == 200), "{answers:#?}");
-    let last_chat = answers
-        .iter()
-        .rposition(|a| a.name.starts_with("chat"))
-        .expect("chat was served");
-    let window = &answers[1..=last_chat];
+    let window = while_both_waited(&answers);
     let service = |tenant: &str| -> f64 {
         window
             .iter()

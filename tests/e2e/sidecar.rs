@@ -8,12 +8,12 @@
 //! engine prefills itself (MLC, vLLM), or the request is refused 503 (SGLang, whose decode
 //! engine cannot). The allowlist: what the sidecar refuses, and that it called nobody.
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use switchyard_tests::{EngineProcess, EnvoyProcess, EppProcess, RouterProcess, free_port};
+use switchyard_tests::{EngineProcess, EppProcess, Gateway, Pool, RouterProcess, free_port};
 
+use crate::epp::open_stream;
 use crate::http::{client, sse_payloads};
 use crate::router::{eventually, metric};
 
@@ -121,7 +121,7 @@ impl Pod {
         }
         let d_endpoint = format!("{name}+{},role=decode", sidecar.url);
         let epp = EppProcess::start(&[&p_endpoint, &d_endpoint], &["--policy", "disagg"]);
-        let envoy = Gateway::start(epp.grpc).await;
+        let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
         Pod {
             protocol,
             truth,
@@ -258,13 +258,7 @@ async fn answers_equal_the_truth(pod: &Pod, base: &str, prefiller: Option<&str>,
 /// A long stream through Envoy, dropped after its first chunk.
 async fn hang_up_mid_stream(pod: &Pod) {
     let body = json!({"prompt": "Tell the whole story, slowly", "max_tokens": 400, "stream": true});
-    let mut response = client()
-        .post(format!("{}/v1/completions", pod.envoy.url))
-        .json(&body)
-        .send()
-        .await
-        .expect("the gateway answers");
-    assert_eq!(response.status(), 200);
+    let mut response = open_stream(&pod.envoy.url, &body).await;
     let first = response.chunk().await.expect("a chunk");
     assert!(first.is_some(), "the stream started");
     drop(response);
@@ -421,118 +415,4 @@ async fn the_allowlist_refuses_with_400_and_calls_nobody() {
         "one call, to the decode engine"
     );
     assert_eq!(last[2], before[2], "the stranger was never called");
-}
-
-// === the gateway ===
-
-/// Envoy wired as the Inference Extension's reference configuration: every request through
-/// ext_proc (`FULL_DUPLEX_STREAMED`) to the EPP, then to the host it named in
-/// `x-gateway-destination-endpoint` (`ORIGINAL_DST`), with the EPP's other headers
-/// (`x-prefiller-host-port`) on the request.
-struct Gateway {
-    _process: EnvoyProcess,
-    /// `http://127.0.0.1:PORT`
-    url: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Gateway {
-    async fn start(epp: SocketAddr) -> Gateway {
-        let (port, admin) = (free_port(), free_port());
-        let dir = tempfile::tempdir().expect("tempdir");
-        let config = dir.path().join("envoy.json");
-        std::fs::write(&config, envoy_config(port, admin, epp).to_string())
-            .expect("write the Envoy config");
-        let gateway = Gateway {
-            _process: EnvoyProcess::spawn(&config, &[]),
-            url: format!("http://127.0.0.1:{port}"),
-            _dir: dir,
-        };
-        let ready = format!("http://127.0.0.1:{admin}/ready");
-        eventually(Duration::from_secs(30), || async {
-            match client().get(&ready).send().await {
-                Ok(r) if r.status() == 200 => None,
-                Ok(r) => Some(format!("Envoy /ready: {}", r.status())),
-                Err(e) => Some(format!("Envoy /ready: {e}")),
-            }
-        })
-        .await;
-        gateway
-    }
-}
-
-fn envoy_config(port: u16, admin: u16, epp: SocketAddr) -> Value {
-    let address =
-        |host: &str, port: u16| json!({"socket_address": {"address": host, "port_value": port}});
-    let ext_proc = json!({
-        "name": "envoy.filters.http.ext_proc",
-        "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
-            "grpc_service": {"envoy_grpc": {"cluster_name": "epp"}, "timeout": "10s"},
-            "processing_mode": {
-                "request_header_mode": "SEND",
-                "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED",
-                "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND",
-                "response_trailer_mode": "SEND",
-            },
-            "message_timeout": "10s",
-        },
-    });
-    let router = json!({
-        "name": "envoy.filters.http.router",
-        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"},
-    });
-    json!({
-        "admin": {"address": address("127.0.0.1", admin)},
-        "static_resources": {
-            "listeners": [{
-                "name": "gateway",
-                "address": address("127.0.0.1", port),
-                "filter_chains": [{"filters": [{
-                    "name": "envoy.filters.network.http_connection_manager",
-                    "typed_config": {
-                        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                        "stat_prefix": "gateway",
-                        "route_config": {"virtual_hosts": [{
-                            "name": "pool",
-                            "domains": ["*"],
-                            "routes": [{"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "0s"}}],
-                        }]},
-                        "http_filters": [ext_proc, router],
-                    },
-                }]}],
-            }],
-            "clusters": [
-                {
-                    "name": "pool",
-                    "type": "ORIGINAL_DST",
-                    "lb_policy": "CLUSTER_PROVIDED",
-                    "connect_timeout": "2s",
-                    "original_dst_lb_config": {
-                        "use_http_header": true,
-                        "http_header_name": "x-gateway-destination-endpoint",
-                    },
-                },
-                {
-                    "name": "epp",
-                    "type": "STATIC",
-                    "connect_timeout": "2s",
-                    "typed_extension_protocol_options": {
-                        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
-                            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                            "explicit_http_config": {"http2_protocol_options": {}},
-                        },
-                    },
-                    "load_assignment": {
-                        "cluster_name": "epp",
-                        "endpoints": [{"lb_endpoints": [{"endpoint": {
-                            "address": address(&epp.ip().to_string(), epp.port()),
-                        }}]}],
-                    },
-                },
-            ],
-        },
-    })
 }

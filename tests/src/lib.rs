@@ -1,19 +1,20 @@
 //! Test support shared by the end-to-end suite (`tests/e2e`) and the host crates' own tests:
 //! reference engines, routers and endpoint pickers as child processes on loopback
-//! ([`EngineProcess`], [`RouterProcess`], [`EppProcess`]), and the guest components tests load, built from source on first use
+//! ([`EngineProcess`], [`RouterProcess`], [`EppProcess`]), Envoy as the pickers' gateway
+//! ([`Gateway`]), and the guest components tests load, built from source on first use
 //! ([`guest`], [`plugins_dir`]).
 //!
 //! These helpers panic with a message that says what to do: they run only in tests.
 
+mod envoy;
 mod guests;
 mod process;
 
 use std::path::{Path, PathBuf};
 
+pub use envoy::{EnvoyProcess, Gateway, Pool};
 pub use guests::{Guest, guest, guest_bytes, plugins_dir, with_extra_core_instances};
-pub use process::{
-    EngineProcess, EnvoyProcess, EppProcess, RouterProcess, UpProcess, free_port, switchyard_bin,
-};
+pub use process::{EngineProcess, EppProcess, RouterProcess, UpProcess, free_port, switchyard_bin};
 
 /// The root of this checkout.
 pub fn checkout() -> PathBuf {

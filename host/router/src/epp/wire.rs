@@ -308,6 +308,21 @@ mod tests {
         assert_eq!(served(None), None);
     }
 
+    /// The destination `answer` sets in its `envoy.lb` dynamic metadata.
+    fn lb_destination(answer: &ProcessingResponse) -> Option<&Value> {
+        let lb = answer
+            .dynamic_metadata
+            .as_ref()
+            .and_then(|m| m.fields.get(DESTINATION_NAMESPACE));
+        let Some(Value {
+            kind: Some(Kind::StructValue(lb)),
+        }) = lb
+        else {
+            panic!("envoy.lb metadata: {answer:?}");
+        };
+        lb.fields.get(DESTINATION)
+    }
+
     #[test]
     fn the_destination_is_a_header_and_the_same_envoy_lb_metadata() {
         let answer = destination(&["10.0.0.2:8000".to_owned()], Some("10.0.0.1:8000"));
@@ -333,17 +348,7 @@ mod tests {
                 (PREFILLER, &b"10.0.0.1:8000"[..])
             ]
         );
-        let lb = answer
-            .dynamic_metadata
-            .as_ref()
-            .and_then(|m| m.fields.get(DESTINATION_NAMESPACE));
-        let Some(Value {
-            kind: Some(Kind::StructValue(lb)),
-        }) = lb
-        else {
-            panic!("envoy.lb metadata: {answer:?}");
-        };
-        assert_eq!(lb.fields.get(DESTINATION), Some(&string("10.0.0.2:8000")));
+        assert_eq!(lb_destination(&answer), Some(&string("10.0.0.2:8000")));
     }
 
     #[test]
@@ -364,17 +369,7 @@ mod tests {
             .map(|h| h.raw_value.clone());
         let joined = "10.0.0.2:8000,10.0.0.1:8000,10.0.0.3:8000";
         assert_eq!(header.as_deref(), Some(joined.as_bytes()));
-        let lb = answer
-            .dynamic_metadata
-            .as_ref()
-            .and_then(|m| m.fields.get(DESTINATION_NAMESPACE));
-        let Some(Value {
-            kind: Some(Kind::StructValue(lb)),
-        }) = lb
-        else {
-            panic!("envoy.lb metadata: {answer:?}");
-        };
-        assert_eq!(lb.fields.get(DESTINATION), Some(&string(joined)));
+        assert_eq!(lb_destination(&answer), Some(&string(joined)));
     }
 
     #[test]
