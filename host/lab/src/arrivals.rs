@@ -2,9 +2,11 @@
 //! of them, so that `--seeds K` samples what a recorded trace leaves to chance (when each
 //! request came) and reports its spread.
 //!
-//! A re-draw stretches each gap between consecutive requests by its own draw of an exponential
-//! of mean 1, then scales every gap by one factor so that the first and last arrivals stay
-//! where they were. That is a Poisson process whose rate follows the trace's own: each gap keeps
+//! A re-draw first spreads the requests that share a timestamp evenly over the gap to the next
+//! one: a trace's resolution hides when within it they came (Mooncake's traces are quantised
+//! to 3-second buckets, a batch of about nine requests each). It then stretches each gap
+//! between consecutive requests by its own draw of an exponential of mean 1, and scales every
+//! gap by one factor so that the first and last arrivals stay where they were. That is a Poisson process whose rate follows the trace's own: each gap keeps
 //! its mean (one arrival expected per recorded gap), bursts and lulls stay where the trace has
 //! them, and the mean rate over the replay is the trace's exactly. Request order and contents
 //! are untouched, so a conversation's turns come in their order and hit the caches as they
@@ -38,12 +40,12 @@ pub fn draw(recorded: &[ScheduledRequest], seed: u64) -> Vec<ScheduledRequest> {
         return arrivals;
     }
     let mut rng = StdRng::seed_from_u64(seed ^ STREAM);
-    let stretched: Vec<f64> = recorded
+    let stretched: Vec<f64> = spread_ties(recorded)
         .windows(2)
         .map(|pair| {
             // Inverse transform: 1 − u is in (0, 1], so the logarithm is finite.
             let exponential = -(1.0 - rng.random::<f64>()).ln();
-            pair[1].at.saturating_sub(pair[0].at).as_secs_f64() * exponential
+            (pair[1] - pair[0]) * exponential
         })
         .collect();
     let total: f64 = stretched.iter().sum();
@@ -61,6 +63,27 @@ pub fn draw(recorded: &[ScheduledRequest], seed: u64) -> Vec<ScheduledRequest> {
         end.at = last.at;
     }
     arrivals
+}
+
+/// Each arrival in seconds, those that share a timestamp spread evenly over the gap to the
+/// next timestamp (the last ones, with no next, stay together).
+fn spread_ties(recorded: &[ScheduledRequest]) -> Vec<f64> {
+    let mut times: Vec<f64> = recorded.iter().map(|r| r.at.as_secs_f64()).collect();
+    let mut start = 0;
+    while start < times.len() {
+        let tied = times[start..]
+            .iter()
+            .take_while(|&&t| t == times[start])
+            .count();
+        if let Some(&next) = times.get(start + tied) {
+            let step = (next - times[start]) / tied as f64;
+            for (k, time) in times[start..start + tied].iter_mut().enumerate() {
+                *time += step * k as f64;
+            }
+        }
+        start += tied;
+    }
+    times
 }
 
 #[cfg(test)]
@@ -100,6 +123,24 @@ mod tests {
         assert!(drawn.windows(2).all(|p| p[0].at <= p[1].at), "in order");
         let moved = drawn.iter().zip(&recorded).filter(|(d, r)| d.at != r.at);
         assert!(moved.count() > recorded.len() / 2, "most arrivals move");
+    }
+
+    /// Requests recorded at one instant (a quantised trace) arrive apart once re-drawn, within
+    /// about the gap to the next instant.
+    #[test]
+    fn a_redraw_spreads_requests_that_share_a_timestamp() {
+        let template = recorded()[0].clone();
+        // Ten requests every 3 s, as Mooncake's traces are written.
+        let recorded: Vec<ScheduledRequest> = (0..100u64)
+            .map(|i| ScheduledRequest {
+                at: Duration::from_secs(i / 10 * 3),
+                ..template.clone()
+            })
+            .collect();
+        let drawn = draw(&recorded, 1);
+        let ties = drawn.windows(2).filter(|p| p[0].at == p[1].at).count();
+        // The last ten have no next instant to spread over.
+        assert_eq!(ties, 9, "{drawn:?}");
     }
 
     /// The draws keep the trace's own pace where it changes: a burst stays a burst.
