@@ -78,7 +78,7 @@ fmt:
 
 clippy:
 	$(CARGO) clippy $(TEST_SELECTION) --all-targets -- -D warnings
-	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy -p kv-aware-policy \
+	$(CARGO) clippy --target wasm32-wasip2 -p switchyard-policy -p disagg-policy -p round-robin-policy -p kv-aware-policy -p random-policy \
 		-p misbehave-policy -p other-world -p stateful-policy -p init-fails-policy -p flow-route-policy -p priority-rust-policy \
 		-p affinity-rust-policy -p model-route-rust-policy \
 		-p policy-v0-1-0 \

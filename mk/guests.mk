@@ -1,6 +1,6 @@
 # Guest components, built from source (never committed as .wasm):
 #   make plugins   the built-in policies  -> plugins/disagg.wasm, plugins/round-robin.wasm,
-#                                          plugins/kv-aware.wasm
+#                                          plugins/kv-aware.wasm, plugins/random.wasm
 #   make guests    the test guests        (the tests build what they need on first use too,
 #                                          through switchyard-tests; this builds them ahead)
 # Guests build in a target directory of their own, target/guest-build, which the tests' own
@@ -33,10 +33,11 @@ endef
 
 ## plugins: build the built-in policies into plugins/*.wasm (rewritten only when changed)
 plugins: wasm-target
-	$(GUEST_BUILD) -p disagg-policy -p round-robin-policy -p kv-aware-policy
+	$(GUEST_BUILD) -p disagg-policy -p round-robin-policy -p kv-aware-policy -p random-policy
 	$(call install-component,$(GUEST_OUT)/disagg_policy.wasm,plugins/disagg.wasm)
 	$(call install-component,$(GUEST_OUT)/round_robin_policy.wasm,plugins/round-robin.wasm)
 	$(call install-component,$(GUEST_OUT)/kv_aware_policy.wasm,plugins/kv-aware.wasm)
+	$(call install-component,$(GUEST_OUT)/random_policy.wasm,plugins/random.wasm)
 
 ## guests: build the test guests the host's tests load (misbehaving policy, other world, ...)
 guests: wasm-target

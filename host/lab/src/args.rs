@@ -150,8 +150,10 @@ pub struct LabArgs {
     #[arg(long, value_name = "TOKENS")]
     pub max_output_len: Option<u32>,
 
-    /// Seeds every random draw of the simulation (policies' WASI randomness, retry jitter):
-    /// the same seed gives the same results, byte for byte.
+    /// Seeds every random draw of the simulation: when requests arrive (0: the trace's own
+    /// timestamps; any other seed re-draws each gap between arrivals around the recorded one,
+    /// keeping the order, the contents and the mean rate), the policies' WASI randomness and
+    /// the retry jitter. The same seed gives the same results, byte for byte.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
 
@@ -167,8 +169,9 @@ pub struct LabArgs {
     #[arg(long, value_name = "A..B:STEPS", value_parser = parse_load_sweep, requires = "slo")]
     pub load_sweep: Option<LoadSweep>,
 
-    /// Repeat every run with K seeds (--seed, --seed + 1, ...): each figure is their mean, with
-    /// its 95% confidence interval beside it (`F_ci95`, Student's t over the seeds).
+    /// Repeat every run with K seeds (--seed, --seed + 1, ...), each its own draw of the
+    /// arrivals, every policy on the same ones: each figure is their mean, with its 95%
+    /// confidence interval beside it (`F_ci95`, Student's t over the seeds).
     #[arg(long, value_name = "K", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..=MAX_SEEDS as i64))]
     pub seeds: u32,

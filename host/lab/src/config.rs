@@ -22,7 +22,8 @@ pub struct LabConfig {
     /// Plans the attempts of a policy that faults; `None`: those requests fail.
     pub fallback: Option<PolicySpec>,
     pub cluster: ClusterSpec,
-    /// Seeds every random draw of a simulation (the policies' WASI randomness, retry jitter).
+    /// Seeds every random draw of a simulation (the arrivals unless 0, the policies' WASI
+    /// randomness, retry jitter).
     pub seed: u64,
     pub slo: Option<Slo>,
     /// Also replay at each of these offered loads.

@@ -13,8 +13,9 @@
 //! how requests ended) is mirrored in the simulation ([`simulate`]).
 //!
 //! ```text
-//! LabArgs ──validate──▶ LabConfig ──▶ trace ─replay─▶ arrivals (the same for every policy)
-//!                                        │
+//! LabArgs ──validate──▶ LabConfig ──▶ trace ─replay─▶ requests ─draw per seed─▶ arrivals
+//!                                        │              (seed 0: as recorded; the same for
+//!                                        │               every policy)
 //!              per --policy, on threads of their own:
 //!              load the component (virtual clock, seed) → simulate → PolicyReport
 //!                                        │
@@ -24,7 +25,7 @@
 //! ```
 //!
 //! A simulation is deterministic: one thread, integer microseconds, an agenda whose ties
-//! break in scheduling order, every draw seeded. The same inputs give the same JSON, byte for
+//! break in scheduling order, every draw seeded (the arrivals' re-draw too). The same inputs give the same JSON, byte for
 //! byte, but for `wall_seconds`.
 //!
 //! The lab depends on the engine, the contract, the policy host and the benchmark's trace
@@ -50,6 +51,7 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod arrivals;
 mod confidence;
 mod config;
 mod policies;
@@ -65,7 +67,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use switchyard_bench::trace::{Replay, Trace, TraceError};
+use switchyard_bench::trace::{Replay, ScheduledRequest, Trace, TraceError};
 
 pub use args::{LabArgs, LabProtocol, OnOff, TraceFormat};
 pub use config::{
@@ -158,15 +160,20 @@ pub fn execute(config: &LabConfig, progress: ProgressDrawTarget) -> Result<LabRe
             config.trace.display().to_string(),
         ));
     }
-    // One run per load and seed, the configured load's first.
+    // One run per load and seed, the configured load's first; each seed's arrivals drawn
+    // once per load, for every policy.
     let runs: Vec<(usize, LabConfig)> = loads
         .iter()
         .enumerate()
         .flat_map(|(l, &load)| config.seed_list().map(move |seed| (l, seed, load)))
         .map(|(l, seed, load)| (l, config.variant(seed, load)))
         .collect();
+    let arrivals: Vec<Vec<ScheduledRequest>> = runs
+        .iter()
+        .map(|(l, run)| arrivals::draw(replays[*l].requests(), run.seed))
+        .collect();
     let bars = MultiProgress::with_draw_target(progress);
-    let mut results = simulate_all(config, &runs, &replays, &bars).into_iter();
+    let mut results = simulate_all(config, &runs, &arrivals, &bars).into_iter();
     let mut first: Option<Vec<PolicyReport>> = None;
     let mut fields: Vec<Vec<serde_json::Map<String, serde_json::Value>>> =
         vec![Vec::new(); loads.len()];
@@ -212,25 +219,26 @@ pub fn execute(config: &LabConfig, progress: ProgressDrawTarget) -> Result<LabRe
     })
 }
 
-/// Every policy's simulation of every run (a load's replay and a seed), in that order, on up
-/// to one thread per CPU.
+/// Every policy's simulation of every run (a load and a seed, replaying the arrivals beside
+/// it), in that order, on up to one thread per CPU.
 fn simulate_all(
     config: &LabConfig,
     runs: &[(usize, LabConfig)],
-    replays: &[Replay],
+    arrivals: &[Vec<ScheduledRequest>],
     bars: &MultiProgress,
 ) -> Vec<Result<SimResult, LabError>> {
     let slots: Vec<_> = runs
         .iter()
-        .flat_map(|(l, run)| {
+        .zip(arrivals)
+        .flat_map(|((_, run), arrivals)| {
             config
                 .policies
                 .iter()
-                .map(move |spec| (run, spec, &replays[*l]))
+                .map(move |spec| (run, spec, arrivals.as_slice()))
         })
-        .map(|(run, spec, replay)| {
-            let bar = bars.add(progress_bar(spec, run, replay.len() as u64));
-            (run, spec, replay, bar)
+        .map(|(run, spec, arrivals)| {
+            let bar = bars.add(progress_bar(spec, run, arrivals.len() as u64));
+            (run, spec, arrivals, bar)
         })
         .collect();
     let threads = std::thread::available_parallelism()
@@ -246,10 +254,10 @@ fn simulate_all(
                     let mut done = Vec::new();
                     loop {
                         let index = next.fetch_add(1, Ordering::Relaxed);
-                        let Some((run, spec, replay, bar)) = slots.get(index) else {
+                        let Some((run, spec, arrivals, bar)) = slots.get(index) else {
                             return done;
                         };
-                        done.push((index, simulate_policy(run, spec, replay, bar)));
+                        done.push((index, simulate_policy(run, spec, arrivals, bar)));
                         bar.finish_and_clear();
                     }
                 })
@@ -274,14 +282,14 @@ fn simulate_all(
 fn simulate_policy(
     config: &LabConfig,
     spec: &PolicySpec,
-    replay: &Replay,
+    arrivals: &[ScheduledRequest],
     bar: &ProgressBar,
 ) -> Result<SimResult, LabError> {
     let clock = Arc::new(SimClock::default());
     let planners = policies::load(spec, config.fallback.as_ref(), clock.clone(), config.seed)?;
     Ok(simulate(
         &config.cluster,
-        replay.requests(),
+        arrivals,
         planners,
         clock,
         config.seed,

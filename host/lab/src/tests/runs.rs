@@ -46,6 +46,7 @@ fn trace_file(dir: &Path, trace: &Trace) -> std::path::PathBuf {
     path
 }
 
+/// Seed 11 re-draws the arrivals (and seeds the rest): twice, alike.
 #[test]
 fn the_same_seed_gives_byte_identical_json() {
     let dir = tempfile::tempdir().unwrap();
@@ -108,47 +109,6 @@ fn the_same_seed_gives_byte_identical_json() {
         json["policies"]["round-robin"]["vs_first"]["p50_ttft_ms"],
         0.0
     );
-}
-
-#[test]
-fn another_seed_draws_other_retry_delays() {
-    // The retry jitter is the run's only draw here: preemptions make it show.
-    let dir = tempfile::tempdir().unwrap();
-    let synthetic = synthetic(5, 60, 30.0);
-    // Room for the longest prompt and little more: the generations grow into each other.
-    let longest = synthetic
-        .requests()
-        .iter()
-        .map(|r| r.input_length)
-        .max()
-        .unwrap();
-    let pages = (longest / 16 + 24).to_string();
-    let trace = trace_file(dir.path(), &synthetic);
-    let run = |seed: &str| {
-        json_without_wall(&config(
-            &trace,
-            &[
-                "--policy",
-                "round-robin",
-                "--engines",
-                "2",
-                "--kv-pages",
-                &pages,
-                "--seed",
-                seed,
-            ],
-        ))
-    };
-    let (a, b) = (run("1"), run("2"));
-    let preempted: Value = serde_json::from_str(&a).unwrap();
-    assert!(
-        preempted["policies"]["round-robin"]["preemptions"]
-            .as_u64()
-            .unwrap()
-            > 0,
-        "the pools preempt"
-    );
-    assert_ne!(a, b, "another seed, other retry delays");
 }
 
 #[test]
@@ -418,37 +378,28 @@ fn a_sweep_replays_each_load_lowest_first_at_that_multiple_of_the_rate() {
 }
 
 /// `--seeds K` reports each figure as the mean of the K seeds' runs, with Student's 95%
-/// interval around it: the same numbers as K runs with one seed each, taken together.
+/// interval around it: the same numbers as K runs with one seed each, taken together. Each
+/// seed draws its own arrivals, so the intervals have a width; every policy of a seed replays
+/// the same ones, so the paired difference pairs every request.
 #[test]
 fn seeds_give_each_figure_the_mean_and_interval_of_the_seeds_runs() {
-    // Tight pools preempt, so each seed draws retry jitter. (It moves no figure here: a retry
-    // waits for the engine's next step either way, and the built-in policies draw nothing;
-    // `confidence`'s tests check the intervals' widths where the values spread.)
     let dir = tempfile::tempdir().unwrap();
-    let synthetic = synthetic(5, 60, 30.0);
-    let longest = synthetic
-        .requests()
-        .iter()
-        .map(|r| r.input_length)
-        .max()
-        .unwrap();
-    let pages = (longest / 16 + 24).to_string();
-    let trace = trace_file(dir.path(), &synthetic);
-    let flags = |seed: &'static str, seeds: &'static str| {
-        let mut flags = vec![
+    let trace = trace_file(dir.path(), &synthetic(5, 60, 30.0));
+    let run = |seed: &str, seeds: &str| {
+        let flags = [
             "--policy",
             "round-robin",
+            "--policy",
+            "kv-aware",
             "--engines",
             "2",
             "--slo",
             "800,40",
+            "--seed",
+            seed,
+            "--seeds",
+            seeds,
         ];
-        flags.extend(["--seed", seed, "--seeds", seeds]);
-        flags
-    };
-    let run = |seed, seeds| {
-        let mut flags = flags(seed, seeds);
-        flags.extend(["--kv-pages", &pages]);
         let json: Value =
             serde_json::from_str(&json_without_wall(&config(&trace, &flags))).unwrap();
         json
@@ -456,35 +407,51 @@ fn seeds_give_each_figure_the_mean_and_interval_of_the_seeds_runs() {
     let together = run("1", "3");
     let alone: Vec<Value> = ["1", "2", "3"].map(|seed| run(seed, "1")).into();
     assert_eq!(together["seeds"], 3);
-    for key in [
-        "mean_e2el_ms",
-        "p90_ttft_ms",
-        "slo_attainment",
-        "preemptions",
+    for (policy, key) in [
+        ("round-robin", "mean_e2el_ms"),
+        ("round-robin", "p90_ttft_ms"),
+        ("round-robin", "slo_attainment"),
+        ("kv-aware", "mean_ttft_ms"),
+        ("kv-aware", "prefix_hit_rate"),
     ] {
         let values: Vec<f64> = alone
             .iter()
-            .map(|j| figure(&j["policies"], "round-robin", key))
+            .map(|j| figure(&j["policies"], policy, key))
             .collect();
         let (mean, ci) = crate::confidence::mean_ci95(&values);
         let [low, high] = ci.unwrap();
-        let policy = &together["policies"]["round-robin"];
-        assert!((figure(&together["policies"], "round-robin", key) - mean).abs() < 1e-9);
-        let reported = &policy[format!("{key}_ci95")];
+        let reported = &together["policies"][policy][format!("{key}_ci95")];
+        assert!((figure(&together["policies"], policy, key) - mean).abs() < 1e-9);
         assert!(
-            (reported[0].as_f64().unwrap() - low).abs() < 1e-9,
-            "{key}: {reported}"
-        );
-        assert!(
-            (reported[1].as_f64().unwrap() - high).abs() < 1e-9,
-            "{key}: {reported}"
+            (reported[0].as_f64().unwrap() - low).abs() < 1e-9
+                && (reported[1].as_f64().unwrap() - high).abs() < 1e-9,
+            "{policy}.{key}: {reported} vs [{low}, {high}]"
         );
         assert!(low <= mean && mean <= high);
         assert!(
-            alone[0]["policies"]["round-robin"]
+            alone[0]["policies"][policy]
                 .get(format!("{key}_ci95"))
                 .is_none()
         );
+    }
+    // The seeds' arrivals differ, and so do the latencies.
+    for (policy, key) in [("round-robin", "mean_e2el_ms"), ("kv-aware", "p90_ttft_ms")] {
+        let [low, high] = together["policies"][policy][format!("{key}_ci95")]
+            .as_array()
+            .map(|ci| [ci[0].as_f64().unwrap(), ci[1].as_f64().unwrap()])
+            .unwrap();
+        assert!(high > low, "{policy}.{key}: [{low}, {high}]");
+    }
+    // Paired per seed: every request of a seed's arrivals ran under both policies.
+    for one in &alone {
+        let policies = &one["policies"];
+        assert_eq!(policies["kv-aware"]["paired_vs_first"]["pairs"], 60);
+        let of_means = figure(policies, "kv-aware", "mean_ttft_ms")
+            - figure(policies, "round-robin", "mean_ttft_ms");
+        let paired = policies["kv-aware"]["paired_vs_first"]["mean_ttft_ms"]
+            .as_f64()
+            .unwrap();
+        assert!((paired - of_means).abs() < 1e-6, "{paired} vs {of_means}");
     }
 }
 
@@ -589,4 +556,46 @@ fn a_timing_table_costs_every_step() {
             "{key}: {doubled} vs 2 × {base}"
         );
     }
+}
+
+/// The built-in random policy (`plugins/random`, built here from source) loads as the router
+/// loads it and seeds its generator from the run's `wasi:random`: the same seed gives the same
+/// JSON, byte for byte, and it places requests on every engine.
+#[test]
+fn the_random_policy_draws_alike_for_one_seed() {
+    let random = switchyard_tests::guest(switchyard_tests::Guest {
+        package: "random-policy",
+        artifact: "random_policy.wasm",
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let trace = trace_file(dir.path(), &synthetic(4, 60, 10.0));
+    let run = |seed: &str| {
+        let flags = [
+            "--policy",
+            "round-robin",
+            "--policy",
+            random.to_str().unwrap(),
+            "--engines",
+            "4",
+            "--seed",
+            seed,
+        ];
+        json_without_wall(&config(&trace, &flags))
+    };
+    let first = run("0");
+    assert!(first == run("0"), "one seed, one run");
+    let json: Value = serde_json::from_str(&first).unwrap();
+    let policy = &json["policies"][random.to_str().unwrap()];
+    assert_eq!(policy["completed"], 60, "{policy}");
+    assert_eq!(policy["policy_faults"], 0, "{policy}");
+    let steps: Vec<u64> = policy["engine_steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s.as_u64().unwrap())
+        .collect();
+    assert!(
+        steps.iter().all(|&s| s > 0),
+        "every engine served: {steps:?}"
+    );
 }
