@@ -68,7 +68,7 @@ pub use executor::ExecutorView;
 pub use registry::{
     CallSummary, LastReload, POLICY_HEADER, PolicyRegistry, PolicyState, PolicyView,
     QuarantineRule, RegistryConfig, RegistryError, ReloadError, ReloadOutcome, ReloadResult,
-    SelectError, Selection,
+    SelectError, Selection, append_registry,
 };
 pub use sandbox::{
     LOG_BYTES_PER_CALL, LOG_LINES_PER_CALL, MAX_ERROR_BYTES, MAX_INSTANCES, MAX_LOG_LINE,

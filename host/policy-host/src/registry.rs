@@ -32,6 +32,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use parking_lot::RwLock;
 
+pub use metrics::append_registry;
 pub use selection::Selection;
 pub use slot::{LastReload, QuarantineRule, ReloadResult};
 pub use stats::CallSummary;

@@ -108,11 +108,18 @@ impl PolicyMetrics {
 
     /// Append these metrics to an OpenMetrics exposition, keeping its `# EOF` last.
     pub(crate) fn append_to(&self, exposition: &mut String) {
-        if exposition.ends_with(EOF_LINE) {
-            exposition.truncate(exposition.len() - EOF_LINE.len());
-        }
-        // Writing into a String cannot fail.
-        let _ = encode_registry(exposition, &self.registry);
-        let _ = encode_eof(exposition);
+        append_registry(exposition, &self.registry);
     }
+}
+
+/// Append `registry`'s metrics to an OpenMetrics exposition, keeping its `# EOF` last: how
+/// anything beside the router's own metrics (the policy registry, a built-in planner) joins
+/// its `/metrics`.
+pub fn append_registry(exposition: &mut String, registry: &Registry) {
+    if exposition.ends_with(EOF_LINE) {
+        exposition.truncate(exposition.len() - EOF_LINE.len());
+    }
+    // Writing into a String cannot fail.
+    let _ = encode_registry(exposition, registry);
+    let _ = encode_eof(exposition);
 }

@@ -16,7 +16,6 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use prometheus_client::encoding::text::{encode_eof, encode_registry};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::registry::Registry;
 
@@ -168,13 +167,7 @@ impl Planner for SidecarPlanner {
 
 impl BuiltinPlanner for SidecarPlanner {
     fn append_metrics(&self, exposition: &mut String) {
-        const EOF_LINE: &str = "# EOF\n";
-        if exposition.ends_with(EOF_LINE) {
-            exposition.truncate(exposition.len() - EOF_LINE.len());
-        }
-        // Writing into a String cannot fail.
-        let _ = encode_registry(exposition, &self.metrics);
-        let _ = encode_eof(exposition);
+        switchyard_policy_host::append_registry(exposition, &self.metrics);
     }
 }
 
