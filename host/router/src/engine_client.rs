@@ -41,7 +41,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
-use futures::{StreamExt, TryStreamExt};
+use futures::{FutureExt, StreamExt, TryStreamExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http_body_util::BodyExt;
 use hyper::body::{Frame, Incoming, SizeHint};
@@ -554,11 +554,16 @@ impl EngineClient {
             .map_err(|e| error_chain(&e));
         // The body's end is read in the background, so that `[DONE]` reaches the client at
         // once and the connection stays pooled (see `BODY_END_AFTER_DONE`).
+        // An end that has already arrived is read here, without a task; only a body still open
+        // after `[DONE]` costs one.
         let events = sse::data_events(bytes).on_done(|rest| {
-            tokio::spawn(tokio::time::timeout(
+            let mut end = Box::pin(tokio::time::timeout(
                 BODY_END_AFTER_DONE,
                 rest.read_to_end(),
             ));
+            if (&mut end).now_or_never().is_none() {
+                tokio::spawn(end);
+            }
         });
         Ok(with_idle_timeout(
             sse::chunks(events),
