@@ -3,8 +3,9 @@
 //! subscribed to, a prompt an engine cached (sent straight to it, past the router) is in the
 //! next request's snapshot as that endpoint's cached prefix, the engine's own `cached_tokens`
 //! confirms the prediction (the accuracy counter counts a hit) and reaches the client, whole and
-//! streamed; `switchyard up --prefix-cache` wires every engine's events to its router; an
-//! engine with several DP ranks is subscribed to per rank.
+//! streamed; `switchyard up --prefix-cache` wires every engine's events to its router, and a
+//! repeated prompt through each protocol's P/D handoff is predicted and confirmed; an engine
+//! with several DP ranks is subscribed to per rank.
 
 use std::time::Duration;
 
@@ -122,6 +123,8 @@ async fn a_prompt_the_engine_cached_is_predicted_and_its_cached_tokens_confirm_i
         "{answer}"
     );
     assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 1.0);
+    // The reference engine always reports cached_tokens: every prediction is checked.
+    assert_eq!(metric(&metrics, "switchyard_kv_predictions_checked").await, 1.0);
     assert_eq!(
         metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
         f64::from(2 * BLOCK)
@@ -198,6 +201,54 @@ async fn up_with_the_prefix_cache_subscribes_its_router_to_every_engine() {
     // Every endpoint's index was trusted: both requests' generators had a prediction.
     let metrics = router.endpoint("/metrics");
     assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 2.0);
+}
+
+/// `switchyard up --prefix-cache` over one prefill and one decode engine of `protocol`: a
+/// prompt sent twice is served from the decode engine's cache the second time, the client's
+/// usage says so, and the index predicted it (a checked hit).
+async fn a_repeated_prompt_through_a_handoff_is_predicted_and_confirmed(protocol: &str) {
+    let router = RouterProcess::up(&["--prefix-cache", "--protocol", protocol, "--decode", "1"]);
+    let url = router.endpoint("/v1/completions");
+    let prompt = prompt_from(1);
+    let first = post_json(&url, &completion(&prompt)).await;
+    assert_eq!(cached_tokens(&first["usage"]), Some(0), "{first}");
+    // The decode engine (endpoint 1) publishes what it stored; the next request's snapshot
+    // needs it.
+    eventually(WITHIN, || async {
+        let decode = endpoints(&router).await[1]["kv_events"].clone();
+        (decode["blocks"].as_u64().unwrap_or(0) < 2).then(|| format!("decode: {decode}"))
+    })
+    .await;
+    let again = post_json(&url, &completion(&prompt)).await;
+    assert_eq!(
+        cached_tokens(&again["usage"]),
+        Some(u64::from(2 * BLOCK)),
+        "{again}"
+    );
+    let metrics = router.endpoint("/metrics");
+    assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 2.0);
+    assert_eq!(metric(&metrics, "switchyard_kv_predictions_checked").await, 2.0);
+    assert_eq!(
+        metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
+        f64::from(2 * BLOCK),
+        "nothing the first time, two blocks the second"
+    );
+    assert_eq!(metric(&metrics, "switchyard_kv_prediction_hits").await, 2.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_through_mlc_microserving_is_predicted_and_confirmed() {
+    a_repeated_prompt_through_a_handoff_is_predicted_and_confirmed("mlc").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_through_a_vllm_handoff_is_predicted_and_confirmed() {
+    a_repeated_prompt_through_a_handoff_is_predicted_and_confirmed("vllm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_prompt_through_an_sglang_handoff_is_predicted_and_confirmed() {
+    a_repeated_prompt_through_a_handoff_is_predicted_and_confirmed("sglang").await;
 }
 
 #[tokio::test]
