@@ -124,7 +124,10 @@ async fn a_prompt_the_engine_cached_is_predicted_and_its_cached_tokens_confirm_i
     );
     assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 1.0);
     // The reference engine always reports cached_tokens: every prediction is checked.
-    assert_eq!(metric(&metrics, "switchyard_kv_predictions_checked").await, 1.0);
+    assert_eq!(
+        metric(&metrics, "switchyard_kv_predictions_checked").await,
+        1.0
+    );
     assert_eq!(
         metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
         f64::from(2 * BLOCK)
@@ -227,7 +230,10 @@ async fn a_repeated_prompt_through_a_handoff_is_predicted_and_confirmed(protocol
     );
     let metrics = router.endpoint("/metrics");
     assert_eq!(metric(&metrics, "switchyard_kv_predictions").await, 2.0);
-    assert_eq!(metric(&metrics, "switchyard_kv_predictions_checked").await, 2.0);
+    assert_eq!(
+        metric(&metrics, "switchyard_kv_predictions_checked").await,
+        2.0
+    );
     assert_eq!(
         metric(&metrics, "switchyard_kv_predicted_prefix_tokens").await,
         f64::from(2 * BLOCK),
@@ -288,10 +294,7 @@ async fn each_dp_rank_is_subscribed_at_its_port_and_the_endpoint_shows_the_most_
         "--kv-events-dp-rank",
         "1",
     ]);
-    let endpoint = format!(
-        "{},kv_events={rank0_events},kv_events_dp_size=2",
-        rank0.url
-    );
+    let endpoint = format!("{},kv_events={rank0_events},kv_events_dp_size=2", rank0.url);
     let router = RouterProcess::serve_ready(&[&endpoint], &["--policy", "round-robin"]);
     let shown = endpoints(&router).await[0]["kv_events"].clone();
     assert_eq!(
@@ -300,7 +303,11 @@ async fn each_dp_rank_is_subscribed_at_its_port_and_the_endpoint_shows_the_most_
             shown["dp_ranks"][0]["events"].as_str(),
             shown["dp_ranks"][0]["dp_rank"].as_u64()
         ),
-        (Some(rank0_events.as_str()), Some(rank1_events.as_str()), Some(1)),
+        (
+            Some(rank0_events.as_str()),
+            Some(rank1_events.as_str()),
+            Some(1)
+        ),
         "{shown}"
     );
 
@@ -325,7 +332,10 @@ async fn each_dp_rank_is_subscribed_at_its_port_and_the_endpoint_shows_the_most_
         }
     }
     let kv = endpoints(&router).await[0]["kv_events"].clone();
-    assert!(kv["dp_ranks"][0]["blocks"].as_u64() >= Some(2), "never indexed: {kv}");
+    assert!(
+        kv["dp_ranks"][0]["blocks"].as_u64() >= Some(2),
+        "never indexed: {kv}"
+    );
     assert_eq!(kv["blocks"], 0, "rank 0 cached nothing: {kv}");
     assert_eq!(kv["dp_ranks"][0]["rank_mismatches"], Value::Null, "{kv}");
 
@@ -349,10 +359,7 @@ async fn a_rank_publishing_on_another_ranks_port_is_counted_and_dropped() {
     let rank0 = EngineProcess::spawn(&["--prefix-cache", "--kv-events", &rank0_events]);
     // Stamps rank 0 on rank 1's port: a misconfigured deployment.
     let stray = EngineProcess::spawn(&["--prefix-cache", "--kv-events", &rank1_events]);
-    let endpoint = format!(
-        "{},kv_events={rank0_events},kv_events_dp_size=2",
-        rank0.url
-    );
+    let endpoint = format!("{},kv_events={rank0_events},kv_events_dp_size=2", rank0.url);
     let router = RouterProcess::serve_ready(&[&endpoint], &["--policy", "round-robin"]);
     // A new prompt each time: a SUB socket misses what was published before it joined, and a
     // prompt cached already publishes nothing.

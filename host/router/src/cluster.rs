@@ -302,9 +302,7 @@ impl EndpointSpec {
             None => 0,
             Some(size @ 1..=MAX_DP_SIZE) => size - 1,
             Some(size) => {
-                return Err(format!(
-                    "kv_events_dp_size {size} is not 1..{MAX_DP_SIZE}"
-                ));
+                return Err(format!("kv_events_dp_size {size} is not 1..{MAX_DP_SIZE}"));
             }
         };
         check_tcp_url("kv_events", events, last_rank)?;
@@ -945,7 +943,8 @@ impl Cluster {
         let now = Instant::now();
         for id in endpoints {
             if let Some(handles) = self.endpoint(id).and_then(|e| e.kv.handles()) {
-                self.kv.note_served(&handles, pins.rank(id), prompt_len, now);
+                self.kv
+                    .note_served(&handles, pins.rank(id), prompt_len, now);
             }
         }
     }
@@ -1006,9 +1005,11 @@ impl Cluster {
                     running: load.running,
                     waiting: load.waiting,
                     outlier: e.outlier.lock().view(now),
-                    kv_events: e.kv.source.as_ref().and_then(|source| {
-                        self.kv.status(source, &e.kv.handles()?, now)
-                    }),
+                    kv_events: e
+                        .kv
+                        .source
+                        .as_ref()
+                        .and_then(|source| self.kv.status(source, &e.kv.handles()?, now)),
                     probe_error: e.probe_error.lock().clone(),
                 }
             })

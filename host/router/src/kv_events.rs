@@ -89,7 +89,10 @@ impl KvEventsSource {
     pub fn for_rank(&self, rank: u32) -> Self {
         Self {
             events: offset_port(&self.events, rank),
-            replay: self.replay.as_deref().map(|replay| offset_port(replay, rank)),
+            replay: self
+                .replay
+                .as_deref()
+                .map(|replay| offset_port(replay, rank)),
             topic: self.topic.clone(),
             rank: Some(rank),
         }

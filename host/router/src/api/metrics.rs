@@ -597,7 +597,10 @@ mod tests {
         }
         let rendered = metrics.render(&Cluster::new(Vec::new(), OutlierConfig::default()));
         assert_eq!(value(&rendered, "switchyard_kv_predictions_total"), 4.0);
-        assert_eq!(value(&rendered, "switchyard_kv_predictions_checked_total"), 3.0);
+        assert_eq!(
+            value(&rendered, "switchyard_kv_predictions_checked_total"),
+            3.0
+        );
         assert_eq!(value(&rendered, "switchyard_kv_prediction_hits_total"), 2.0);
         assert_eq!(
             value(&rendered, "switchyard_kv_predicted_prefix_tokens_total"),

@@ -158,9 +158,10 @@ fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
             Some(("kv_events", events)) => spec.kv_events = Some(events.to_owned()),
             Some(("kv_events_replay", replay)) => spec.kv_events_replay = Some(replay.to_owned()),
             Some(("kv_events_dp_size", size)) => {
-                spec.kv_events_dp_size = Some(size.parse().map_err(|_| {
-                    format!("kv_events_dp_size {size:?} is not a number of ranks")
-                })?);
+                spec.kv_events_dp_size =
+                    Some(size.parse().map_err(|_| {
+                        format!("kv_events_dp_size {size:?} is not a number of ranks")
+                    })?);
             }
             _ => {
                 return Err(format!(

@@ -182,7 +182,12 @@ fn each_dp_rank_publishes_at_the_configured_ports_plus_its_rank() {
             rank.topic.as_str(),
             rank.rank
         ),
-        ("tcp://10.0.0.7:5560", Some("tcp://[fd00::7]:5603"), "kv@", Some(3))
+        (
+            "tcp://10.0.0.7:5560",
+            Some("tcp://[fd00::7]:5603"),
+            "kv@",
+            Some(3)
+        )
     );
     assert_eq!(source.for_rank(0).events, source.events);
     assert_eq!(source.for_rank(0).rank, Some(0));

@@ -319,7 +319,13 @@ async fn a_dp_endpoint_shows_the_most_a_rank_holds_and_pins_the_request_to_a_ran
         .map(|rank| (rank.dp_rank, rank.events.clone(), rank.blocks))
         .collect();
     let expected: Vec<(Option<u32>, String, usize)> = (0..3)
-        .map(|rank| (Some(rank), format!("tcp://127.0.0.1:{}", base + rank as u16), 2))
+        .map(|rank| {
+            (
+                Some(rank),
+                format!("tcp://127.0.0.1:{}", base + rank as u16),
+                2,
+            )
+        })
         .collect();
     assert_eq!(shown, expected);
 
