@@ -342,6 +342,12 @@ pub(super) type RankHandles = Arc<[SubscriberHandle]>;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RankPins(Vec<(EndpointId, u32)>);
 
+impl FromIterator<(EndpointId, u32)> for RankPins {
+    fn from_iter<I: IntoIterator<Item = (EndpointId, u32)>>(pins: I) -> Self {
+        RankPins(pins.into_iter().collect())
+    }
+}
+
 impl RankPins {
     /// The rank a request sent to `endpoint` must be pinned to, if any.
     pub fn rank(&self, endpoint: EndpointId) -> Option<u32> {
