@@ -197,6 +197,10 @@ pub struct EngineArgs {
     /// `buffer_steps`).
     #[arg(long, default_value_t = 10_000, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     pub kv_events_buffer_steps: usize,
+    /// The data-parallel rank stamped in every batch (vLLM stamps each engine core's; one
+    /// reference engine stands for one rank of a DP deployment, on the ports vLLM gives it).
+    #[arg(long, default_value_t = 0)]
+    pub kv_events_dp_rank: u32,
 }
 
 impl EngineArgs {

@@ -49,6 +49,8 @@ pub(crate) struct PublisherConfig {
     pub replay: Option<SocketAddr>,
     pub encoding: KvEventsEncoding,
     pub buffer_steps: usize,
+    /// The data-parallel rank stamped in every batch.
+    pub dp_rank: u32,
 }
 
 /// The publishing task, with the addresses its sockets are bound to; dropping it stops the
@@ -98,6 +100,7 @@ impl Publisher {
             next_seq: 0,
             buffer: VecDeque::new(),
             buffer_steps: config.buffer_steps,
+            dp_rank: config.dp_rank,
         };
         let (tx, rx) = mpsc::unbounded_channel();
         let task = tokio::spawn(run(stream, rx, replay));
@@ -190,6 +193,7 @@ struct Stream {
     /// `(seq, payload)` of the latest batches, oldest first.
     buffer: VecDeque<(u64, Bytes)>,
     buffer_steps: usize,
+    dp_rank: u32,
 }
 
 impl Stream {
@@ -201,7 +205,7 @@ impl Stream {
                 .duration_since(UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64()),
             events,
-            data_parallel_rank: Some(0),
+            data_parallel_rank: Some(i64::from(self.dp_rank)),
         };
         let payload = Bytes::from(encode_batch(&batch, self.encoding));
         let frames = [

@@ -128,6 +128,7 @@ pub async fn start(args: &EngineArgs) -> Result<RunningEngine, EngineError> {
                 replay: args.kv_events_replay,
                 encoding: args.kv_events_encoding,
                 buffer_steps: args.kv_events_buffer_steps,
+                dp_rank: args.kv_events_dp_rank,
             };
             let (publisher, batches) = Publisher::start(config).await?;
             // A seed per process, as vLLM's NONE_HASH: this engine's hashes are its own.

@@ -8,6 +8,7 @@
 //!   demand() -> Vec<(model, role, Demand)>   saturation and desired replicas, for autoscalers
 //!   until_ready().await                  woken when the router becomes ready (scale from zero)
 //!   snapshot_for(prompt)                 the same with each endpoint's cached prefix (see `kv`)
+//!   snapshot_pinned(prompt)              the same, pinning DP ranks (see `kv`)
 //!   subscribe_kv_events(id) / note_served(ids, len) / resync_kv_events(id, why)   KV events
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   prefilling(id, tokens) -> Prefilling RAII: counts a leg's prompt tokens until its prefill ends
@@ -49,7 +50,7 @@ use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
 pub use inflight::{InFlight, Prefilling};
-pub use kv::{IndexCounts, KvEventsStatus};
+pub use kv::{IndexCounts, KvEventsStatus, RankPins};
 pub use outlier::{OutlierConfig, OutlierView};
 pub use saturation::{Demand, SaturationConfig};
 
@@ -93,6 +94,11 @@ pub struct EndpointSpec {
     /// The topic subscribed to (a prefix); absent: every topic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kv_events_topic: Option<String>,
+    /// The engine's data-parallel ranks (vLLM's `--data-parallel-size`), each publishing on
+    /// its own sockets: rank r at the `kv_events` and `kv_events_replay` ports plus r, as vLLM
+    /// binds them. Each rank gets its own subscriber and index; absent: one rank.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kv_events_dp_size: Option<u32>,
     /// For an `https://` engine: the PEM file of the CA that signs its certificate, trusted
     /// instead of the system's roots (default: the top-level `engine_ca_file`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -110,15 +116,27 @@ fn one() -> u32 {
     1
 }
 
-/// `tcp://HOST:PORT`, the only ZeroMQ transport engines publish KV events on.
-fn check_tcp_url(key: &str, url: &str) -> Result<(), String> {
+/// The most data-parallel ranks one endpoint's KV events may come from (vLLM's DP
+/// deployments go to a few dozen; each rank is a subscriber task and an index).
+const MAX_DP_SIZE: u32 = 256;
+
+/// `tcp://HOST:PORT`, the only ZeroMQ transport engines publish KV events on, whose port plus
+/// `last_rank` (where the engine's last DP rank publishes) is a port too.
+fn check_tcp_url(key: &str, url: &str, last_rank: u32) -> Result<(), String> {
     let bad = || format!("{key} {url:?} is not a tcp://HOST:PORT address");
     let (host, port) = url
         .strip_prefix("tcp://")
         .and_then(|address| address.rsplit_once(':'))
         .ok_or_else(bad)?;
     match port.parse::<u16>() {
-        Ok(port) if port != 0 && !host.is_empty() => Ok(()),
+        Ok(port) if port != 0 && !host.is_empty() => {
+            if u32::from(port) + last_rank > u32::from(u16::MAX) {
+                return Err(format!(
+                    "{key} {url:?}: DP rank {last_rank} would publish past port 65535"
+                ));
+            }
+            Ok(())
+        }
         _ => Err(bad()),
     }
 }
@@ -197,6 +215,7 @@ impl EndpointSpec {
             kv_events: None,
             kv_events_replay: None,
             kv_events_topic: None,
+            kv_events_dp_size: None,
             ca_file: None,
             client_cert: None,
             client_key: None,
@@ -257,21 +276,45 @@ impl EndpointSpec {
         self.check_kv_events()
     }
 
-    /// `kv_events` and `kv_events_replay` are `tcp://HOST:PORT`; a replay socket or a topic
-    /// without an event socket would never be used.
+    /// `kv_events` and `kv_events_replay` are `tcp://HOST:PORT`, and so is each DP rank's
+    /// (the port plus the rank); a replay socket, a topic or ranks without an event socket
+    /// would never be used.
     fn check_kv_events(&self) -> Result<(), String> {
         let Some(events) = &self.kv_events else {
-            return match (&self.kv_events_replay, &self.kv_events_topic) {
-                (None, None) => Ok(()),
-                (Some(_), _) => Err("kv_events_replay needs kv_events (the event socket)".into()),
-                (None, Some(_)) => Err("kv_events_topic needs kv_events (the event socket)".into()),
+            return match (
+                &self.kv_events_replay,
+                &self.kv_events_topic,
+                self.kv_events_dp_size,
+            ) {
+                (None, None, None) => Ok(()),
+                (Some(_), _, _) => {
+                    Err("kv_events_replay needs kv_events (the event socket)".into())
+                }
+                (None, Some(_), _) => {
+                    Err("kv_events_topic needs kv_events (the event socket)".into())
+                }
+                (None, None, Some(_)) => {
+                    Err("kv_events_dp_size needs kv_events (the event socket)".into())
+                }
             };
         };
-        check_tcp_url("kv_events", events)?;
+        let last_rank = match self.kv_events_dp_size {
+            None => 0,
+            Some(size @ 1..=MAX_DP_SIZE) => size - 1,
+            Some(size) => {
+                return Err(format!("kv_events_dp_size {size} is not 1..{MAX_DP_SIZE}"));
+            }
+        };
+        check_tcp_url("kv_events", events, last_rank)?;
         match &self.kv_events_replay {
-            Some(replay) => check_tcp_url("kv_events_replay", replay),
+            Some(replay) => check_tcp_url("kv_events_replay", replay, last_rank),
             None => Ok(()),
         }
+    }
+
+    /// How many data-parallel ranks publish KV events (1 unless `kv_events_dp_size` says).
+    pub fn kv_events_dp_size(&self) -> u32 {
+        self.kv_events_dp_size.unwrap_or(1)
     }
 
     /// Where the engine publishes its KV events, if it does.
@@ -422,7 +465,7 @@ impl EndpointState {
             outlier: Mutex::new(Outlier::default()),
             models: RwLock::new(Vec::new()),
             probe_error: Mutex::new(None),
-            kv: EndpointKv::new(spec.kv_events_source()),
+            kv: EndpointKv::new(spec.kv_events_source(), spec.kv_events_dp_size),
         }
     }
 
@@ -768,6 +811,7 @@ impl Cluster {
                             .as_ref()
                             .map(|s| s.topic.clone())
                             .filter(|topic| !topic.is_empty()),
+                        kv_events_dp_size: e.kv.dp_size,
                         ca_file: e.tls.ca_file.clone(),
                         client_cert: e.tls.client_cert.clone(),
                         client_key: e.tls.client_key.clone(),
@@ -853,32 +897,54 @@ impl Cluster {
 
     /// What a policy sees for a request whose prompt (the continuation's, on later attempts)
     /// is `prompt`: [`Cluster::snapshot`] with each endpoint's cached prefix filled in where
-    /// its KV events are trusted. No lookup when no endpoint publishes events.
+    /// its KV events are trusted. No lookup when no endpoint publishes events. An endpoint
+    /// with several DP ranks shows what the rank holding the least holds: nothing pins the
+    /// request to a rank ([`Cluster::snapshot_pinned`] does).
     pub fn snapshot_for(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
+        self.snapshot_with_kv(prompt, false).0
+    }
+
+    /// [`Cluster::snapshot_for`] for a request the router sends itself: an endpoint with
+    /// several DP ranks shows the most any trusted rank holds, and the pins name the rank the
+    /// request must then be sent to (`X-data-parallel-rank`).
+    pub fn snapshot_pinned(&self, prompt: &[u32]) -> (Vec<EndpointSnapshot>, RankPins) {
+        self.snapshot_with_kv(prompt, true)
+    }
+
+    fn snapshot_with_kv(&self, prompt: &[u32], pinning: bool) -> (Vec<EndpointSnapshot>, RankPins) {
         let mut snapshot = self.snapshot();
+        let mut pins = RankPins::default();
         if self.kv.is_active() {
             let handles: Vec<_> = self
                 .endpoints
                 .read()
                 .iter()
-                .map(|e| e.kv.handle())
+                .map(|e| e.kv.handles())
                 .collect();
-            self.kv
-                .fill(&mut snapshot, &handles, prompt, Instant::now());
+            pins = self
+                .kv
+                .fill(&mut snapshot, &handles, prompt, Instant::now(), pinning);
         }
-        snapshot
+        (snapshot, pins)
     }
 
-    /// `endpoints` were sent a prompt of `prompt_len` tokens (an attempt's plan started): from
-    /// then on their engines must publish what they stored.
-    pub fn note_served(&self, endpoints: impl IntoIterator<Item = u32>, prompt_len: usize) {
+    /// `endpoints` were sent a prompt of `prompt_len` tokens (an attempt's plan started),
+    /// pinned to the DP ranks `pins` names: from then on their engines must publish what they
+    /// stored.
+    pub fn note_served(
+        &self,
+        endpoints: impl IntoIterator<Item = u32>,
+        prompt_len: usize,
+        pins: &RankPins,
+    ) {
         if !self.kv.is_active() {
             return;
         }
         let now = Instant::now();
         for id in endpoints {
-            if let Some(handle) = self.endpoint(id).and_then(|e| e.kv.handle()) {
-                self.kv.note_served(&handle, prompt_len, now);
+            if let Some(handles) = self.endpoint(id).and_then(|e| e.kv.handles()) {
+                self.kv
+                    .note_served(&handles, pins.rank(id), prompt_len, now);
             }
         }
     }
@@ -939,10 +1005,11 @@ impl Cluster {
                     running: load.running,
                     waiting: load.waiting,
                     outlier: e.outlier.lock().view(now),
-                    kv_events: e.kv.source.as_ref().and_then(|source| {
-                        let handle = e.kv.handle()?;
-                        Some(self.kv.status(source, &handle, now))
-                    }),
+                    kv_events: e
+                        .kv
+                        .source
+                        .as_ref()
+                        .and_then(|source| self.kv.status(source, &e.kv.handles()?, now)),
                     probe_error: e.probe_error.lock().clone(),
                 }
             })

@@ -93,6 +93,7 @@
 //! kv_events = "tcp://10.0.0.5:5557"         # the engine's KV-event PUB socket (optional)
 //! kv_events_replay = "tcp://10.0.0.5:5558"  # its replay socket (optional)
 //! kv_events_topic = "kv"                    # a topic prefix (default: every topic)
+//! kv_events_dp_size = 1                     # DP ranks; rank r at both ports + r (default 1)
 //!
 //!
 //! [epp]                                        # `switchyard epp` only (`serve` ignores it)

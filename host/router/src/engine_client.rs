@@ -173,8 +173,14 @@ pub struct Upstream {
     /// then fails with [`CallError::Url`]), so a call's URI is assembled, not parsed.
     target: Option<Target>,
     auth: Option<http::HeaderValue>,
+    /// Sent as `X-data-parallel-rank`: the engine's DP rank a call must run on.
+    dp_rank: Option<http::HeaderValue>,
     transport: Transport,
 }
+
+/// vLLM's header pinning a request to one of its data-parallel ranks (its OpenAI server reads
+/// it on the completion and chat routes and hands the rank to its engine client).
+const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// How an engine's connections are made.
 #[derive(Clone)]
@@ -250,7 +256,17 @@ impl Upstream {
             base,
             target,
             auth,
+            dp_rank: None,
             transport,
+        }
+    }
+
+    /// The same engine, every call pinned to its data-parallel rank `rank`.
+    #[must_use]
+    pub fn pinned_to_rank(self, rank: u32) -> Upstream {
+        Upstream {
+            dp_rank: Some(http::HeaderValue::from(rank)),
+            ..self
         }
     }
 
@@ -283,11 +299,14 @@ impl Upstream {
         let uri = target.with_path(path).map_err(|_| CallError::Url {
             reason: "followed by the call's path, it makes no URI",
         })?;
-        let request = http::Request::builder().method(method).uri(uri);
-        Ok(match &self.auth {
-            Some(auth) => request.header(http::header::AUTHORIZATION, auth.clone()),
-            None => request,
-        })
+        let mut request = http::Request::builder().method(method).uri(uri);
+        if let Some(auth) = &self.auth {
+            request = request.header(http::header::AUTHORIZATION, auth.clone());
+        }
+        if let Some(rank) = &self.dp_rank {
+            request = request.header(DP_RANK_HEADER, rank.clone());
+        }
+        Ok(request)
     }
 }
 
@@ -297,6 +316,7 @@ impl std::fmt::Debug for Upstream {
         f.debug_struct("Upstream")
             .field("base", &self.base)
             .field("auth", &auth)
+            .field("dp_rank", &self.dp_rank)
             .finish()
     }
 }
@@ -310,7 +330,10 @@ impl PartialEq for Upstream {
                 Transport::Tls(tls) => Some(tls.files()),
             }
         }
-        self.base == other.base && self.auth == other.auth && files(self) == files(other)
+        self.base == other.base
+            && self.auth == other.auth
+            && self.dp_rank == other.dp_rank
+            && files(self) == files(other)
     }
 }
 

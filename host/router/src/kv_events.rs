@@ -67,6 +67,9 @@ pub struct KvEventsSource {
     pub replay: Option<String>,
     /// The topic prefix subscribed to; empty: every topic.
     pub topic: String,
+    /// The data-parallel rank publishing here, when the engine has several: a batch stamped
+    /// with another rank is counted and dropped. `None`: one rank, whatever its batches say.
+    pub rank: Option<u32>,
 }
 
 impl KvEventsSource {
@@ -75,6 +78,23 @@ impl KvEventsSource {
             events: events.into(),
             replay: None,
             topic: String::new(),
+            rank: None,
+        }
+    }
+
+    /// Where data-parallel rank `rank` of the engine configured at `self` (its rank 0)
+    /// publishes: vLLM's `ZmqEventPublisher` binds each rank's PUB and replay sockets at the
+    /// configured ports plus the rank, and stamps the rank in every batch.
+    #[must_use]
+    pub fn for_rank(&self, rank: u32) -> Self {
+        Self {
+            events: offset_port(&self.events, rank),
+            replay: self
+                .replay
+                .as_deref()
+                .map(|replay| offset_port(replay, rank)),
+            topic: self.topic.clone(),
+            rank: Some(rank),
         }
     }
 
@@ -92,6 +112,18 @@ impl KvEventsSource {
             topic: topic.into(),
             ..self
         }
+    }
+}
+
+/// `tcp://HOST:PORT` with `by` added to its port (the endpoint's configuration has checked
+/// that it is such an address and that the sum is a port).
+fn offset_port(url: &str, by: u32) -> String {
+    match url.rsplit_once(':') {
+        Some((host, port)) => match port.parse::<u32>() {
+            Ok(port) => format!("{host}:{}", port + by),
+            Err(_) => url.to_owned(),
+        },
+        None => url.to_owned(),
     }
 }
 

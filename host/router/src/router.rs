@@ -572,12 +572,14 @@ impl<E: Execute> Router<E> {
         prompt.extend_from_slice(&continued);
         // The whole prompt, so each endpoint's cached prefix counts what a continuation
         // re-sends too.
+        let (endpoints, pins) = self.executor.cluster().snapshot_pinned(&prompt);
         let context = PolicyContext {
             attempt,
             last_failure,
-            endpoints: self.executor.cluster().snapshot_for(&prompt),
+            endpoints,
         };
         let (plan, cached) = self.plan(req, &prompt, remaining, context, st)?;
+        let cached = cached.pinned(pins.clone());
         let prompt_len = prompt.len();
         let mut tokens = req.template.clone();
         tokens.prompt = Prompt::Tokens(prompt);
@@ -593,7 +595,7 @@ impl<E: Execute> Router<E> {
             Ok(g) => {
                 self.executor
                     .cluster()
-                    .note_served(served_by(&plan), prompt_len);
+                    .note_served(served_by(&plan), prompt_len, &pins);
                 g
             }
             Err(error) => {

@@ -252,6 +252,9 @@ impl Metrics {
         if let Some(predicted) = summary.predicted_prefix {
             self.kv.predictions.inc();
             self.kv.predicted_tokens.inc_by(u64::from(predicted));
+            if summary.cached_tokens.is_some() {
+                self.kv.predictions_checked.inc();
+            }
             if summary.prediction_hit {
                 self.kv.prediction_hits.inc();
             }
@@ -331,8 +334,11 @@ struct KvMetrics {
     /// predicted for them.
     predictions: Counter,
     predicted_tokens: Counter,
+    /// Predictions the engine's answer could check: it reported `cached_tokens` (vLLM only
+    /// with `--enable-prompt-tokens-details`). An unchecked prediction is never a hit.
+    predictions_checked: Counter,
     /// Predictions the engine's reported `cached_tokens` confirmed: accuracy is
-    /// `prediction_hits / predictions`.
+    /// `prediction_hits / predictions_checked`.
     prediction_hits: Counter,
 }
 
@@ -388,6 +394,11 @@ impl KvMetrics {
             "kv_predictions",
             "Requests whose generating endpoint's cached prefix was known from its KV events",
             m.predictions.clone(),
+        );
+        registry.register(
+            "kv_predictions_checked",
+            "Predictions whose generating engine reported cached_tokens, against which they were checked",
+            m.predictions_checked.clone(),
         );
         registry.register(
             "kv_prediction_hits",
@@ -565,27 +576,35 @@ mod tests {
     }
 
     #[test]
-    fn prediction_accuracy_is_hits_over_predictions() {
+    fn prediction_accuracy_is_hits_over_checked_predictions() {
         let metrics = Metrics::new();
-        let summary = |predicted_prefix, prediction_hit| Summary {
+        let summary = |predicted_prefix, cached_tokens, prediction_hit| Summary {
             predicted_prefix,
+            cached_tokens,
             prediction_hit,
             ..Summary::default()
         };
         for s in [
-            summary(Some(32), true),
-            summary(Some(16), false),
-            summary(Some(0), true),
-            summary(None, false),
+            summary(Some(32), Some(40), true),
+            summary(Some(16), Some(0), false),
+            summary(Some(0), Some(3), true),
+            // vLLM without --enable-prompt-tokens-details: predicted, never checked.
+            summary(Some(64), None, false),
+            summary(None, Some(16), false),
+            summary(None, None, false),
         ] {
             metrics.finished(&s, Duration::ZERO);
         }
         let rendered = metrics.render(&Cluster::new(Vec::new(), OutlierConfig::default()));
-        assert_eq!(value(&rendered, "switchyard_kv_predictions_total"), 3.0);
+        assert_eq!(value(&rendered, "switchyard_kv_predictions_total"), 4.0);
+        assert_eq!(
+            value(&rendered, "switchyard_kv_predictions_checked_total"),
+            3.0
+        );
         assert_eq!(value(&rendered, "switchyard_kv_prediction_hits_total"), 2.0);
         assert_eq!(
             value(&rendered, "switchyard_kv_predicted_prefix_tokens_total"),
-            48.0
+            112.0
         );
     }
 }

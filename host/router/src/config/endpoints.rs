@@ -123,7 +123,7 @@ fn from_flags(
 }
 
 /// One `--endpoint` flag:
-/// `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://…[,kv_events_replay=tcp://…]]`.
+/// `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://…[,kv_events_replay=tcp://…][,kv_events_dp_size=N]]`.
 fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
     let mut parts = flag.split(',');
     let url = parts.next().unwrap_or_default();
@@ -157,10 +157,17 @@ fn endpoint_flag(flag: &str) -> Result<EndpointSpec, String> {
             }
             Some(("kv_events", events)) => spec.kv_events = Some(events.to_owned()),
             Some(("kv_events_replay", replay)) => spec.kv_events_replay = Some(replay.to_owned()),
+            Some(("kv_events_dp_size", size)) => {
+                spec.kv_events_dp_size =
+                    Some(size.parse().map_err(|_| {
+                        format!("kv_events_dp_size {size:?} is not a number of ranks")
+                    })?);
+            }
             _ => {
                 return Err(format!(
                     "unknown option {option:?}: expected role=ROLE, bootstrap_port=N, \
-                     kv_events=tcp://HOST:PORT or kv_events_replay=tcp://HOST:PORT"
+                     kv_events=tcp://HOST:PORT, kv_events_replay=tcp://HOST:PORT or \
+                     kv_events_dp_size=N"
                 ));
             }
         }

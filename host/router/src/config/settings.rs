@@ -24,11 +24,12 @@ use crate::kv_events::SubscriberConfig;
 #[derive(Debug, Clone, Default, clap::Args)]
 pub struct ServeArgs {
     /// An engine:
-    /// `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://H:P[,kv_events_replay=tcp://H:P]]`
+    /// `[PROTOCOL+]URL[,role=ROLE][,bootstrap_port=N][,kv_events=tcp://H:P[,kv_events_replay=tcp://H:P][,kv_events_dp_size=N]]`
     /// (repeat for each engine, in id order). PROTOCOL is mlc (the default), vllm, sglang or
     /// openai; ROLE any, prefill or decode (binding on vllm and sglang); an sglang prefill needs
     /// its bootstrap_port; kv_events is the engine's KV-event PUB socket (policies then see each
-    /// request's cached prefix), kv_events_replay its replay socket. E.g.
+    /// request's cached prefix), kv_events_replay its replay socket, kv_events_dp_size its
+    /// data-parallel ranks (rank r publishing at both ports plus r). E.g.
     /// `http://127.0.0.1:8081`, `vllm+http://10.0.0.4:8000,role=decode,kv_events=tcp://10.0.0.4:5557`.
     #[arg(long = "endpoint", value_name = "ENDPOINT")]
     pub endpoints: Vec<String>,

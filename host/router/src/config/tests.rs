@@ -707,6 +707,7 @@ fn endpoint_flags_take_kv_event_sockets_and_check_them() {
         "vllm+http://127.0.0.1:1,kv_events=tcp://127.0.0.1:5557,kv_events_replay=tcp://127.0.0.1:5558"
             .into(),
         "http://127.0.0.1:2".into(),
+        "vllm+http://127.0.0.1:3,kv_events=tcp://127.0.0.1:6000,kv_events_dp_size=4".into(),
     ];
     a.router.kv_events_stale_after = Some(Duration::from_secs(3));
     let config = Config::from_args(&a).expect("valid");
@@ -717,6 +718,8 @@ fn endpoint_flags_take_kv_event_sockets_and_check_them() {
         Some("tcp://127.0.0.1:5558")
     );
     assert_eq!(config.endpoints[1].kv_events, None);
+    assert_eq!(events.kv_events_dp_size, None);
+    assert_eq!(config.endpoints[2].kv_events_dp_size, Some(4));
     assert_eq!(config.kv_events.stale_after, Duration::from_secs(3));
 
     for (flag, reason) in [
@@ -731,6 +734,10 @@ fn endpoint_flags_take_kv_event_sockets_and_check_them() {
         (
             "http://127.0.0.1:1,kv_events_replay=tcp://127.0.0.1:5558",
             "kv_events_replay needs kv_events (the event socket)",
+        ),
+        (
+            "http://127.0.0.1:1,kv_events=tcp://127.0.0.1:5557,kv_events_dp_size=two",
+            "kv_events_dp_size \"two\" is not a number of ranks",
         ),
     ] {
         let mut a = args(dir.path());

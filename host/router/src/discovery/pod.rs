@@ -38,6 +38,9 @@ pub const KV_EVENTS_REPLAY_PORT_ANNOTATION: &str = "switchyard.io/kv-events-repl
 /// The topic prefix the engine's KV events are published under (`--kv-events-config`'s
 /// `topic`), for engines sharing a publisher or publishing several topics.
 pub const KV_EVENTS_TOPIC_ANNOTATION: &str = "switchyard.io/kv-events-topic";
+/// The engine's data-parallel ranks publishing KV events, rank r at both ports plus r (vLLM's
+/// `--data-parallel-size`).
+pub const KV_EVENTS_DP_SIZE_ANNOTATION: &str = "switchyard.io/kv-events-dp-size";
 /// The container port an engine serves on, by name.
 pub const PORT_NAME: &str = "http";
 pub const GPU_RESOURCE: &str = "nvidia.com/gpu";
@@ -72,6 +75,8 @@ pub enum Skip {
         annotation: &'static str,
         value: String,
     },
+    #[error("`{KV_EVENTS_DP_SIZE_ANNOTATION}` {0:?} is not a number of ranks")]
+    BadKvEventsDpSize(String),
     /// The endpoint it describes is unusable (an SGLang prefill without a bootstrap port).
     #[error("{0}")]
     Unusable(String),
@@ -124,6 +129,7 @@ pub fn endpoint(pod: &Pod, target_port: Option<u16>) -> Result<(Arc<str>, Endpoi
         kv_events: kv_events(KV_EVENTS_PORT_ANNOTATION)?,
         kv_events_replay: kv_events(KV_EVENTS_REPLAY_PORT_ANNOTATION)?,
         kv_events_topic: annotation(pod, KV_EVENTS_TOPIC_ANNOTATION).map(str::to_owned),
+        kv_events_dp_size: kv_events_dp_size(pod)?,
         ca_file: None,
         client_cert: None,
         client_key: None,
@@ -186,6 +192,18 @@ fn kv_events_port(pod: &Pod, annotation: &'static str) -> Result<Option<u16>, Sk
             value: value.to_owned(),
         }),
     }
+}
+
+/// The engine's DP ranks from their annotation, if given (checked with the endpoint).
+fn kv_events_dp_size(pod: &Pod) -> Result<Option<u32>, Skip> {
+    annotation(pod, KV_EVENTS_DP_SIZE_ANNOTATION)
+        .map(|value| {
+            value
+                .trim()
+                .parse()
+                .map_err(|_| Skip::BadKvEventsDpSize(value.to_owned()))
+        })
+        .transpose()
 }
 
 /// The container with the port named `http`, else the first.
@@ -434,6 +452,31 @@ mod tests {
             matches!(skip, Skip::Unusable(_)) && skip.is_misconfigured(),
             "{skip}"
         );
+    }
+
+    #[test]
+    fn kv_event_dp_ranks_come_from_their_annotation() {
+        let annotated = |annotations: serde_json::Value| {
+            pod(move |p| p["metadata"]["annotations"] = annotations)
+        };
+        let ranks = spec_of(&annotated(json!({
+            "switchyard.io/kv-events-port": "5557",
+            "switchyard.io/kv-events-dp-size": "4",
+        })));
+        assert_eq!(ranks.kv_events_dp_size, Some(4));
+        assert_eq!(
+            endpoint(
+                &annotated(json!({
+                    "switchyard.io/kv-events-port": "5557",
+                    "switchyard.io/kv-events-dp-size": "four",
+                })),
+                None
+            ),
+            Err(Skip::BadKvEventsDpSize("four".into()))
+        );
+        let ranks_alone = annotated(json!({"switchyard.io/kv-events-dp-size": "2"}));
+        let skip = endpoint(&ranks_alone, None).expect_err("ranks need the event socket");
+        assert!(matches!(skip, Skip::Unusable(_)), "{skip}");
     }
 
     #[test]

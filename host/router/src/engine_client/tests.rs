@@ -168,6 +168,24 @@ fn a_calls_uri_is_the_base_followed_by_the_path() {
     assert!(Target::parse("127.0.0.1:8000").is_none(), "no scheme");
 }
 
+/// A call pinned to a DP rank carries vLLM's `X-data-parallel-rank`; others carry none.
+#[test]
+fn a_pinned_upstream_names_its_dp_rank_on_every_call() {
+    let engine = Upstream::new("http://127.0.0.1:8000".into(), None);
+    let header = |upstream: &Upstream| {
+        let request = upstream
+            .request(http::Method::POST, "/v1/completions")
+            .expect("a request")
+            .body(())
+            .expect("built");
+        request.headers().get("x-data-parallel-rank").cloned()
+    };
+    assert_eq!(header(&engine), None);
+    let pinned = engine.clone().pinned_to_rank(3);
+    assert_eq!(header(&pinned), Some(http::HeaderValue::from(3u32)));
+    assert_ne!(pinned, engine, "called another way");
+}
+
 /// The connections an engine accepted, and those of them the client closed.
 #[derive(Debug, Default)]
 struct Connections {

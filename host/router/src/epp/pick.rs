@@ -26,7 +26,7 @@ use switchyard_contract::{
 
 use super::wire::Head;
 use crate::api::{self, ApiError, AppState, Prepared, Shape};
-use crate::cluster::{Cluster, InFlight};
+use crate::cluster::{Cluster, InFlight, RankPins};
 use crate::{RouteRequest, Router};
 
 /// A request as the gateway sent it, body whole.
@@ -132,7 +132,7 @@ async fn plan(
     }
     let prefiller = prefill.map(|p| address_of(cluster, p)).transpose()?;
     let ids = std::iter::once(decode).chain(prefill);
-    cluster.note_served(ids.clone(), route.prompt.len());
+    cluster.note_served(ids.clone(), route.prompt.len(), &RankPins::default());
     Ok(Pick {
         destinations,
         prefiller,

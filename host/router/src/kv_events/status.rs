@@ -50,6 +50,8 @@ pub struct Counters {
     pub clears: AtomicU64,
     /// Connections to the PUB socket lost.
     pub disconnects: AtomicU64,
+    /// Batches stamped with another data-parallel rank than the subscription's, dropped.
+    pub rank_mismatches: AtomicU64,
 }
 
 impl Counters {

@@ -31,6 +31,10 @@ pub(super) struct Subscriber {
 struct Tracker {
     endpoint: EndpointId,
     replay: Option<String>,
+    /// The DP rank expected in every batch, when the engine has several.
+    rank: Option<u32>,
+    /// Whether a batch of another rank was logged already (they are all counted).
+    rank_mismatch_logged: bool,
     config: SubscriberConfig,
     index: SharedIndex,
     handle: SubscriberHandle,
@@ -53,6 +57,8 @@ impl Subscriber {
             tracker: Tracker {
                 endpoint,
                 replay: source.replay.clone(),
+                rank: source.rank,
+                rank_mismatch_logged: false,
                 config,
                 index,
                 handle,
@@ -239,6 +245,18 @@ impl Tracker {
 
     fn apply(&mut self, seq: u64, payload: &[u8]) {
         match decode_batch(payload) {
+            Ok(decoded) if !self.is_own_rank(decoded.batch.data_parallel_rank) => {
+                Counters::add(&self.counters().rank_mismatches, 1);
+                if !std::mem::replace(&mut self.rank_mismatch_logged, true) {
+                    tracing::warn!(
+                        endpoint = self.endpoint,
+                        expected = self.rank,
+                        published = decoded.batch.data_parallel_rank,
+                        "KV events: a batch of another data-parallel rank on this rank's socket \
+                         (dropped, as every later one; is kv_events_dp_size right?)"
+                    );
+                }
+            }
             Ok(decoded) => {
                 let counters = self.counters();
                 Counters::add(&counters.batches, 1);
@@ -267,5 +285,14 @@ impl Tracker {
             self.replayed_through = None;
         }
         self.handle.set_applied(Some(seq));
+    }
+
+    /// Whether a batch stamped `published` belongs to this subscription: any, with one rank;
+    /// the expected one (or none stamped: the first layouts) with several.
+    fn is_own_rank(&self, published: Option<i64>) -> bool {
+        match (self.rank, published) {
+            (Some(expected), Some(published)) => i64::from(expected) == published,
+            _ => true,
+        }
     }
 }

@@ -63,21 +63,30 @@ struct Setup {
     publisher: Publisher,
     index: SharedIndex,
     subscription: Subscription,
+    /// The DP rank subscribed as, stamped on the batches that bring the subscriber up.
+    rank: Option<u32>,
 }
 
 impl Setup {
     async fn start(replay: Option<ReplyShape>) -> Self {
+        Self::start_as(replay, None).await
+    }
+
+    /// Subscribed as DP rank `rank` of an engine with several, when given.
+    async fn start_as(replay: Option<ReplyShape>, rank: Option<u32>) -> Self {
         let publisher = Publisher::bind(replay).await;
         let mut source = KvEventsSource::new(publisher.events_url());
         if let Some(url) = publisher.replay_url() {
             source = source.with_replay(url);
         }
+        source.rank = rank;
         let index = shared_index(1000);
         let subscription = spawn(ENDPOINT, source, SubscriberConfig::default(), index.clone());
         let mut setup = Self {
             publisher,
             index,
             subscription,
+            rank,
         };
         setup.until_live().await;
         setup
@@ -90,8 +99,10 @@ impl Setup {
     /// Publishes empty batches until one is applied: the subscription has reached the PUB
     /// socket (a PUB drops what it sends before), whatever the replay socket recovered.
     async fn until_live(&mut self) {
+        let mut empty = batch(vec![]);
+        empty.data_parallel_rank = Some(i64::from(self.rank.unwrap_or(0)));
         for _ in 0..100 {
-            let seq = self.publisher.publish(&batch(vec![])).await;
+            let seq = self.publisher.publish(&empty).await;
             let mut applied = self.handle().applied();
             let reached = applied.wait_for(|applied| applied.is_some_and(|a| a >= seq));
             if tokio::time::timeout(Duration::from_millis(100), reached)
@@ -121,6 +132,65 @@ async fn live_batches_are_applied_in_order() {
     assert_eq!(count(&counters.gaps), 0);
     assert!(count(&counters.events) >= 2);
     setup.subscription.stop().await;
+}
+
+#[tokio::test]
+async fn a_batch_of_another_dp_rank_is_counted_and_dropped_its_sequence_kept() {
+    let mut setup = Setup::start_as(Some(ReplyShape::WithTopic), Some(1)).await;
+    let stamped = |mut batch: EventBatch, rank| {
+        batch.data_parallel_rank = rank;
+        batch
+    };
+    setup.publish(&stamped(block(1, None, 0), Some(0))).await;
+    assert_eq!(held(&setup.index, &tokens(0, 9)), 0, "rank 0's block");
+    let mismatches = |setup: &Setup| count(&setup.handle().counters().rank_mismatches);
+    assert_eq!(mismatches(&setup), 1);
+    setup.publish(&stamped(block(1, None, 0), Some(1))).await;
+    // The first layouts stamp no rank: taken as this socket's.
+    setup.publish(&stamped(block(2, Some(1), 4), None)).await;
+    assert_eq!(held(&setup.index, &tokens(0, 9)), 8);
+    assert_eq!(mismatches(&setup), 1);
+    assert_eq!(
+        count(&setup.handle().counters().gaps),
+        0,
+        "a dropped batch still counts in sequence"
+    );
+    setup.subscription.stop().await;
+}
+
+#[tokio::test]
+async fn a_single_rank_subscription_takes_any_rank() {
+    let mut setup = Setup::start(Some(ReplyShape::WithTopic)).await;
+    let mut other = block(1, None, 0);
+    other.data_parallel_rank = Some(3);
+    setup.publish(&other).await;
+    assert_eq!(held(&setup.index, &tokens(0, 5)), 4);
+    assert_eq!(count(&setup.handle().counters().rank_mismatches), 0);
+    setup.subscription.stop().await;
+}
+
+#[test]
+fn each_dp_rank_publishes_at_the_configured_ports_plus_its_rank() {
+    let source = KvEventsSource::new("tcp://10.0.0.7:5557")
+        .with_replay("tcp://[fd00::7]:5600")
+        .with_topic("kv@");
+    let rank = source.for_rank(3);
+    assert_eq!(
+        (
+            rank.events.as_str(),
+            rank.replay.as_deref(),
+            rank.topic.as_str(),
+            rank.rank
+        ),
+        (
+            "tcp://10.0.0.7:5560",
+            Some("tcp://[fd00::7]:5603"),
+            "kv@",
+            Some(3)
+        )
+    );
+    assert_eq!(source.for_rank(0).events, source.events);
+    assert_eq!(source.for_rank(0).rank, Some(0));
 }
 
 async fn a_dropped_batch_is_replayed(shape: ReplyShape) {

@@ -12,7 +12,7 @@ use switchyard_wire::completion::CompletionRequest;
 use switchyard_wire::sse::ChunkStream;
 
 use super::error::StepKind;
-use crate::cluster::{InFlight, Prefilling};
+use crate::cluster::{InFlight, Prefilling, RankPins};
 use crate::engine_client::CallError;
 
 /// The upstream identity of one attempt: every leg carries `upstream_id` in `user`.
@@ -102,12 +102,14 @@ fn continuation_fields(tokens: &CompletionRequest) -> Map<String, Value> {
 
 /// How much of an attempt's prompt each endpoint's KV cache held when the attempt was planned
 /// (the snapshot's `cached_prefix`), so that each leg counts the prompt tokens it leaves its
-/// endpoint to prefill ([`Prefilling`]), as `endpoint.pending-prefill` promises.
+/// endpoint to prefill ([`Prefilling`]), as `endpoint.pending-prefill` promises; and the DP
+/// rank of an endpoint with several that held it, which the attempt's calls are pinned to.
 #[derive(Debug, Clone, Default)]
 pub struct CachedPrefixes {
     prompt_len: u32,
     /// By endpoint id; `None` (or beyond the list): unknown, taken as nothing cached.
     by_id: Vec<Option<u32>>,
+    pins: RankPins,
 }
 
 impl CachedPrefixes {
@@ -121,7 +123,22 @@ impl CachedPrefixes {
             }
             by_id[id] = e.cached_prefix;
         }
-        CachedPrefixes { prompt_len, by_id }
+        CachedPrefixes {
+            prompt_len,
+            by_id,
+            pins: RankPins::default(),
+        }
+    }
+
+    /// With the DP ranks the snapshot pinned the prompt to.
+    #[must_use]
+    pub fn pinned(self, pins: RankPins) -> Self {
+        Self { pins, ..self }
+    }
+
+    /// The DP rank calls to `endpoint` are pinned to, if any.
+    pub(super) fn rank(&self, endpoint: EndpointId) -> Option<u32> {
+        self.pins.rank(endpoint)
     }
 
     /// The whole prompt, `[0, prompt_len)`.

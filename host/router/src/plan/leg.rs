@@ -77,15 +77,21 @@ impl Legs<'_> {
             .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))
     }
 
-    /// How to call `endpoint`.
+    /// How to call `endpoint`: pinned to the DP rank that holds the prompt, if the snapshot
+    /// pinned one.
     pub(super) fn upstream(
         &self,
         endpoint: EndpointId,
         step: StepKind,
     ) -> Result<Upstream, ExecError> {
-        self.cluster
+        let upstream = self
+            .cluster
             .upstream(endpoint)
-            .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))
+            .ok_or_else(|| self.fail(Cause::UnknownEndpoint, endpoint, step))?;
+        Ok(match self.cached.rank(endpoint) {
+            Some(rank) => upstream.pinned_to_rank(rank),
+            None => upstream,
+        })
     }
 
     /// A call's result as the attempt's, the cluster told how the endpoint did.

@@ -8,7 +8,7 @@ use switchyard_contract::Protocol;
 use switchyard_wire::kv_events::{BlockHash, BlockStored, Event};
 use tokio::net::TcpListener;
 
-use crate::cluster::{Cluster, EndpointSpec, OutlierConfig, Owner};
+use crate::cluster::{Cluster, EndpointSpec, OutlierConfig, Owner, RankPins};
 use crate::kv_events::SubscriberConfig;
 
 const STALE_AFTER: Duration = Duration::from_secs(10);
@@ -136,7 +136,7 @@ async fn an_endpoint_silent_after_serving_a_block_is_stale_until_it_publishes() 
     store_two_blocks(&cluster, 0);
     let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
     // Shorter than a block: the engine need not publish, so silence says nothing.
-    cluster.note_served([0, 1], 3);
+    cluster.note_served([0, 1], 3, &RankPins::default());
     tokio::time::advance(STALE_AFTER).await;
     assert_eq!(
         cached(&cluster, &prompt),
@@ -144,7 +144,7 @@ async fn an_endpoint_silent_after_serving_a_block_is_stale_until_it_publishes() 
         "idle stays trusted"
     );
 
-    cluster.note_served([0], prompt.len());
+    cluster.note_served([0], prompt.len(), &RankPins::default());
     tokio::time::advance(STALE_AFTER - Duration::from_millis(1)).await;
     assert_eq!(cached(&cluster, &prompt), [Some(8), None], "not yet");
     tokio::time::advance(Duration::from_millis(1)).await;
@@ -184,7 +184,7 @@ async fn a_removed_endpoint_leaves_the_index_and_its_subscriber_stops() {
 fn an_admin_body_names_kv_event_sockets_checked_as_the_config_file_is() {
     let body = r#"{"url": "http://127.0.0.1:9", "protocol": "vllm",
         "kv_events": "tcp://127.0.0.1:5557", "kv_events_replay": "tcp://127.0.0.1:5558",
-        "kv_events_topic": "kv@"}"#;
+        "kv_events_topic": "kv@", "kv_events_dp_size": 2}"#;
     let spec: EndpointSpec = serde_json::from_str(body).expect("parses");
     spec.check().expect("valid");
     let source = spec.kv_events_source().expect("publishes");
@@ -211,4 +211,177 @@ fn an_admin_body_names_kv_event_sockets_checked_as_the_config_file_is() {
 
 fn spec_with_events(events: &str) -> EndpointSpec {
     spec("http://127.0.0.1:9", Some(events.into()))
+}
+
+/// `n` never-answering listeners on consecutive ports, as a DP engine's ranks publish.
+async fn silent_listeners(n: u16) -> Vec<TcpListener> {
+    for _ in 0..50 {
+        let first = silent_listener().await;
+        let base = first.local_addr().expect("bound").port();
+        let mut all = vec![first];
+        for rank in 1..n {
+            let Some(port) = base.checked_add(rank) else {
+                break;
+            };
+            match TcpListener::bind(("127.0.0.1", port)).await {
+                Ok(listener) => all.push(listener),
+                Err(_) => break,
+            }
+        }
+        if all.len() == usize::from(n) {
+            return all;
+        }
+    }
+    panic!("no {n} consecutive free ports");
+}
+
+/// Endpoint 0 publishes from one DP rank per listener; endpoint 1 from none.
+fn dp_cluster(ranks: &[TcpListener]) -> Cluster {
+    let events = format!("tcp://{}", ranks[0].local_addr().expect("bound"));
+    let dp = EndpointSpec {
+        kv_events_dp_size: Some(ranks.len() as u32),
+        ..spec("http://a", Some(events))
+    };
+    let cluster = Cluster::new(vec![dp, spec("http://b", None)], OutlierConfig::default())
+        .with_kv_events(SubscriberConfig {
+            stale_after: STALE_AFTER,
+            ..SubscriberConfig::default()
+        });
+    for id in 0..2 {
+        cluster.subscribe_kv_events(id);
+    }
+    cluster
+}
+
+/// Rank `rank` of endpoint `id` cached two blocks of 4 tokens: 1..=8.
+fn store_two_blocks_on(cluster: &Cluster, id: u32, rank: u32) {
+    let stored = BlockStored::new(
+        vec![BlockHash::Int(0xa), BlockHash::Int(0xb)],
+        None,
+        (1..=8).collect(),
+        4,
+    );
+    cluster
+        .kv
+        .rank_index(rank)
+        .write()
+        .apply(id, &Event::BlockStored(stored));
+}
+
+/// The cached prefixes a request the router sends sees, and the rank endpoint 0 is pinned to.
+fn pinned(cluster: &Cluster, prompt: &[u32]) -> (Vec<Option<u32>>, Option<u32>) {
+    let (snapshot, pins) = cluster.snapshot_pinned(prompt);
+    (
+        snapshot.iter().map(|e| e.cached_prefix).collect(),
+        pins.rank(0),
+    )
+}
+
+const PROMPT: [u32; 9] = [1, 2, 3, 4, 5, 6, 7, 8, 9];
+
+#[tokio::test(start_paused = true)]
+async fn a_dp_endpoint_shows_the_most_a_rank_holds_and_pins_the_request_to_a_rank_holding_it() {
+    let ranks = silent_listeners(3).await;
+    let cluster = dp_cluster(&ranks);
+    assert_eq!(
+        pinned(&cluster, &PROMPT),
+        (vec![Some(0), None], None),
+        "every rank holds nothing: the engine picks"
+    );
+    store_two_blocks_on(&cluster, 0, 2);
+    assert_eq!(pinned(&cluster, &PROMPT), (vec![Some(8), None], Some(2)));
+    assert_eq!(
+        cached(&cluster, &PROMPT),
+        [Some(0), None],
+        "unpinned (an EPP answer): what any rank holds at least"
+    );
+
+    // Two ranks hold it: each is pinned to in turn, drawn evenly.
+    store_two_blocks_on(&cluster, 0, 1);
+    let mut seen = [false; 3];
+    for _ in 0..64 {
+        let (prefixes, rank) = pinned(&cluster, &PROMPT);
+        assert_eq!(prefixes, [Some(8), None]);
+        seen[rank.expect("rank 0 holds less") as usize] = true;
+    }
+    assert_eq!(seen, [false, true, true]);
+
+    // Every rank holds it: whichever the engine picks, no pin needed.
+    store_two_blocks_on(&cluster, 0, 0);
+    assert_eq!(pinned(&cluster, &PROMPT), (vec![Some(8), None], None));
+    assert_eq!(cached(&cluster, &PROMPT), [Some(8), None]);
+
+    let status = cluster.status();
+    let kv = status[0].kv_events.as_ref().expect("publishes");
+    let base = ranks[0].local_addr().expect("bound").port();
+    let shown: Vec<(Option<u32>, String, usize)> = std::iter::once(kv)
+        .chain(&kv.dp_ranks)
+        .map(|rank| (rank.dp_rank, rank.events.clone(), rank.blocks))
+        .collect();
+    let expected: Vec<(Option<u32>, String, usize)> = (0..3)
+        .map(|rank| {
+            (
+                Some(rank),
+                format!("tcp://127.0.0.1:{}", base + rank as u16),
+                2,
+            )
+        })
+        .collect();
+    assert_eq!(shown, expected);
+
+    cluster.remove(0).expect("idle");
+    for rank in 0..3 {
+        assert!(cluster.kv.rank_index(rank).read().stats(0).is_none());
+    }
+    assert!(!cluster.kv.is_active());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stale_rank_is_left_out_and_only_a_pinned_rank_must_publish() {
+    let ranks = silent_listeners(2).await;
+    let cluster = dp_cluster(&ranks);
+    store_two_blocks_on(&cluster, 0, 1);
+    let (_, pins) = cluster.snapshot_pinned(&PROMPT);
+    assert_eq!(pins.rank(0), Some(1));
+
+    // Unpinned, the engine picked a rank the router cannot name: none goes stale.
+    cluster.note_served([0], PROMPT.len(), &RankPins::default());
+    tokio::time::advance(STALE_AFTER).await;
+    assert_eq!(pinned(&cluster, &PROMPT), (vec![Some(8), None], Some(1)));
+
+    // Pinned to rank 1, which then publishes nothing: only rank 1 is stale.
+    cluster.note_served([0], PROMPT.len(), &pins);
+    tokio::time::advance(STALE_AFTER).await;
+    assert_eq!(
+        pinned(&cluster, &PROMPT),
+        (vec![Some(0), None], Some(0)),
+        "rank 0 alone is trusted"
+    );
+    let status = cluster.status();
+    let kv = status[0].kv_events.as_ref().expect("publishes");
+    assert_eq!((kv.stale, kv.dp_ranks[0].stale), (false, true));
+}
+
+#[test]
+fn kv_events_dp_size_is_checked() {
+    let dp = |size, events: &str| EndpointSpec {
+        kv_events_dp_size: Some(size),
+        ..spec_with_events(events)
+    };
+    assert!(dp(4, "tcp://127.0.0.1:5557").check().is_ok());
+    assert!(dp(1, "tcp://127.0.0.1:65535").check().is_ok());
+    assert_eq!(
+        dp(2, "tcp://127.0.0.1:65535").check(),
+        Err("kv_events \"tcp://127.0.0.1:65535\": DP rank 1 would publish past port 65535".into())
+    );
+    assert!(dp(0, "tcp://127.0.0.1:5557").check().is_err());
+    assert!(dp(257, "tcp://127.0.0.1:5557").check().is_err());
+    let without_events = EndpointSpec {
+        kv_events_dp_size: Some(2),
+        ..spec("http://127.0.0.1:9", None)
+    };
+    assert_eq!(
+        without_events.check(),
+        Err("kv_events_dp_size needs kv_events (the event socket)".to_owned())
+    );
 }

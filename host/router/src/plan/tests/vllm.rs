@@ -59,6 +59,26 @@ async fn p_answers_then_d_gets_its_params_and_generates() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_leg_to_an_endpoint_pinned_to_a_dp_rank_names_it_and_the_other_does_not() {
+    let h = harness();
+    let (mut p, mut d) = (h.engine(P), h.engine(D));
+    let mut pinned = body();
+    pinned.cached = pinned.cached.pinned([(D, 2)].into_iter().collect());
+    let engines = async {
+        let prefill = p.next().await;
+        assert_eq!(prefill.headers.get("x-data-parallel-rank"), None);
+        prefill.json(200, prefill_answer());
+        let decode = d.next().await;
+        assert_eq!(decode.headers["x-data-parallel-rank"], "2");
+        let stream = decode.stream();
+        stream.event(&chunk("hello", Some("stop")));
+        stream.done();
+    };
+    let (generation, ()) = tokio::join!(h.execute_with(handoff(), pinned), engines);
+    assert_eq!(generation.expect("D generates").generator, D);
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_client_gone_before_p_answers_hangs_up_on_p_and_never_calls_d() {
     let h = harness();
     let (mut p, mut d) = (h.engine(P), h.engine(D));
