@@ -7,6 +7,7 @@
 //!   runs as the protocol does (MLC's `prep_recv` → `remote_send` → `start_generate`, vLLM's
 //!   prefill-then-decode legs, SGLang's bootstrap room).
 //! - A header the allowlist refuses: `rejected` (400), before any call.
+//! - The decode engine down or ejected: `unavailable` (503); no plan could name it.
 //! - The named prefill engine failed the previous attempt, or is not healthy (a rescue):
 //!   - MLC and vLLM: the decode engine prefills itself (`forward(decode)`), counted in
 //!     `switchyard_sidecar_prefill_fallbacks_total`. It is up (it is this pod's engine), it
@@ -182,6 +183,27 @@ fn cannot_prefill(decode: &EndpointSnapshot, why: String) -> TranslateError {
     }
 }
 
+/// The decode engine, when plans may name it. It is the sidecar's one engine that generates:
+/// while it is down (its probe) or ejected (its failures), every plan would be invalid, and
+/// the request is `unavailable` (503) rather than an invalid plan (500).
+fn serving_decode(endpoints: &[EndpointSnapshot]) -> Result<&EndpointSnapshot, TranslateError> {
+    let unavailable = |message: String| TranslateError::Unavailable {
+        policy: NAME.into(),
+        message,
+    };
+    let decode = endpoints
+        .iter()
+        .find(|e| e.id == DECODE)
+        .ok_or_else(|| unavailable("the decode engine is not in the endpoint list".into()))?;
+    if !decode.health.is_healthy() {
+        return Err(unavailable(format!(
+            "the decode engine is not serving ({:?})",
+            decode.health
+        )));
+    }
+    Ok(decode)
+}
+
 fn handoff(prefill: EndpointId) -> Plan {
     Plan {
         steps: vec![Step::Handoff {
@@ -222,17 +244,14 @@ impl Planner for SidecarPlanner {
             policy: NAME.into(),
             message: e.to_string(),
         };
-        let Some(value) = header(req.headers).map_err(rejected)? else {
-            return Ok(forward());
-        };
-        let named = self
-            .prefill_endpoint(value, &ctx.endpoints)
+        let value = header(req.headers).map_err(rejected)?;
+        let named = value
+            .map(|value| self.prefill_endpoint(value, &ctx.endpoints))
+            .transpose()
             .map_err(rejected)?;
-        let Some(decode) = ctx.endpoints.iter().find(|e| e.id == DECODE) else {
-            return Err(TranslateError::Unavailable {
-                policy: NAME.into(),
-                message: "the decode engine is not in the endpoint list".into(),
-            });
+        let decode = serving_decode(&ctx.endpoints)?;
+        let (Some(value), Some(named)) = (value, named) else {
+            return Ok(forward());
         };
         // A preemption is no engine's fault: the attempt is planned as the first was.
         let failed = ctx

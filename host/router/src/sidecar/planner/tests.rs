@@ -276,6 +276,29 @@ fn the_sidecar_takes_what_llm_d_s_epp_sends() {
 }
 
 #[test]
+fn a_decode_engine_that_is_not_serving_makes_every_request_unavailable() {
+    for health in [Health::NotReady, Health::Ejected, Health::Draining] {
+        let (planner, mut endpoints) = sidecar(Protocol::Vllm);
+        endpoints[0].health = health;
+        for headers in [&[][..], &[(PREFILLER, "127.0.0.1:8001")][..]] {
+            assert!(
+                matches!(
+                    plan(&planner, headers, &endpoints, None),
+                    Err(TranslateError::Unavailable { .. })
+                ),
+                "{health:?} {headers:?}"
+            );
+        }
+        // The allowlist still answers first: a client's mistake is a 400 whatever the engines.
+        assert!(matches!(
+            plan(&planner, &[(PREFILLER, "127.0.0.1:8003")], &endpoints, None),
+            Err(TranslateError::Rejected { .. })
+        ));
+        assert_eq!(fallbacks(&planner), 0);
+    }
+}
+
+#[test]
 fn the_fallbacks_are_on_metrics() {
     let (planner, endpoints) = sidecar(Protocol::Mlc);
     let failed = Failure {
