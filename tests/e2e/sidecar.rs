@@ -84,11 +84,12 @@ struct Pod {
 
 impl Pod {
     async fn start(protocol: Protocol) -> Pod {
-        Pod::start_with(protocol, false).await
+        Pod::start_with(protocol, false, &[]).await
     }
 
-    /// With `spare` (SGLang only), a second prefill engine the sidecar and the EPP may use.
-    async fn start_with(protocol: Protocol, spare: bool) -> Pod {
+    /// With `spare` (SGLang only), a second prefill engine the sidecar and the EPP may use;
+    /// `sidecar_flags` are the sidecar's further flags.
+    async fn start_with(protocol: Protocol, spare: bool, sidecar_flags: &[&str]) -> Pod {
         // A decode step of ~16 ms: a stream lasts long enough to hang up on mid-way.
         let paced = ["--profile", "llama3-8b-h100", "--time-scale", "3"];
         let name = protocol.name();
@@ -144,6 +145,7 @@ impl Pod {
             Protocol::Vllm => {}
             Protocol::Sglang => sidecar_args.extend(["--bootstrap-port", &bootstrap]),
         }
+        sidecar_args.extend(sidecar_flags);
         let sidecar = RouterProcess::sidecar(&sidecar_args, &[]);
         // The EPP's pool: the decode pod at its sidecar's port, and the prefill engines.
         let mut pool: Vec<String> = prefills
@@ -407,9 +409,20 @@ const BEFORE_THE_KILL: usize = 400;
 /// A stream of requests through Envoy, `IN_FLIGHT` at a time, the prefill engine killed (`kill
 /// -9`) the first time a leg is seen running on it (something held or running there); the
 /// stream goes on for `AFTER_THE_KILL` more. Every request answers as the single engine does;
-/// the decode engine (and the spare) is left holding nothing.
+/// the decode engine (and the spare) is left holding nothing. SGLang's spare killed as well,
+/// a request is refused 503.
 async fn killed_mid_run(protocol: Protocol) {
-    let mut pod = Pod::start_with(protocol, protocol == Protocol::Sglang).await;
+    let sglang = protocol == Protocol::Sglang;
+    // An SGLang decode leg that fails because the prefill engine's bootstrap server is gone
+    // is blamed on the decode engine (the router cannot tell it from the decode engine's own
+    // failure), and three in a row would eject the sidecar's only decode engine: the book
+    // says to turn ejection off for SGLang sidecars until that blame is fixed.
+    let flags: &[&str] = if sglang {
+        &["--outlier-failures", "0"]
+    } else {
+        &[]
+    };
+    let mut pod = Pod::start_with(protocol, sglang, flags).await;
     let bodies = bodies(protocol);
     let mut truths = Vec::new();
     for body in &bodies {
@@ -473,12 +486,20 @@ async fn killed_mid_run(protocol: Protocol) {
         let more = pod.reroutes().await - reroutes;
         assert_eq!(more, bodies.len() as f64, "one reroute a request");
         assert_eq!(pod.fallbacks().await, 0.0);
+        // The spare dead too: after at most one handoff to it, the request is refused.
+        pod.settle_on(&pod.survivors(), "after the kill").await;
+        pod.spare.as_mut().expect("the spare").kill();
+        let body = json!({"prompt": "No prefill engine left", "max_tokens": 4});
+        let refused = answer(&pod.sidecar.url, &body, Some(&p_addr)).await;
+        let error = refused.expect_err("refused");
+        assert!(error.starts_with("503 "), "{error}");
+        pod.settle_on(&[&pod.decode], "after the spare died").await;
     } else {
         let fallbacks = pod.fallbacks().await;
         assert!(fallbacks >= 1.0, "the decode engine prefilled: {fallbacks}");
         assert_eq!(pod.reroutes().await, 0.0);
+        pod.settle_on(&pod.survivors(), "after the kill").await;
     }
-    pod.settle_on(&pod.survivors(), "after the kill").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -556,11 +577,15 @@ async fn the_allowlist_refuses_with_400_and_calls_nobody() {
         "{before:?} -> {after:?}"
     );
     answer(&sidecar.url, &body, None).await.expect("a forward");
+    // An empty value too: llm-d's EPP clears the header to "" when it does not disaggregate.
+    answer(&sidecar.url, &body, Some(""))
+        .await
+        .expect("a forward");
     let last = calls().await;
     assert_eq!(
         [last[0] - after[0], last[1] - after[1], last[2] - after[2]],
-        [1.0, 0.0, 0.0],
-        "one call, to the decode engine"
+        [2.0, 0.0, 0.0],
+        "two calls, to the decode engine"
     );
     assert_eq!(last[2], before[2], "the stranger was never called");
 }
