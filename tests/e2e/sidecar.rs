@@ -6,8 +6,13 @@
 //! Each protocol's scenario: answers equal a single engine's; a client that hangs up
 //! mid-stream leaves nothing held on either engine; the prefill engine killed, the decode
 //! engine prefills itself (MLC, vLLM), or the request is refused 503 (SGLang, whose decode
-//! engine cannot). The allowlist: what the sidecar refuses, and that it called nobody.
+//! engine cannot). Killed mid-run, with requests streaming through Envoy and legs running on
+//! it: every request still answers as the single engine does (MLC and vLLM on the decode
+//! engine, SGLang on a second prefill engine) and the decode engine is left holding nothing.
+//! The allowlist: what the sidecar refuses, and that it called nobody.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -19,6 +24,7 @@ use crate::router::{eventually, metric};
 
 const PREFILLER: &str = "x-prefiller-host-port";
 const FALLBACKS: &str = "switchyard_sidecar_prefill_fallbacks";
+const REROUTES: &str = "switchyard_sidecar_prefill_reroutes";
 const CALLS: &str = "switchyard_engine_calls_received";
 const ABORTED: &str = "switchyard_engine_requests_aborted";
 /// How long engines may take to free what an ended request held.
@@ -61,12 +67,15 @@ const IDLE: [&str; 4] = [
     "switchyard_engine_waiting_requests",
 ];
 
-/// A decode pod (its engine and sidecar), a prefill engine, the EPP and Envoy; and a single
-/// engine of the protocol, the truth the answers are compared with.
+/// A decode pod (its engine and sidecar), a prefill engine (and for SGLang perhaps a spare), the
+/// EPP and Envoy; and a single engine of the protocol, the truth the answers are compared with.
 struct Pod {
     protocol: Protocol,
     truth: EngineProcess,
     prefill: EngineProcess,
+    /// A second SGLang prefill engine, on 127.0.0.2 (the bootstrap port is the same for every
+    /// prefill engine of a sidecar, so the two need two addresses).
+    spare: Option<EngineProcess>,
     decode: EngineProcess,
     sidecar: RouterProcess,
     _epp: EppProcess,
@@ -75,6 +84,12 @@ struct Pod {
 
 impl Pod {
     async fn start(protocol: Protocol) -> Pod {
+        Pod::start_with(protocol, false, &[]).await
+    }
+
+    /// With `spare` (SGLang only), a second prefill engine the sidecar and the EPP may use;
+    /// `sidecar_flags` are the sidecar's further flags.
+    async fn start_with(protocol: Protocol, spare: bool, sidecar_flags: &[&str]) -> Pod {
         // A decode step of ~16 ms: a stream lasts long enough to hang up on mid-way.
         let paced = ["--profile", "llama3-8b-h100", "--time-scale", "3"];
         let name = protocol.name();
@@ -105,27 +120,53 @@ impl Pod {
             ]);
         }
         let prefill = EngineProcess::spawn(&p_args);
-        let p_addr = prefill.http_addr.to_string();
+        let spare = spare.then(|| {
+            assert_eq!(
+                protocol,
+                Protocol::Sglang,
+                "a spare prefill engine is SGLang's"
+            );
+            let mut args = vec!["--protocol", name, "--device-rank", "2"];
+            args.extend(["--host", "127.0.0.2", "--kv-transport", "tcp"]);
+            args.extend(["--kv-listen", "tcp:127.0.0.2:0", "--kv-peer", &peer]);
+            args.extend(["--disaggregation-mode", "prefill"]);
+            args.extend(["--bootstrap-port", &bootstrap]);
+            args.extend(paced);
+            EngineProcess::spawn(&args)
+        });
+        let prefills: Vec<&EngineProcess> = std::iter::once(&prefill).chain(&spare).collect();
+        let p_addrs: Vec<String> = prefills.iter().map(|p| p.http_addr.to_string()).collect();
         let mut sidecar_args = vec!["--decode", &decode.url, "--protocol", name];
-        sidecar_args.extend(["--prefill-allow", &p_addr]);
+        for p_addr in &p_addrs {
+            sidecar_args.extend(["--prefill-allow", p_addr]);
+        }
         match protocol {
             Protocol::Mlc => sidecar_args.extend(["--device-rank", "1"]),
             Protocol::Vllm => {}
             Protocol::Sglang => sidecar_args.extend(["--bootstrap-port", &bootstrap]),
         }
+        sidecar_args.extend(sidecar_flags);
         let sidecar = RouterProcess::sidecar(&sidecar_args, &[]);
-        // The EPP's pool: the decode pod at its sidecar's port, and the prefill engine.
-        let mut p_endpoint = format!("{name}+{},role=prefill", prefill.url);
-        if protocol == Protocol::Sglang {
-            p_endpoint.push_str(&format!(",bootstrap_port={bootstrap}"));
-        }
-        let d_endpoint = format!("{name}+{},role=decode", sidecar.url);
-        let epp = EppProcess::start(&[&p_endpoint, &d_endpoint], &["--policy", "disagg"]);
+        // The EPP's pool: the decode pod at its sidecar's port, and the prefill engines.
+        let mut pool: Vec<String> = prefills
+            .iter()
+            .map(|p| {
+                let mut endpoint = format!("{name}+{},role=prefill", p.url);
+                if protocol == Protocol::Sglang {
+                    endpoint.push_str(&format!(",bootstrap_port={bootstrap}"));
+                }
+                endpoint
+            })
+            .collect();
+        pool.push(format!("{name}+{},role=decode", sidecar.url));
+        let pool: Vec<&str> = pool.iter().map(String::as_str).collect();
+        let epp = EppProcess::start(&pool, &["--policy", "disagg"]);
         let envoy = Gateway::start(epp.grpc, &Pool::OriginalDst, None);
         Pod {
             protocol,
             truth,
             prefill,
+            spare,
             decode,
             sidecar,
             _epp: epp,
@@ -133,20 +174,24 @@ impl Pod {
         }
     }
 
-    fn engines(&self) -> [&EngineProcess; 2] {
-        [&self.prefill, &self.decode]
+    /// The engines still running once the prefill engine is killed.
+    fn survivors(&self) -> Vec<&EngineProcess> {
+        std::iter::once(&self.decode).chain(&self.spare).collect()
     }
 
     /// Polls until neither engine holds anything (bounded), then returns.
     async fn settle(&self, what: &str) {
+        let mut engines = self.survivors();
+        engines.push(&self.prefill);
+        self.settle_on(&engines, what).await;
+    }
+
+    /// Polls until none of `engines` holds anything (bounded), then returns.
+    async fn settle_on(&self, engines: &[&EngineProcess], what: &str) {
         eventually(SETTLE_BOUND, || async {
-            for engine in self.engines() {
-                let metrics = engine.endpoint("/metrics");
-                for gauge in IDLE.iter().chain(self.protocol.held()) {
-                    let value = metric(&metrics, gauge).await;
-                    if value != 0.0 {
-                        return Some(format!("{what}: {} {gauge} = {value}", engine.url));
-                    }
+            for engine in engines {
+                if let Some((gauge, value)) = self.held_by(engine).await {
+                    return Some(format!("{what}: {} {gauge} = {value}", engine.url));
                 }
             }
             None
@@ -154,8 +199,24 @@ impl Pod {
         .await;
     }
 
+    /// A gauge on which `engine` still holds something for a request, if any.
+    async fn held_by(&self, engine: &EngineProcess) -> Option<(&'static str, f64)> {
+        let metrics = engine.endpoint("/metrics");
+        for gauge in IDLE.iter().chain(self.protocol.held()) {
+            let value = metric(&metrics, gauge).await;
+            if value != 0.0 {
+                return Some((gauge, value));
+            }
+        }
+        None
+    }
+
     async fn fallbacks(&self) -> f64 {
         metric(&self.sidecar.endpoint("/metrics"), FALLBACKS).await
+    }
+
+    async fn reroutes(&self) -> f64 {
+        metric(&self.sidecar.endpoint("/metrics"), REROUTES).await
     }
 }
 
@@ -319,18 +380,8 @@ async fn pd_behind_envoy(protocol: Protocol) {
         // Behind Envoy too, whatever the EPP makes of the dead engine meanwhile.
         answers_equal_the_truth(&pod, &pod.envoy.url, None, "behind Envoy, the prefill dead").await;
     }
-    let engine = &pod.decode;
-    let metrics = engine.endpoint("/metrics");
-    eventually(SETTLE_BOUND, || async {
-        for gauge in IDLE.iter().chain(protocol.held()) {
-            let value = metric(&metrics, gauge).await;
-            if value != 0.0 {
-                return Some(format!("the decode engine: {gauge} = {value}"));
-            }
-        }
-        None
-    })
-    .await;
+    pod.settle_on(&pod.survivors(), "after the prefill died")
+        .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -346,6 +397,124 @@ async fn vllm_pd_behind_envoy_equals_one_engine_cancels_and_falls_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_pd_behind_envoy_equals_one_engine_and_cancels() {
     pd_behind_envoy(Protocol::Sglang).await;
+}
+
+/// Requests in flight at once in the mid-run stream.
+const IN_FLIGHT: usize = 4;
+/// Requests the stream still sends once the prefill engine is dead.
+const AFTER_THE_KILL: usize = 3 * IN_FLIGHT;
+/// Requests the stream sends at most while waiting to see a leg running on the prefill engine.
+const BEFORE_THE_KILL: usize = 400;
+
+/// A stream of requests through Envoy, `IN_FLIGHT` at a time, the prefill engine killed (`kill
+/// -9`) the first time a leg is seen running on it (something held or running there); the
+/// stream goes on for `AFTER_THE_KILL` more. Every request answers as the single engine does;
+/// the decode engine (and the spare) is left holding nothing. SGLang's spare killed as well,
+/// a request is refused 503.
+async fn killed_mid_run(protocol: Protocol) {
+    let sglang = protocol == Protocol::Sglang;
+    // An SGLang decode leg that fails because the prefill engine's bootstrap server is gone
+    // is blamed on the decode engine (the router cannot tell it from the decode engine's own
+    // failure), and three in a row would eject the sidecar's only decode engine: the book
+    // says to turn ejection off for SGLang sidecars until that blame is fixed.
+    let flags: &[&str] = if sglang {
+        &["--outlier-failures", "0"]
+    } else {
+        &[]
+    };
+    let mut pod = Pod::start_with(protocol, sglang, flags).await;
+    let bodies = bodies(protocol);
+    let mut truths = Vec::new();
+    for body in &bodies {
+        truths.push(answer(&pod.truth.url, body, None).await.expect("the truth"));
+    }
+    let bodies = Arc::new(bodies);
+    // The index of the first request sent once the prefill engine is dead (usize::MAX until).
+    let killed_at = Arc::new(AtomicUsize::new(usize::MAX));
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut senders = tokio::task::JoinSet::new();
+    for _ in 0..IN_FLIGHT {
+        let (bodies, killed_at, next) = (bodies.clone(), killed_at.clone(), next.clone());
+        let base = pod.envoy.url.clone();
+        senders.spawn(async move {
+            let mut answers = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let after = killed_at.load(Ordering::SeqCst);
+                if i >= BEFORE_THE_KILL || (after != usize::MAX && i >= after + AFTER_THE_KILL) {
+                    return answers;
+                }
+                let body = i % bodies.len();
+                answers.push((body, answer(&base, &bodies[body], None).await));
+            }
+        });
+    }
+    // Watch the prefill engine until a leg runs on it, then kill it at once.
+    let seen = loop {
+        if next.load(Ordering::SeqCst) >= BEFORE_THE_KILL {
+            break None;
+        }
+        if let Some(held) = pod.held_by(&pod.prefill).await {
+            break Some(held);
+        }
+    };
+    pod.prefill.kill();
+    killed_at.store(next.load(Ordering::SeqCst), Ordering::SeqCst);
+    let (gauge, value) =
+        seen.unwrap_or_else(|| panic!("no leg seen on the prefill engine in {BEFORE_THE_KILL}"));
+    let mut answered = 0;
+    while let Some(answers) = senders.join_next().await {
+        for (body, got) in answers.expect("a sender") {
+            assert_eq!(
+                got.as_ref(),
+                Ok(&truths[body]),
+                "{} killed mid-run ({gauge} = {value}): {}",
+                protocol.name(),
+                bodies[body]
+            );
+            answered += 1;
+        }
+    }
+    assert!(answered >= AFTER_THE_KILL, "{answered} answers");
+
+    if protocol == Protocol::Sglang {
+        // Named by the header, the dead engine hands each request to the spare, once.
+        let reroutes = pod.reroutes().await;
+        assert!(reroutes >= 1.0, "the spare took the handoffs: {reroutes}");
+        let p_addr = pod.prefill.http_addr.to_string();
+        answers_equal_the_truth(&pod, &pod.sidecar.url, Some(&p_addr), "to the spare").await;
+        let more = pod.reroutes().await - reroutes;
+        assert_eq!(more, bodies.len() as f64, "one reroute a request");
+        assert_eq!(pod.fallbacks().await, 0.0);
+        // The spare dead too: after at most one handoff to it, the request is refused.
+        pod.settle_on(&pod.survivors(), "after the kill").await;
+        pod.spare.as_mut().expect("the spare").kill();
+        let body = json!({"prompt": "No prefill engine left", "max_tokens": 4});
+        let refused = answer(&pod.sidecar.url, &body, Some(&p_addr)).await;
+        let error = refused.expect_err("refused");
+        assert!(error.starts_with("503 "), "{error}");
+        pod.settle_on(&[&pod.decode], "after the spare died").await;
+    } else {
+        let fallbacks = pod.fallbacks().await;
+        assert!(fallbacks >= 1.0, "the decode engine prefilled: {fallbacks}");
+        assert_eq!(pod.reroutes().await, 0.0);
+        pod.settle_on(&pod.survivors(), "after the kill").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mlc_prefill_killed_mid_run_the_decode_engine_prefills() {
+    killed_mid_run(Protocol::Mlc).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_prefill_killed_mid_run_the_decode_engine_prefills() {
+    killed_mid_run(Protocol::Vllm).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_prefill_killed_mid_run_another_prefill_engine_takes_over() {
+    killed_mid_run(Protocol::Sglang).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -408,11 +577,15 @@ async fn the_allowlist_refuses_with_400_and_calls_nobody() {
         "{before:?} -> {after:?}"
     );
     answer(&sidecar.url, &body, None).await.expect("a forward");
+    // An empty value too: llm-d's EPP clears the header to "" when it does not disaggregate.
+    answer(&sidecar.url, &body, Some(""))
+        .await
+        .expect("a forward");
     let last = calls().await;
     assert_eq!(
         [last[0] - after[0], last[1] - after[1], last[2] - after[2]],
-        [1.0, 0.0, 0.0],
-        "one call, to the decode engine"
+        [2.0, 0.0, 0.0],
+        "two calls, to the decode engine"
     );
     assert_eq!(last[2], before[2], "the stranger was never called");
 }

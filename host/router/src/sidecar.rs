@@ -275,4 +275,31 @@ mod tests {
         // No policy file is needed: the plugins directory may not exist.
         config(&with(&["--protocol", "mlc", "--plugins", "/nonexistent"])).expect("valid");
     }
+
+    /// What llm-d's routing sidecar reads (llm-d-inference-scheduler, pkg/common's
+    /// `PrefillPodHeader`, split with Go's `net.SplitHostPort`): the header's name, and
+    /// `host:port` with an IPv6 host in brackets, as switchyard's EPP writes the prefill
+    /// endpoint's address (`Cluster::address`).
+    #[test]
+    fn the_epp_names_the_prefill_engine_as_llm_d_s_sidecar_reads_it() {
+        use crate::cluster::{Cluster, EndpointSpec, OutlierConfig};
+        assert_eq!(PREFILLER, "x-prefiller-host-port");
+        let urls = [
+            ("http://10.0.3.7:8000", "10.0.3.7:8000"),
+            ("http://[fd00::7]:8000", "[fd00::7]:8000"),
+            ("http://prefill-0.llama:8000", "prefill-0.llama:8000"),
+            ("http://10.0.3.8", "10.0.3.8:80"),
+        ];
+        let specs = urls
+            .iter()
+            .map(|(url, _)| EndpointSpec::new((*url).to_owned()));
+        let cluster = Cluster::new(specs.collect(), OutlierConfig::default());
+        for (id, (url, host_port)) in urls.iter().enumerate() {
+            let address = cluster.address(id as u32).expect("an address");
+            assert_eq!(address, *host_port, "{url}");
+            // And the sidecar reads back what it names.
+            let target = Target::parse(&address).expect("valid");
+            assert_eq!(target.address(), address, "{url}");
+        }
+    }
 }

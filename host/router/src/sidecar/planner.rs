@@ -1,17 +1,26 @@
 //! The sidecar's built-in planner: no policy chooses anything here, the gateway's EPP already
 //! did. Endpoint 0 is the decode engine; every other endpoint is an allowed prefill engine.
 //!
-//! - No `x-prefiller-host-port`: `forward(decode)`.
+//! - No `x-prefiller-host-port`, or an empty one (llm-d's EPP clears the header to `""` when it
+//!   chose not to disaggregate): `forward(decode)`.
 //! - A header naming an allowed prefill engine: `handoff(prefill, decode)`, which the executor
 //!   runs as the protocol does (MLC's `prep_recv` → `remote_send` → `start_generate`, vLLM's
 //!   prefill-then-decode legs, SGLang's bootstrap room).
 //! - A header the allowlist refuses: `rejected` (400), before any call.
-//! - The named prefill engine failed the previous attempt, or is not healthy: the decode engine
-//!   prefills itself (`forward(decode)`), counted in
-//!   `switchyard_sidecar_prefill_fallbacks_total`. The router's retry loop is what brings the
-//!   planner back after the failure, so the fallback keeps its backoff, retry budget and
-//!   continuation. An SGLang decode engine cannot prefill by itself (its disaggregation mode
-//!   is fixed): there the request is `unavailable` (503).
+//! - The decode engine down or ejected: `unavailable` (503); no plan could name it.
+//! - The named prefill engine failed the previous attempt, or is not healthy (a rescue):
+//!   - MLC and vLLM: the decode engine prefills itself (`forward(decode)`), counted in
+//!     `switchyard_sidecar_prefill_fallbacks_total`. It is up (it is this pod's engine), it
+//!     needs no second remote engine that may fail the same way, and which prefill engine
+//!     should take a request is the EPP's choice, made with the whole pool in view.
+//!   - SGLang: a decode engine cannot prefill by itself (its disaggregation mode is fixed), so
+//!     the handoff goes, once, to another allowed prefill engine that is healthy (the one with
+//!     the fewest of this sidecar's legs in flight), counted in
+//!     `switchyard_sidecar_prefill_reroutes_total`; with none, or when that one fails too, the
+//!     request is `unavailable` (503).
+//!
+//! The router's retry loop is what brings the planner back after a failure, so a rescue keeps
+//! its backoff, retry budget and continuation.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -41,6 +50,7 @@ pub struct SidecarPlanner {
     /// Where the sidecar listens: a header naming it is refused.
     own: SocketAddr,
     fallbacks: Counter,
+    reroutes: Counter,
     metrics: Registry,
 }
 
@@ -53,10 +63,17 @@ impl SidecarPlanner {
             "Attempts the decode engine prefilled itself because the prefill engine the request named failed or was not healthy",
             fallbacks.clone(),
         );
+        let reroutes = Counter::default();
+        metrics.register(
+            "switchyard_sidecar_prefill_reroutes",
+            "Attempts handed to another allowed prefill engine (SGLang) because the prefill engine the request named failed or was not healthy",
+            reroutes.clone(),
+        );
         SidecarPlanner {
             cluster,
             own,
             fallbacks,
+            reroutes,
             metrics,
         }
     }
@@ -90,20 +107,109 @@ impl SidecarPlanner {
         Ok(endpoint)
     }
 
-    /// The decode engine alone, counted; or `unavailable` where it cannot prefill.
-    fn fall_back(&self, decode: &EndpointSnapshot, prefill: &str) -> Result<Plan, TranslateError> {
-        if !decode.serves_alone() {
-            return Err(TranslateError::Unavailable {
-                policy: NAME.into(),
-                message: format!(
-                    "the prefill engine {prefill} is failing, and the {} decode engine cannot prefill by itself",
-                    decode.protocol
-                ),
-            });
+    /// The named prefill engine failed or is down: the decode engine prefills itself where it
+    /// can (MLC, vLLM); otherwise (SGLang) another healthy allowed prefill engine takes the
+    /// handoff, or the request is `unavailable`.
+    fn rescue(
+        &self,
+        decode: &EndpointSnapshot,
+        named: EndpointId,
+        endpoints: &[EndpointSnapshot],
+        value: &str,
+    ) -> Result<Plan, TranslateError> {
+        if decode.serves_alone() {
+            return Ok(self.prefill_on_decode(value));
         }
+        let Some(other) = another_prefill(named, endpoints) else {
+            return Err(cannot_prefill(
+                decode,
+                format!(
+                    "the prefill engine {value} is failing and no other allowed prefill engine is healthy"
+                ),
+            ));
+        };
+        self.reroutes.inc();
+        tracing::info!(
+            prefill = value,
+            other,
+            "another prefill engine takes the handoff"
+        );
+        Ok(handoff(other))
+    }
+
+    /// The request's one rescue failed too (the other prefill engine it was handed to): the
+    /// decode engine prefills itself where it can, or the request is `unavailable`.
+    fn rescue_failed(
+        &self,
+        decode: &EndpointSnapshot,
+        value: &str,
+    ) -> Result<Plan, TranslateError> {
+        if decode.serves_alone() {
+            return Ok(self.prefill_on_decode(value));
+        }
+        Err(cannot_prefill(
+            decode,
+            format!(
+                "the prefill engine {value} and the one the request was handed to instead failed"
+            ),
+        ))
+    }
+
+    /// The decode engine alone, counted.
+    fn prefill_on_decode(&self, prefill: &str) -> Plan {
         self.fallbacks.inc();
         tracing::info!(prefill, "the decode engine prefills itself");
-        Ok(forward())
+        forward()
+    }
+}
+
+/// The healthy allowed prefill engine, other than `named`, with the fewest legs in flight.
+fn another_prefill(named: EndpointId, endpoints: &[EndpointSnapshot]) -> Option<EndpointId> {
+    endpoints
+        .iter()
+        .filter(|e| e.id != DECODE && e.id != named && e.health.is_healthy() && e.can_prefill())
+        .min_by_key(|e| (e.in_flight, e.id))
+        .map(|e| e.id)
+}
+
+/// `unavailable`: why the handoff cannot run, and that the decode engine cannot prefill alone.
+fn cannot_prefill(decode: &EndpointSnapshot, why: String) -> TranslateError {
+    TranslateError::Unavailable {
+        policy: NAME.into(),
+        message: format!(
+            "{why}, and the {} decode engine cannot prefill by itself",
+            decode.protocol
+        ),
+    }
+}
+
+/// The decode engine, when plans may name it. It is the sidecar's one engine that generates:
+/// while it is down (its probe) or ejected (its failures), every plan would be invalid, and
+/// the request is `unavailable` (503) rather than an invalid plan (500).
+fn serving_decode(endpoints: &[EndpointSnapshot]) -> Result<&EndpointSnapshot, TranslateError> {
+    let unavailable = |message: String| TranslateError::Unavailable {
+        policy: NAME.into(),
+        message,
+    };
+    let decode = endpoints
+        .iter()
+        .find(|e| e.id == DECODE)
+        .ok_or_else(|| unavailable("the decode engine is not in the endpoint list".into()))?;
+    if !decode.health.is_healthy() {
+        return Err(unavailable(format!(
+            "the decode engine is not serving ({:?})",
+            decode.health
+        )));
+    }
+    Ok(decode)
+}
+
+fn handoff(prefill: EndpointId) -> Plan {
+    Plan {
+        steps: vec![Step::Handoff {
+            prefill,
+            decode: DECODE,
+        }],
     }
 }
 
@@ -113,12 +219,14 @@ fn forward() -> Plan {
     }
 }
 
-/// The header's one value; `None` without it.
+/// The header's one value; `None` without it or when it is empty (llm-d's EPP clears a header
+/// a client sent to `""` when it does not disaggregate the request).
 fn header(headers: &[(String, String)]) -> Result<Option<&str>, TargetError> {
     let mut values = headers
         .iter()
         .filter(|(name, _)| name == PREFILLER)
-        .map(|(_, value)| value.as_str());
+        .map(|(_, value)| value.trim())
+        .filter(|value| !value.is_empty());
     match (values.next(), values.next()) {
         (None, _) => Ok(None),
         (Some(value), None) => Ok(Some(value)),
@@ -136,30 +244,26 @@ impl Planner for SidecarPlanner {
             policy: NAME.into(),
             message: e.to_string(),
         };
-        let Some(value) = header(req.headers).map_err(rejected)? else {
+        let value = header(req.headers).map_err(rejected)?;
+        let named = value
+            .map(|value| self.prefill_endpoint(value, &ctx.endpoints))
+            .transpose()
+            .map_err(rejected)?;
+        let decode = serving_decode(&ctx.endpoints)?;
+        let (Some(value), Some(named)) = (value, named) else {
             return Ok(forward());
         };
-        let prefill = self
-            .prefill_endpoint(value, &ctx.endpoints)
-            .map_err(rejected)?;
-        let Some(decode) = ctx.endpoints.iter().find(|e| e.id == DECODE) else {
-            return Err(TranslateError::Unavailable {
-                policy: NAME.into(),
-                message: "the decode engine is not in the endpoint list".into(),
-            });
-        };
-        let failed = ctx.last_failure.is_some_and(|failure| {
-            failure.endpoint == prefill.id && failure.kind != FailureKind::Preempted
-        });
-        if failed || !prefill.health.is_healthy() {
-            return self.fall_back(decode, value);
+        // A preemption is no engine's fault: the attempt is planned as the first was.
+        let failed = ctx
+            .last_failure
+            .filter(|failure| failure.kind != FailureKind::Preempted)
+            .map(|failure| failure.endpoint);
+        match failed {
+            Some(id) if id == named.id => self.rescue(decode, named.id, &ctx.endpoints, value),
+            Some(id) if id != DECODE => self.rescue_failed(decode, value),
+            _ if !named.health.is_healthy() => self.rescue(decode, named.id, &ctx.endpoints, value),
+            _ => Ok(handoff(named.id)),
         }
-        Ok(Plan {
-            steps: vec![Step::Handoff {
-                prefill: prefill.id,
-                decode: DECODE,
-            }],
-        })
     }
 
     fn on_complete(&self, _outcome: &Outcome) {}

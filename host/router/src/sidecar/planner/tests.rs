@@ -155,14 +155,147 @@ fn a_failed_or_unhealthy_prefill_engine_falls_back_to_the_decode_engine() {
 }
 
 #[test]
-fn an_sglang_decode_engine_cannot_fall_back() {
+fn an_sglang_handoff_goes_once_to_another_healthy_prefill_engine() {
     let (planner, mut endpoints) = sidecar(Protocol::Sglang);
+    let header = [(PREFILLER, "127.0.0.1:8001")];
+    let failed_on = |endpoint| {
+        Some(Failure {
+            kind: FailureKind::EndpointError,
+            endpoint,
+        })
+    };
+    let handoff_from = |prefill| Ok(handoff(prefill));
+    // The named engine failed, or its probe says it is down: the other takes the handoff.
+    assert_eq!(
+        plan(&planner, &header, &endpoints, failed_on(1)),
+        handoff_from(2)
+    );
     endpoints[1].health = Health::Ejected;
+    assert_eq!(plan(&planner, &header, &endpoints, None), handoff_from(2));
+    assert_eq!(planner.reroutes.get(), 2);
+    // Once: when the other fails too, the request is refused.
     assert!(matches!(
-        plan(&planner, &[(PREFILLER, "127.0.0.1:8001")], &endpoints, None),
+        plan(&planner, &header, &endpoints, failed_on(2)),
         Err(TranslateError::Unavailable { .. })
     ));
-    assert_eq!(fallbacks(&planner), 0);
+    // Healthy ones only.
+    endpoints[1].health = Health::Healthy;
+    endpoints[2].health = Health::NotReady;
+    assert!(matches!(
+        plan(&planner, &header, &endpoints, failed_on(1)),
+        Err(TranslateError::Unavailable { .. })
+    ));
+    assert_eq!(planner.reroutes.get(), 2);
+    assert_eq!(
+        fallbacks(&planner),
+        0,
+        "an SGLang decode engine never prefills"
+    );
+}
+
+#[test]
+fn the_other_prefill_engine_is_the_least_busy_healthy_one() {
+    let mut endpoints: Vec<EndpointSnapshot> = (0..4)
+        .map(|id| EndpointSnapshot {
+            protocol: Protocol::Sglang,
+            role: if id == 0 { Role::Decode } else { Role::Prefill },
+            ..EndpointSnapshot::synthetic(id)
+        })
+        .collect();
+    endpoints[2].in_flight = 3;
+    endpoints[3].in_flight = 1;
+    assert_eq!(another_prefill(1, &endpoints), Some(3));
+    endpoints[3].health = Health::Ejected;
+    assert_eq!(another_prefill(1, &endpoints), Some(2));
+    assert_eq!(another_prefill(2, &endpoints), Some(1));
+    endpoints[2].health = Health::Removed;
+    assert_eq!(another_prefill(1, &endpoints), None);
+}
+
+#[test]
+fn mlc_and_vllm_prefill_on_the_decode_engine_rather_than_another_prefill_engine() {
+    for protocol in [Protocol::Mlc, Protocol::Vllm] {
+        let (planner, endpoints) = sidecar(protocol);
+        let failed = Failure {
+            kind: FailureKind::EndpointError,
+            endpoint: 1,
+        };
+        let header = [(PREFILLER, "127.0.0.1:8001")];
+        assert_eq!(
+            plan(&planner, &header, &endpoints, Some(failed)),
+            Ok(forward()),
+            "{protocol}"
+        );
+        assert_eq!(planner.reroutes.get(), 0, "{protocol}");
+        assert_eq!(fallbacks(&planner), 1, "{protocol}");
+    }
+}
+
+/// What llm-d's EPP writes: its `prefill-header-handler` sets `x-prefiller-host-port` to
+/// `net.JoinHostPort(pod.Address, pod.Port)`, and clears a value a client sent to `""` when
+/// it does not disaggregate (llm-d-inference-scheduler, pkg/plugins/pre-request/pd_prerequest.go;
+/// the name is pkg/common's `PrefillPodHeader`).
+#[test]
+fn the_sidecar_takes_what_llm_d_s_epp_sends() {
+    let protocol = Protocol::Vllm;
+    let spec = |url: &str, role| EndpointSpec {
+        protocol,
+        role,
+        ..EndpointSpec::new(url.to_owned())
+    };
+    let specs = vec![
+        spec("http://127.0.0.1:8000", Role::Decode),
+        spec("http://10.0.3.7:8000", Role::Prefill),
+        spec("http://[fd00::7]:8000", Role::Prefill),
+    ];
+    let cluster = Arc::new(Cluster::new(specs, OutlierConfig::default()));
+    let endpoints: Vec<EndpointSnapshot> = (0..3)
+        .map(|id| EndpointSnapshot {
+            protocol,
+            role: if id == 0 { Role::Decode } else { Role::Prefill },
+            ..EndpointSnapshot::synthetic(id)
+        })
+        .collect();
+    let planner = SidecarPlanner::new(cluster, OWN.parse().expect("addr"));
+    // Go's net.JoinHostPort: host:port, an IPv6 host in brackets.
+    for (value, prefill) in [("10.0.3.7:8000", 1), ("[fd00::7]:8000", 2)] {
+        assert_eq!(
+            plan(&planner, &[(PREFILLER, value)], &endpoints, None),
+            Ok(handoff(prefill)),
+            "{value}"
+        );
+    }
+    // Cleared: no disaggregation, as without the header.
+    for cleared in ["", " "] {
+        assert_eq!(
+            plan(&planner, &[(PREFILLER, cleared)], &endpoints, None),
+            Ok(forward()),
+            "{cleared:?}"
+        );
+    }
+}
+
+#[test]
+fn a_decode_engine_that_is_not_serving_makes_every_request_unavailable() {
+    for health in [Health::NotReady, Health::Ejected, Health::Draining] {
+        let (planner, mut endpoints) = sidecar(Protocol::Vllm);
+        endpoints[0].health = health;
+        for headers in [&[][..], &[(PREFILLER, "127.0.0.1:8001")][..]] {
+            assert!(
+                matches!(
+                    plan(&planner, headers, &endpoints, None),
+                    Err(TranslateError::Unavailable { .. })
+                ),
+                "{health:?} {headers:?}"
+            );
+        }
+        // The allowlist still answers first: a client's mistake is a 400 whatever the engines.
+        assert!(matches!(
+            plan(&planner, &[(PREFILLER, "127.0.0.1:8003")], &endpoints, None),
+            Err(TranslateError::Rejected { .. })
+        ));
+        assert_eq!(fallbacks(&planner), 0);
+    }
 }
 
 #[test]
@@ -183,6 +316,10 @@ fn the_fallbacks_are_on_metrics() {
     planner.append_metrics(&mut text);
     assert!(
         text.contains("switchyard_sidecar_prefill_fallbacks_total 1\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("switchyard_sidecar_prefill_reroutes_total 0\n"),
         "{text}"
     );
     assert!(
