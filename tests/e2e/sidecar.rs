@@ -84,12 +84,11 @@ struct Pod {
 
 impl Pod {
     async fn start(protocol: Protocol) -> Pod {
-        Pod::start_with(protocol, false, &[]).await
+        Pod::start_with(protocol, false).await
     }
 
-    /// With `spare` (SGLang only), a second prefill engine the sidecar and the EPP may use;
-    /// `sidecar_flags` are the sidecar's further flags.
-    async fn start_with(protocol: Protocol, spare: bool, sidecar_flags: &[&str]) -> Pod {
+    /// With `spare` (SGLang only), a second prefill engine the sidecar and the EPP may use.
+    async fn start_with(protocol: Protocol, spare: bool) -> Pod {
         // A decode step of ~16 ms: a stream lasts long enough to hang up on mid-way.
         let paced = ["--profile", "llama3-8b-h100", "--time-scale", "3"];
         let name = protocol.name();
@@ -145,7 +144,6 @@ impl Pod {
             Protocol::Vllm => {}
             Protocol::Sglang => sidecar_args.extend(["--bootstrap-port", &bootstrap]),
         }
-        sidecar_args.extend(sidecar_flags);
         let sidecar = RouterProcess::sidecar(&sidecar_args, &[]);
         // The EPP's pool: the decode pod at its sidecar's port, and the prefill engines.
         let mut pool: Vec<String> = prefills
@@ -413,16 +411,9 @@ const BEFORE_THE_KILL: usize = 400;
 /// a request is refused 503.
 async fn killed_mid_run(protocol: Protocol) {
     let sglang = protocol == Protocol::Sglang;
-    // An SGLang decode leg that fails because the prefill engine's bootstrap server is gone
-    // is blamed on the decode engine (the router cannot tell it from the decode engine's own
-    // failure), and three in a row would eject the sidecar's only decode engine: the book
-    // says to turn ejection off for SGLang sidecars until that blame is fixed.
-    let flags: &[&str] = if sglang {
-        &["--outlier-failures", "0"]
-    } else {
-        &[]
-    };
-    let mut pod = Pod::start_with(protocol, sglang, flags).await;
+    // Ejection stays on: an SGLang decode leg that fails because the prefill engine died is
+    // blamed on the prefill engine, so the sidecar's only decode engine is never ejected.
+    let mut pod = Pod::start_with(protocol, sglang).await;
     let bodies = bodies(protocol);
     let mut truths = Vec::new();
     for body in &bodies {

@@ -9,6 +9,9 @@
 //! One upstream id per attempt (`X-Request-Id` on both legs) and a fresh room per attempt, so a
 //! retry never meets a failed attempt's leftovers.
 
+use std::time::Duration;
+
+use futures::future::Either;
 use futures::{FutureExt, StreamExt};
 use tracing::Instrument;
 
@@ -58,9 +61,7 @@ pub(super) async fn handoff(
     };
     let p_leg = leg(&p_engine, prefill, StepKind::PrefillLeg);
     let d_leg = leg(&d_engine, decode, StepKind::DecodeLeg);
-    // The first leg to fail drops the other, mid-call: its engine sees the connection
-    // close and stops waiting for its partner.
-    let (p_chunks, d_chunks) = futures::future::try_join(p_leg, d_leg)
+    let (p_chunks, d_chunks) = both_heads(p_leg, d_leg)
         .instrument(span)
         .await
         .map_err(|(endpoint, step, e): (_, _, CallError)| legs.fail(e, endpoint, step))?;
@@ -76,6 +77,36 @@ pub(super) async fn handoff(
     Ok(Generation::new(d_chunks, decode, 0, false, in_flight)
         .with_partner(partner)
         .prefilling(prefilling))
+}
+
+/// How long a decode leg's failure waits for the prefill leg's before it is blamed on D.
+///
+/// D bootstraps from P: when P dies, D answers an error (it cannot reach the bootstrap server)
+/// at about the moment the router sees P's connection fail, and whichever the router reads
+/// first would be blamed. Blamed on D, a dead P ejects the decode engine (a sidecar's only
+/// one). A P that is gone fails its leg at once (a reset or a refused connection), so a short
+/// wait for P's answer tells the two apart; a P still working at the end of it is not failing,
+/// and D's failure is D's. Only a failing D waits, and only this long.
+const PARTNER_VERDICT: Duration = Duration::from_millis(250);
+
+/// Both legs' heads. The first leg to fail drops the other, mid-call: its engine sees the
+/// connection close and stops waiting for its partner. A failing D first waits
+/// [`PARTNER_VERDICT`] for P's verdict: P failing too is P's failure.
+async fn both_heads<T, E>(
+    p_leg: impl Future<Output = Result<T, E>>,
+    d_leg: impl Future<Output = Result<T, E>>,
+) -> Result<(T, T), E> {
+    let (p_leg, d_leg) = (std::pin::pin!(p_leg), std::pin::pin!(d_leg));
+    match futures::future::select(p_leg, d_leg).await {
+        Either::Left((p, d_leg)) => Ok((p?, d_leg.await?)),
+        Either::Right((Ok(d), p_leg)) => Ok((p_leg.await?, d)),
+        Either::Right((Err(d_failed), p_leg)) => {
+            match tokio::time::timeout(PARTNER_VERDICT, p_leg).await {
+                Ok(Err(p_failed)) => Err(p_failed),
+                Ok(Ok(_)) | Err(_) => Err(d_failed),
+            }
+        }
+    }
 }
 
 /// Read P's answer to its end (nobody shows it: the client's answer is D's), counting P's leg

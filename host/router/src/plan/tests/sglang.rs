@@ -105,6 +105,56 @@ async fn a_decode_leg_that_fails_first_drops_the_prefill_leg() {
     assert_eq!((h.failures(P), h.failures(D)), (0, 1));
 }
 
+/// D bootstraps from P: a P that dies makes D fail too, and the router may read D's failure
+/// first. It is P's: D is not blamed (three in a row would eject a sidecar's only decode
+/// engine), and the attempt names P, so a retry or the sidecar's reroute avoids it.
+#[tokio::test(start_paused = true)]
+async fn a_decode_leg_that_fails_because_its_prefill_engine_died_is_blamed_on_p() {
+    let h = harness();
+    let (mut p, mut d) = (h.engine(P), h.engine(D));
+    let engines = async move {
+        let (prefill, decode) = (p.next().await, d.next().await);
+        decode.status(500, "cannot reach the bootstrap server");
+        // The router has read D's failure and waits for P's verdict...
+        settle().await;
+        // ...which comes: P dies, its connection closed without an answer, and it takes
+        // no call again.
+        drop((prefill, p));
+    };
+    let (result, ()) = tokio::join!(h.execute(handoff()), engines);
+    let error = result.expect_err("the handoff failed");
+    assert_eq!((error.endpoint, error.step), (P, StepKind::PrefillLeg));
+    assert_eq!(
+        (h.failures(P), h.failures(D)),
+        (1, 0),
+        "P is to blame, not D"
+    );
+}
+
+/// A P still working when D fails is not failing: D's failure is D's, at the end of the
+/// bounded wait for P's verdict, and P is hung up on.
+#[tokio::test(start_paused = true)]
+async fn a_decode_leg_that_fails_while_p_works_is_blamed_on_d_after_a_bounded_wait() {
+    let h = harness();
+    let (mut p, mut d) = (h.engine(P), h.engine(D));
+    let engines = async {
+        let (prefill, decode) = (p.next().await, d.next().await);
+        decode.status(500, "decode crashed");
+        prefill
+    };
+    let started = tokio::time::Instant::now();
+    let (result, prefill) = tokio::join!(h.execute(handoff()), engines);
+    let error = result.expect_err("the decode leg failed");
+    assert_eq!((error.endpoint, error.step), (D, StepKind::DecodeLeg));
+    assert!(
+        started.elapsed() <= Duration::from_millis(251),
+        "D's failure waited {:?} for P's verdict",
+        started.elapsed()
+    );
+    assert!(done_by_now(prefill.hung_up()).await, "P is hung up on");
+    assert_eq!((h.failures(P), h.failures(D)), (0, 1));
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_prefill_that_fails_while_d_streams_ends_the_stream_blamed_on_p() {
     let h = harness();
