@@ -99,9 +99,12 @@ struct Call {
     traceparent: Option<String>,
 }
 
-/// What a tap saw: the bytes each connection sent toward the engine.
+/// The bytes one connection sent toward the engine.
+type Sent = Arc<Mutex<Vec<u8>>>;
+
+/// What a tap saw: what each connection sent.
 #[derive(Clone, Default)]
-struct Tap(Arc<Mutex<Vec<Arc<Mutex<Vec<u8>>>>>>);
+struct Tap(Arc<Mutex<Vec<Sent>>>);
 
 impl Tap {
     /// The calls in the requests' heads: a request line starts a call, its `traceparent`
