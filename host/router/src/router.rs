@@ -480,7 +480,7 @@ impl<E: Execute> Router<E> {
     pub fn start_with(self: &Arc<Self>, req: RouteRequest, planner: Arc<dyn Planner>) -> Routing {
         let (tx, events) = mpsc::channel(EVENT_QUEUE);
         let router = Arc::clone(self);
-        let req_span = req.span.clone();
+        let span = req.span.clone();
         let run = async move {
             let mut request = Request {
                 req,
@@ -500,7 +500,6 @@ impl<E: Execute> Router<E> {
             }
             request.over = true;
         };
-        let span = req_span;
         Routing {
             run: Some(Box::pin(run.instrument(span))),
             events,
@@ -750,8 +749,8 @@ impl<E: Execute> Router<E> {
         context: &PolicyContext,
         st: &mut State,
     ) -> Result<ValidPlan, PlanningError> {
-        let _span = tracing::debug_span!("policy", switchyard.endpoints = context.endpoints.len())
-            .entered();
+        let endpoints = i64::try_from(context.endpoints.len()).unwrap_or(i64::MAX);
+        let _span = tracing::debug_span!("policy", switchyard.endpoints = endpoints).entered();
         let started = std::time::Instant::now();
         let plan = planner.translate(request, context);
         st.summary.policy_calls.push(started.elapsed());
