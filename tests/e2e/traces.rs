@@ -180,20 +180,16 @@ async fn tapped(engine: SocketAddr) -> (String, Tap) {
     (format!("http://{addr}"), tap)
 }
 
-/// An MLC P/D pair of reference engines (KV over TCP), each behind a tap: the router's
-/// `--endpoint` values, P's tap and D's tap.
-async fn tapped_pair() -> (Vec<EngineProcess>, [String; 2], Tap, Tap) {
-    let engines = tokio::task::spawn_blocking(|| {
-        let decode = EngineProcess::spawn(&["--device-rank", "1", "--kv-transport", "tcp"]);
+/// A P/D pair of reference engines speaking `protocol` (`mlc` or `vllm`; KV over TCP), each
+/// behind a tap: the router's `--endpoint` values, P's tap and D's tap.
+async fn tapped_pair(protocol: &'static str) -> (Vec<EngineProcess>, [String; 2], Tap, Tap) {
+    let engines = tokio::task::spawn_blocking(move || {
+        let common = ["--protocol", protocol, "--kv-transport", "tcp"];
+        let decode = EngineProcess::spawn(&[&["--device-rank", "1"][..], &common].concat());
         let peer = format!("{}={}", decode.device_rank, decode.kv_addr);
-        let prefill = EngineProcess::spawn(&[
-            "--device-rank",
-            "0",
-            "--kv-transport",
-            "tcp",
-            "--kv-peer",
-            &peer,
-        ]);
+        let prefill = EngineProcess::spawn(
+            &[&["--device-rank", "0", "--kv-peer", &peer][..], &common].concat(),
+        );
         vec![prefill, decode]
     })
     .await
@@ -201,8 +197,8 @@ async fn tapped_pair() -> (Vec<EngineProcess>, [String; 2], Tap, Tap) {
     let (p_url, p_tap) = tapped(engines[0].http_addr).await;
     let (d_url, d_tap) = tapped(engines[1].http_addr).await;
     let endpoints = [
-        format!("{p_url},role=prefill"),
-        format!("{d_url},role=decode"),
+        format!("{protocol}+{p_url},role=prefill"),
+        format!("{protocol}+{d_url},role=decode"),
     ];
     (engines, endpoints, p_tap, d_tap)
 }
@@ -280,7 +276,7 @@ fn names(spans: &[Span]) -> Vec<&str> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_is_one_trace_from_the_client_through_every_engine_leg() {
     let (otlp, received) = otlp_receiver().await;
-    let (_engines, endpoints, p_tap, d_tap) = tapped_pair().await;
+    let (_engines, endpoints, p_tap, d_tap) = tapped_pair("mlc").await;
     let router = router(&endpoints, &["--otlp-endpoint", &otlp], &[]).await;
     let traceparent = format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01");
     let answer = complete(&router, Some(&traceparent)).await;
@@ -366,6 +362,40 @@ async fn a_request_is_one_trace_from_the_client_through_every_engine_leg() {
     );
 }
 
+/// A vLLM handoff's legs are spans of their own under the handoff's: P's call names the
+/// prefill leg as its parent and D's the decode leg, in the client's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_leg_of_a_vllm_handoff_is_the_parent_of_its_engine_call() {
+    let (otlp, received) = otlp_receiver().await;
+    let (_engines, endpoints, p_tap, d_tap) = tapped_pair("vllm").await;
+    let router = router(&endpoints, &["--otlp-endpoint", &otlp], &[]).await;
+    complete(
+        &router,
+        Some(&format!("00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")),
+    )
+    .await;
+    stop(router).await;
+
+    let spans: Vec<Span> = received.spans().into_iter().map(|(_, s)| s).collect();
+    let attempt = named(&spans, "attempt");
+    let handoff = named(&spans, "vllm_handoff");
+    assert_eq!(handoff.parent_span_id, attempt.span_id);
+    for (leg, tap) in [("prefill_leg", &p_tap), ("decode_leg", &d_tap)] {
+        let span = named(&spans, leg);
+        assert_eq!(
+            span.parent_span_id, handoff.span_id,
+            "{leg} is a leg of the handoff"
+        );
+        let traced: Vec<String> = tap
+            .calls()
+            .into_iter()
+            .filter_map(|c| c.traceparent)
+            .collect();
+        let expected = format!("00-{CLIENT_TRACE}-{}-01", hex(&span.span_id));
+        assert_eq!(traced, [expected], "{leg}'s engine call");
+    }
+}
+
 /// Configured by the environment alone (`OTEL_EXPORTER_OTLP_ENDPOINT`, `OTEL_SERVICE_NAME`,
 /// `OTEL_TRACES_SAMPLER_ARG=0`): a request without a `traceparent` is not sampled (nothing
 /// exported, but its engine calls still carry its unsampled context), while a client's sampled
@@ -373,7 +403,7 @@ async fn a_request_is_one_trace_from_the_client_through_every_engine_leg() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_is_parent_based_and_the_environment_configures_it() {
     let (otlp, received) = otlp_receiver().await;
-    let (_engines, endpoints, _p_tap, d_tap) = tapped_pair().await;
+    let (_engines, endpoints, _p_tap, d_tap) = tapped_pair("mlc").await;
     let env = [
         ("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str()),
         ("OTEL_SERVICE_NAME", "edge-router"),
@@ -416,7 +446,7 @@ async fn sampling_is_parent_based_and_the_environment_configures_it() {
 /// router, and no engine call carries one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_an_endpoint_no_engine_call_carries_a_traceparent() {
-    let (_engines, endpoints, p_tap, d_tap) = tapped_pair().await;
+    let (_engines, endpoints, p_tap, d_tap) = tapped_pair("mlc").await;
     let router = router(&endpoints, &[], &[]).await;
     complete(
         &router,
