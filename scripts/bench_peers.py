@@ -15,7 +15,9 @@ streaming request needs an SSE answer, so the responder listens on two ports, on
 JSON and one SSE, and every router runs twice, once in front of each. The responder also
 listens on both again over TLS (a CA and its certificate made with openssl), and
 "switchyard-tls" is switchyard calling those as `https://` engines: the cost of TLS to the
-engine, beside "switchyard" over plain HTTP in the same run.
+engine, beside "switchyard" over plain HTTP in the same run. "switchyard-otel" exports a trace
+of every request (OTLP/HTTP, to the responder, which answers the exports as it answers
+anything), "switchyard-otel1" of 1% of them: the cost of tracing.
 
 CPU per request is the router's user+system time (all its processes and threads, from
 /proc/PID/stat) over the run, divided by the requests the run completed. Results:
@@ -102,6 +104,8 @@ PORT_NAMES = [
     "switchyard-base-json", "switchyard-base-sse",
     # The responder over TLS, and switchyard calling it as an https:// engine.
     "null-tls-json", "null-tls-sse", "switchyard-tls-json", "switchyard-tls-sse",
+    # switchyard exporting traces, every request's and 1% of them.
+    "switchyard-otel-json", "switchyard-otel-sse", "switchyard-otel1-json", "switchyard-otel1-sse",
 ]
 
 
@@ -127,6 +131,12 @@ def router_argv(target: str, kind: str, tls: Path) -> list[str]:
                 "--policy", "round-robin",
                 "--endpoint", f"https://127.0.0.1:{port('null-tls-' + kind)}",
                 "--engine-ca-file", str(tls / "ca.pem")]
+    if target in ("switchyard-otel", "switchyard-otel1"):
+        # The responder takes the OTLP exports too: it answers any POST without reading it.
+        ratio = "1" if target == "switchyard-otel" else "0.01"
+        return ["env", f"OTEL_TRACES_SAMPLER_ARG={ratio}", BIN, "serve", "--port", str(listen),
+                "--plugins", "plugins", "--policy", "round-robin", "--endpoint", upstream,
+                "--otlp-endpoint", url("null-json")]
     if target == "passthrough":
         return [PASSTHROUGH, str(listen), upstream]
     if target in ("vllm-router", "sglang-router", "smg"):
@@ -174,7 +184,8 @@ LOADS = [
 # In table order; "null engine" is the responder alone (no router: the floor of the floor).
 TARGETS = ["null engine", "nginx-proxy", "passthrough"] + (
     ["switchyard-base"] if BASE_BIN else []) + [
-    "switchyard", "switchyard-tls", "vllm-router", "sglang-router", "smg"]
+    "switchyard", "switchyard-tls", "switchyard-otel", "switchyard-otel1", "vllm-router",
+    "sglang-router", "smg"]
 
 
 def target_url(target: str, kind: str) -> str:

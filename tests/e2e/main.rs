@@ -20,3 +20,4 @@ mod replicas;
 mod router;
 mod sidecar;
 mod tls;
+mod traces;

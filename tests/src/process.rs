@@ -288,6 +288,23 @@ impl RouterProcess {
         router
     }
 
+    /// [`RouterProcess::serve`] with `env` set (e.g. `OTEL_EXPORTER_OTLP_ENDPOINT`).
+    pub fn serve_with_env(
+        endpoints: &[&str],
+        args: &[&str],
+        env: &[(&str, &Path)],
+    ) -> RouterProcess {
+        let full = Self::serve_argv(endpoints, args);
+        let router = Self::spawn(
+            full,
+            env,
+            Stdio::inherit(),
+            "switchyard router listening on ",
+        );
+        router.wait_until_healthy();
+        router
+    }
+
     /// `switchyard serve …` with `env` set (e.g. `KUBECONFIG`), returned as soon as it listens,
     /// ready or not: discovery tests watch it become ready.
     pub fn serve_listening(

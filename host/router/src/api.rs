@@ -715,6 +715,12 @@ pub(crate) async fn prepare(
     let planner = state
         .planning
         .select(policy_header(headers).as_deref(), &parsed.model)?;
+    let span = crate::telemetry::request_span(
+        headers,
+        shape.operation(),
+        &parsed.model,
+        parsed.prompt.len(),
+    );
     let route = RouteRequest {
         id: state.next_id.fetch_add(1, Ordering::Relaxed),
         request_id: format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>()),
@@ -728,6 +734,7 @@ pub(crate) async fn prepare(
         client: Some(Arc::new(ClientBody::new(shape.wire_route(), raw))),
         arrived,
         flow,
+        span,
     };
     Ok(Prepared {
         route,

@@ -26,6 +26,7 @@
 //! engine_ca_file = "/etc/engines/ca.pem"      # https:// engines: trust this CA, not the system's
 //! engine_client_cert = "/etc/engines/router.crt"  # mTLS to https:// engines
 //! engine_client_key = "/etc/engines/router.key"
+//! otlp_endpoint = "http://otel-collector:4318"  # traces over OTLP (see crate::telemetry)
 //! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json, or a .gguf
 //! model = "llama"                              # name reported by /v1/models
 //! max_attempts = 3
@@ -140,6 +141,7 @@ use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig, RequestLimits};
 use crate::cluster::{EndpointSpec, OutlierConfig, SaturationConfig};
 use crate::engine_client::{Timeouts, TlsFiles};
 use crate::kv_events::SubscriberConfig;
+use crate::telemetry::TraceSettings;
 use crate::{RetryBudgetConfig, RetryPolicy, RouterConfig};
 
 pub use discovery::{DEFAULT_K8S_RESYNC, DiscoveryArgs, DiscoveryKind, K8sDiscovery, PodSelection};
@@ -212,6 +214,8 @@ pub struct Config {
     pub engine_tls: TlsFiles,
     /// HTTPS on the listeners; `None`: plain HTTP.
     pub tls: Option<ListenerTls>,
+    /// Where traces go; `None`: tracing off.
+    pub traces: Option<TraceSettings>,
 }
 
 /// Who may use `/admin/*`, and where.
@@ -343,6 +347,7 @@ impl Config {
             },
             engine_tls,
             tls: tls::listener(&s)?,
+            traces: TraceSettings::resolve(s.otlp_endpoint.as_ref().map(|e| e.value.as_str()))?,
         })
     }
 }

@@ -481,6 +481,12 @@ impl EngineClient {
             if let Some(id) = request_id {
                 request = request.header(REQUEST_ID_HEADER, id);
             }
+            // The leg's span (the current one) as the engine's parent: its spans join the trace.
+            if crate::telemetry::is_on()
+                && let Some(headers) = request.headers_mut()
+            {
+                crate::telemetry::inject(headers);
+            }
             let request = json_request(request, json.clone(), delivery.cloned())?;
             let sent = self.request(engine, request)?;
             match deadline {

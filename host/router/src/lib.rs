@@ -19,6 +19,7 @@
 //! kv_events  subscribers to the engines' KV events, keeping the KV index of every endpoint
 //! sidecar    the same router in a decode pod: runs the handoff a gateway's EPP names in
 //!            `x-prefiller-host-port`, planned by a built-in planner instead of a policy
+//! telemetry  OpenTelemetry traces: the exporter, the request span, `traceparent` in and out
 //! ```
 //!
 //! Nothing flows backwards but the outcome report to the policy. The router depends on the wire
@@ -40,6 +41,7 @@ pub mod plan;
 mod router;
 pub mod serve;
 pub mod sidecar;
+pub mod telemetry;
 
 pub use pem::PemError;
 pub use router::{

@@ -44,6 +44,7 @@ use backon::BackoffBuilder;
 use futures::Stream;
 use tokio::sync::mpsc;
 use tokio::time::Instant;
+use tracing::Instrument as _;
 
 use switchyard_contract::{
     EndpointId, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError,
@@ -179,6 +180,20 @@ pub enum RouteError {
 }
 
 impl RouteError {
+    /// The error's kind, a trace's `error.type`.
+    fn kind(&self) -> &'static str {
+        match self {
+            RouteError::Policy(_) => "policy",
+            RouteError::InvalidPlan(_) => "invalid_plan",
+            RouteError::Exhausted { .. } => "exhausted",
+            RouteError::Preempted { .. } => "preempted",
+            RouteError::RetryBudget { .. } => "retry_budget",
+            RouteError::Deadline(_) => "deadline",
+            RouteError::Engine(_) => "engine",
+            RouteError::Tokenize(_) => "tokenize",
+        }
+    }
+
     /// The engine failure behind this error, if an engine failed.
     pub fn engine_failure(&self) -> Option<&ExecError> {
         match self {
@@ -280,6 +295,8 @@ pub struct RouteRequest {
     pub arrived: Instant,
     /// Its priority, tenant and deadline, as flow control read them.
     pub flow: Flow,
+    /// Its trace span (see [`crate::telemetry`]); `Span::none()` with tracing off.
+    pub span: tracing::Span,
 }
 
 /// A request's priority, tenant and deadline, which the policy sees too.
@@ -463,6 +480,7 @@ impl<E: Execute> Router<E> {
     pub fn start_with(self: &Arc<Self>, req: RouteRequest, planner: Arc<dyn Planner>) -> Routing {
         let (tx, events) = mpsc::channel(EVENT_QUEUE);
         let router = Arc::clone(self);
+        let span = req.span.clone();
         let run = async move {
             let mut request = Request {
                 req,
@@ -483,7 +501,7 @@ impl<E: Execute> Router<E> {
             request.over = true;
         };
         Routing {
-            run: Some(Box::pin(run)),
+            run: Some(Box::pin(run.instrument(span))),
             events,
         }
     }
@@ -494,7 +512,14 @@ impl<E: Execute> Router<E> {
         let mut failures = 0u32;
         let mut last_failure = None;
         loop {
-            match self.attempt(req, tx, st, last_failure).await {
+            // An i64: tracing-opentelemetry exports other integers as text.
+            let number = i64::from(st.summary.attempts) + 1;
+            let attempt = tracing::debug_span!("attempt", switchyard.attempt = number);
+            match self
+                .attempt(req, tx, st, last_failure)
+                .instrument(attempt)
+                .await
+            {
                 Ok(AttemptEnd::Over) => return,
                 Ok(AttemptEnd::Again {
                     failure,
@@ -726,6 +751,8 @@ impl<E: Execute> Router<E> {
         context: &PolicyContext,
         st: &mut State,
     ) -> Result<ValidPlan, PlanningError> {
+        let endpoints = i64::try_from(context.endpoints.len()).unwrap_or(i64::MAX);
+        let _span = tracing::debug_span!("policy", switchyard.endpoints = endpoints).entered();
         let started = std::time::Instant::now();
         let plan = planner.translate(request, context);
         st.summary.policy_calls.push(started.elapsed());
@@ -776,6 +803,7 @@ impl<E: Execute> Router<E> {
         usage: Usage,
     ) {
         st.summary.completion_tokens = usage.completion_tokens;
+        crate::telemetry::record_outcome(&req.span, &st.summary, None);
         report(req, st, OutcomeStatus::Ok);
         let summary = st.summary.clone();
         let _ = tx
@@ -811,6 +839,7 @@ impl<E: Execute> Router<E> {
         if let Ok(tokens) = tokens {
             st.summary.completion_tokens = tokens;
         }
+        crate::telemetry::record_outcome(&req.span, &st.summary, Some(error.kind()));
         report(req, st, OutcomeStatus::Failed);
         let summary = st.summary.clone();
         let _ = tx.send(Event::Failed { error, summary }).await;

@@ -12,6 +12,7 @@ use std::future::Future;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use switchyard_router::telemetry::{TraceSettings, Tracing};
 
 /// mimalloc rather than glibc's malloc: the router allocates per request and per streamed chunk,
 /// and glibc's malloc was ~10% of its CPU under load (perf, `make bench-overhead`).
@@ -94,23 +95,37 @@ enum Command {
     Policy(policy_cli::PolicyCommand),
 }
 
+impl Command {
+    /// Whether the command runs a router, which may export traces: its logging starts once
+    /// its configuration says where they go.
+    fn routes(&self) -> bool {
+        matches!(
+            self,
+            Command::Serve(_) | Command::Epp(_) | Command::Sidecar(_) | Command::Up(_)
+        )
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing(cli.log_format);
+    let logs = cli.log_format;
+    if !cli.command.routes() {
+        init_logs(logs, None);
+    }
     let result = match cli.command {
         Command::Engine(args) => engine(args),
         Command::Bench(args) => switchyard_bench::run_blocking(args).map_err(Into::into),
         Command::Trace(command) => switchyard_bench::run_trace_command(command).map_err(Into::into),
         Command::Lab(args) => switchyard_lab::run(args).map_err(Into::into),
-        Command::Serve(args) => serve(&args),
-        Command::Epp(args) => epp(&args),
-        Command::Sidecar(args) => sidecar(&args),
+        Command::Serve(args) => serve(&args, logs),
+        Command::Epp(args) => epp(&args, logs),
+        Command::Sidecar(args) => sidecar(&args, logs),
         Command::Up(mut args) => {
             // The engines log to the same stderr: in the same format.
-            if cli.log_format == LogFormat::Json {
+            if logs == LogFormat::Json {
                 args.engine_args.push("--log-format=json".into());
             }
-            up(args)
+            up(args, logs)
         }
         Command::Policy(command) => policy_cli::run_cli(command).map_err(Into::into),
     };
@@ -128,7 +143,7 @@ fn main() -> ExitCode {
 /// Exit code for a bad command line or config (as `clap` uses), before any port is bound.
 const USAGE_ERROR: i32 = 2;
 
-fn serve(args: &switchyard_router::config::ServeArgs) -> anyhow::Result<()> {
+fn serve(args: &switchyard_router::config::ServeArgs, logs: LogFormat) -> anyhow::Result<()> {
     let config = match switchyard_router::config::Config::from_args(args) {
         Ok(config) => config,
         Err(e) => {
@@ -136,14 +151,16 @@ fn serve(args: &switchyard_router::config::ServeArgs) -> anyhow::Result<()> {
             std::process::exit(USAGE_ERROR);
         }
     };
-    raise_open_files_limit();
     let runtime = control_runtime()?;
+    let traces = start_logs(logs, config.traces.as_ref(), runtime.handle())?;
+    raise_open_files_limit();
     let (shutdown, hurry) = shutdown_signals();
-    runtime.block_on(switchyard_router::serve::run(config, shutdown, hurry))?;
-    Ok(())
+    let served = runtime.block_on(switchyard_router::serve::run(config, shutdown, hurry));
+    flush(traces);
+    Ok(served?)
 }
 
-fn epp(args: &switchyard_router::epp::EppArgs) -> anyhow::Result<()> {
+fn epp(args: &switchyard_router::epp::EppArgs, logs: LogFormat) -> anyhow::Result<()> {
     let config = match switchyard_router::epp::EppConfig::from_args(args) {
         Ok(config) => config,
         Err(e) => {
@@ -151,7 +168,6 @@ fn epp(args: &switchyard_router::epp::EppArgs) -> anyhow::Result<()> {
             std::process::exit(USAGE_ERROR);
         }
     };
-    raise_open_files_limit();
     // The ext_proc streams run on this runtime, with `--workers` threads (one per core by
     // default). Each gateway message wakes the stream's task and the connection's: on a box
     // the gateway shares, fewer threads mean fewer cross-thread wake-ups per request.
@@ -160,12 +176,15 @@ fn epp(args: &switchyard_router::epp::EppArgs) -> anyhow::Result<()> {
         .thread_name("switchyard-epp")
         .enable_all()
         .build()?;
+    let traces = start_logs(logs, config.router.traces.as_ref(), runtime.handle())?;
+    raise_open_files_limit();
     let (shutdown, hurry) = shutdown_signals();
-    runtime.block_on(switchyard_router::epp::run(config, shutdown, hurry))?;
-    Ok(())
+    let served = runtime.block_on(switchyard_router::epp::run(config, shutdown, hurry));
+    flush(traces);
+    Ok(served?)
 }
 
-fn sidecar(args: &switchyard_router::sidecar::SidecarArgs) -> anyhow::Result<()> {
+fn sidecar(args: &switchyard_router::sidecar::SidecarArgs, logs: LogFormat) -> anyhow::Result<()> {
     let config = match switchyard_router::sidecar::SidecarConfig::from_args(args) {
         Ok(config) => config,
         Err(e) => {
@@ -173,11 +192,13 @@ fn sidecar(args: &switchyard_router::sidecar::SidecarArgs) -> anyhow::Result<()>
             std::process::exit(USAGE_ERROR);
         }
     };
-    raise_open_files_limit();
     let runtime = control_runtime()?;
+    let traces = start_logs(logs, config.router.traces.as_ref(), runtime.handle())?;
+    raise_open_files_limit();
     let (shutdown, hurry) = shutdown_signals();
-    runtime.block_on(switchyard_router::sidecar::run(config, shutdown, hurry))?;
-    Ok(())
+    let served = runtime.block_on(switchyard_router::sidecar::run(config, shutdown, hurry));
+    flush(traces);
+    Ok(served?)
 }
 
 /// The router's control plane: accepting connections, health probes, discovery, the plugins
@@ -217,11 +238,22 @@ fn set_model_threads(threads: u16) {
     unsafe { std::env::set_var("CANDLE_NUM_THREADS", threads.to_string()) };
 }
 
-fn up(args: up::UpArgs) -> anyhow::Result<()> {
-    raise_open_files_limit();
+fn up(args: up::UpArgs, logs: LogFormat) -> anyhow::Result<()> {
+    // The flag and the environment: `up`'s logging starts before its config file is read.
+    let settings = match TraceSettings::resolve(args.router.otlp_endpoint.as_deref()) {
+        Ok(settings) => settings,
+        Err(e) => {
+            eprintln!("switchyard up: {e}");
+            std::process::exit(USAGE_ERROR);
+        }
+    };
     let runtime = control_runtime()?;
+    let traces = start_logs(logs, settings.as_ref(), runtime.handle())?;
+    raise_open_files_limit();
     let (shutdown, hurry) = shutdown_signals();
-    match runtime.block_on(up::run(args, shutdown, hurry)) {
+    let ran = runtime.block_on(up::run(args, shutdown, hurry));
+    flush(traces);
+    match ran {
         Err(up::UpError::Config(e)) => {
             eprintln!("switchyard up: {e}");
             std::process::exit(USAGE_ERROR);
@@ -249,17 +281,54 @@ fn raise_open_files_limit() {
     }
 }
 
-/// Logs go to stderr so commands that print results (`policy plan`) keep stdout clean.
-fn init_tracing(format: LogFormat) {
-    let logs = tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        );
+/// Logs go to stderr so commands that print results (`policy plan`) keep stdout clean. With
+/// `traces`, the router's spans are exported too, whatever `RUST_LOG` logs.
+fn init_logs(format: LogFormat, traces: Option<&Tracing>) {
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    use tracing_subscriber::{EnvFilter, Layer as _};
+
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let Some(traces) = traces else {
+        let logs = tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_env_filter(filter);
+        match format {
+            LogFormat::Text => logs.init(),
+            LogFormat::Json => logs.json().init(),
+        }
+        return;
+    };
+    // Each layer with its own filter: the exporter's spans are not the log's.
+    let logs = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let subscriber = tracing_subscriber::registry().with(traces.layer());
     match format {
-        LogFormat::Text => logs.init(),
-        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => subscriber.with(logs.with_filter(filter)).init(),
+        LogFormat::Json => subscriber.with(logs.json().with_filter(filter)).init(),
+    }
+}
+
+/// A router's logging, and its traces when `settings` says where they go; the exports run
+/// on `runtime`.
+fn start_logs(
+    format: LogFormat,
+    settings: Option<&TraceSettings>,
+    runtime: &tokio::runtime::Handle,
+) -> anyhow::Result<Option<Tracing>> {
+    let traces = settings
+        .map(|settings| Tracing::start(settings, runtime))
+        .transpose()?;
+    init_logs(format, traces.as_ref());
+    if let Some(settings) = settings {
+        tracing::info!(endpoint = %settings.endpoint, service = %settings.service_name, ratio = settings.ratio, "exporting traces");
+    }
+    Ok(traces)
+}
+
+/// Send the spans still batched before the process exits.
+fn flush(traces: Option<Tracing>) {
+    if let Some(traces) = traces {
+        traces.shutdown();
     }
 }
 

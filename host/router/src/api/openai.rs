@@ -26,6 +26,14 @@ pub enum Shape {
 }
 
 impl Shape {
+    /// The GenAI semantic conventions' `gen_ai.operation.name`, for the request's trace span.
+    pub fn operation(self) -> &'static str {
+        match self {
+            Shape::Completion => "text_completion",
+            Shape::Chat => "chat",
+        }
+    }
+
     pub fn id_prefix(self) -> &'static str {
         match self {
             Shape::Completion => "cmpl",

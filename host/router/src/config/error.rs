@@ -105,6 +105,8 @@ pub enum ConfigError {
         wanted: Sourced<usize>,
         endpoints: usize,
     },
+    #[error(transparent)]
+    Traces(#[from] crate::telemetry::TelemetryError),
 }
 
 /// What is wrong with one value.

@@ -189,6 +189,16 @@ settings! {
         flag: "engine-client-key",
         key: "engine_client_key",
     }
+    /// Export OpenTelemetry traces to this collector (its base URL, e.g.
+    /// `http://otel-collector:4318`; `/v1/traces` is appended for OTLP/HTTP), instead of
+    /// OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT. Unset and without
+    /// them: no traces. OTEL_EXPORTER_OTLP_PROTOCOL (http/protobuf or grpc), OTEL_SERVICE_NAME
+    /// and OTEL_TRACES_SAMPLER_ARG apply.
+    otlp_endpoint: Option<String> => String {
+        flag: "otlp-endpoint",
+        key: "otlp_endpoint",
+        check: not_empty,
+    }
     /// The served model's tokenizer: a directory with `tokenizer.json` (and
     /// `tokenizer_config.json` for chat), or a GGUF file, whose metadata gives the tokenizer,
     /// chat template, default `--model` name and default `--context-length`; default: the

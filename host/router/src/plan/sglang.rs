@@ -50,17 +50,24 @@ pub(super) async fn handoff(
     let (path, fields) = body.leg(Protocol::Sglang);
     let paired = sglang::paired_body(&fields, &host, port, room);
     tracing::debug!(parent: &span, room, "bootstrap room");
-    let leg = |engine, endpoint, step| {
+    let leg = |engine, endpoint, step, span: tracing::Span| {
         let paired = &paired;
         async move {
             legs.client
                 .generate_leg(engine, path, paired, &id.upstream_id, streams(paired), None)
+                .instrument(span)
                 .await
                 .map_err(|e| (endpoint, step, e))
         }
     };
-    let p_leg = leg(&p_engine, prefill, StepKind::PrefillLeg);
-    let d_leg = leg(&d_engine, decode, StepKind::DecodeLeg);
+    let (p_span, d_span) = span.in_scope(|| {
+        (
+            tracing::debug_span!("prefill_leg", endpoint = prefill),
+            tracing::debug_span!("decode_leg", endpoint = decode),
+        )
+    });
+    let p_leg = leg(&p_engine, prefill, StepKind::PrefillLeg, p_span);
+    let d_leg = leg(&d_engine, decode, StepKind::DecodeLeg, d_span);
     let (p_chunks, d_chunks) = both_heads(p_leg, d_leg)
         .instrument(span)
         .await

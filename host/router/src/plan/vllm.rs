@@ -57,7 +57,9 @@ pub(super) async fn handoff(
         let p_body = vllm::prefill_body(&fields);
         let head = tokio::select! {
             biased;
-            head = client.answer_leg(&p_engine, path, &p_body, &request_id) => head,
+            head = client
+                .answer_leg(&p_engine, path, &p_body, &request_id)
+                .instrument(tracing::debug_span!("prefill_leg", endpoint = prefill)) => head,
             _ = &mut gone => return None,
         };
         let answer = match head {
@@ -83,14 +85,16 @@ pub(super) async fn handoff(
         // the attempt is gone, and is hung up on once it has them (it then aborts and
         // tells P to drop the blocks).
         let (delivery, delivered) = Delivery::new();
-        let d_leg = client.generate_leg(
-            &d_engine,
-            path,
-            &d_body,
-            &request_id,
-            streams(&d_body),
-            Some(&delivery),
-        );
+        let d_leg = client
+            .generate_leg(
+                &d_engine,
+                path,
+                &d_body,
+                &request_id,
+                streams(&d_body),
+                Some(&delivery),
+            )
+            .instrument(tracing::debug_span!("decode_leg", endpoint = decode));
         tokio::select! {
             head = d_leg => Some(head.map(|chunks| (chunks, d_prefilling)).map_err(|e| (decode, StepKind::DecodeLeg, e))),
             _ = async {

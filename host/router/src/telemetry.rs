@@ -1,0 +1,373 @@
+//! OpenTelemetry traces: where they go, the subscriber layer that exports them, and the W3C
+//! trace context that joins a request's spans to its client's and to its engines'.
+//!
+//! Off unless an OTLP endpoint is given (`--otlp-endpoint`, the file's `otlp_endpoint`, or the
+//! standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` / `OTEL_EXPORTER_OTLP_ENDPOINT`). Off costs
+//! nothing a request would notice: no exporter, no layer, no request span ([`request_span`] is
+//! `Span::none()`), no `traceparent` formatted; the attempt, policy and leg spans are `debug`
+//! spans that nothing is interested in unless `RUST_LOG` asks for them.
+//!
+//! On, one span per client request (`gen_ai.*` attributes of the GenAI semantic conventions
+//! where they apply), a child per attempt, and under it one per policy call and per engine leg;
+//! each engine call carries a `traceparent` naming its leg span, so the engines' own spans join
+//! the trace. A client's `traceparent` makes the request span its child; sampling is
+//! parent-based (a sampled client trace is always kept), else `OTEL_TRACES_SAMPLER_ARG`'s ratio.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use opentelemetry::propagation::TextMapPropagator;
+use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
+use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpClient, HttpError};
+use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
+use tracing::Span;
+use tracing::field::Empty;
+use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+use tracing_subscriber::Layer;
+use tracing_subscriber::registry::LookupSpan;
+
+use crate::Summary;
+
+/// The service name spans are exported under unless `OTEL_SERVICE_NAME` says otherwise.
+pub const DEFAULT_SERVICE_NAME: &str = "switchyard";
+
+/// Where and how traces are exported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceSettings {
+    /// The full URL spans are sent to (`…/v1/traces` for OTLP/HTTP).
+    pub endpoint: String,
+    pub protocol: OtlpProtocol,
+    pub service_name: String,
+    /// The share of root traces kept; a client's sampled trace is always kept.
+    pub ratio: f64,
+}
+
+/// `OTEL_EXPORTER_OTLP_PROTOCOL`: the two switchyard speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OtlpProtocol {
+    /// `http/protobuf`, the OpenTelemetry default.
+    HttpProtobuf,
+    Grpc,
+}
+
+/// Why tracing could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum TelemetryError {
+    #[error(
+        "OTEL_EXPORTER_OTLP_PROTOCOL: {0:?} is not a protocol switchyard exports with (http/protobuf or grpc)"
+    )]
+    Protocol(String),
+    #[error("OTEL_TRACES_SAMPLER_ARG: {0:?} is not a ratio from 0 to 1")]
+    Ratio(String),
+    #[error("cannot read the system's root certificates for the OTLP endpoint: {0}")]
+    Roots(std::io::Error),
+    #[error("cannot build the OTLP exporter: {0}")]
+    Exporter(#[from] opentelemetry_otlp::ExporterBuildError),
+}
+
+const TRACES_ENDPOINT: &str = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT";
+const ENDPOINT: &str = "OTEL_EXPORTER_OTLP_ENDPOINT";
+const PROTOCOL: &str = "OTEL_EXPORTER_OTLP_PROTOCOL";
+const SERVICE_NAME: &str = "OTEL_SERVICE_NAME";
+const SAMPLER_ARG: &str = "OTEL_TRACES_SAMPLER_ARG";
+
+impl TraceSettings {
+    /// The settings `configured` (the flag's or the file's endpoint, a collector's base URL as
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT` is) and the process environment give; `None`: tracing off.
+    pub fn resolve(configured: Option<&str>) -> Result<Option<TraceSettings>, TelemetryError> {
+        Self::from_env(configured, |name| {
+            std::env::var(name).ok().filter(|v| !v.is_empty())
+        })
+    }
+
+    fn from_env(
+        configured: Option<&str>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Option<TraceSettings>, TelemetryError> {
+        let protocol = match env(PROTOCOL).as_deref() {
+            None | Some("http/protobuf") => OtlpProtocol::HttpProtobuf,
+            Some("grpc") => OtlpProtocol::Grpc,
+            Some(other) => return Err(TelemetryError::Protocol(other.to_owned())),
+        };
+        // The OpenTelemetry rule: a signal's own endpoint is used as is; the base endpoint
+        // gets the signal's path over HTTP (gRPC names the service in the request instead).
+        let base = |url: &str| match protocol {
+            OtlpProtocol::HttpProtobuf => format!("{}/v1/traces", url.trim_end_matches('/')),
+            OtlpProtocol::Grpc => url.to_owned(),
+        };
+        let endpoint = match (configured, env(TRACES_ENDPOINT)) {
+            (Some(url), _) => base(url),
+            (None, Some(url)) => url,
+            (None, None) => match env(ENDPOINT) {
+                Some(url) => base(&url),
+                None => return Ok(None),
+            },
+        };
+        let ratio = match env(SAMPLER_ARG) {
+            None => 1.0,
+            Some(arg) => arg
+                .parse::<f64>()
+                .ok()
+                .filter(|r| (0.0..=1.0).contains(r))
+                .ok_or(TelemetryError::Ratio(arg))?,
+        };
+        Ok(Some(TraceSettings {
+            endpoint,
+            protocol,
+            service_name: env(SERVICE_NAME).unwrap_or_else(|| DEFAULT_SERVICE_NAME.to_owned()),
+            ratio,
+        }))
+    }
+}
+
+/// Whether spans are exported: set once, when [`Tracing::start`] runs.
+static ON: AtomicBool = AtomicBool::new(false);
+
+/// Whether traces are on in this process.
+pub fn is_on() -> bool {
+    ON.load(Ordering::Relaxed)
+}
+
+/// The exporting pipeline. [`Tracing::shutdown`] sends what is still batched.
+pub struct Tracing {
+    provider: SdkTracerProvider,
+}
+
+/// How long one export may take.
+const EXPORT_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl Tracing {
+    /// Build the exporter and its batch processor. The exports run on `runtime` (the batch
+    /// processor's thread hands each to it): the HTTP client and tonic need a Tokio runtime.
+    pub fn start(
+        settings: &TraceSettings,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<Tracing, TelemetryError> {
+        let _entered = runtime.enter();
+        let exporter = opentelemetry_otlp::SpanExporter::builder();
+        let exporter = match settings.protocol {
+            OtlpProtocol::HttpProtobuf => exporter
+                .with_http()
+                .with_http_client(OnRuntime::new(runtime.clone())?)
+                .with_endpoint(&settings.endpoint)
+                .with_timeout(EXPORT_TIMEOUT)
+                .build()?,
+            OtlpProtocol::Grpc => exporter
+                .with_tonic()
+                .with_endpoint(&settings.endpoint)
+                .with_timeout(EXPORT_TIMEOUT)
+                .build()?,
+        };
+        let resource = opentelemetry_sdk::Resource::builder_empty()
+            .with_service_name(settings.service_name.clone())
+            .build();
+        let provider = SdkTracerProvider::builder()
+            .with_batch_exporter(exporter)
+            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
+                settings.ratio,
+            ))))
+            .with_resource(resource)
+            .build();
+        ON.store(true, Ordering::Relaxed);
+        Ok(Tracing { provider })
+    }
+
+    /// The subscriber layer that turns the router's spans into OpenTelemetry spans, from
+    /// `debug` up (the attempt, policy and leg spans are `debug`), and its events into span
+    /// events. Nothing else: dependencies' spans stay out of the trace, and their callsites
+    /// are judged once (a target filter), not at every hit.
+    pub fn layer<S>(&self) -> impl Layer<S> + use<S>
+    where
+        S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    {
+        let tracer = self.provider.tracer("switchyard");
+        tracing_opentelemetry::layer()
+            .with_tracer(tracer)
+            .with_location(false)
+            .with_threads(false)
+            .with_filter(
+                tracing_subscriber::filter::Targets::new()
+                    .with_target("switchyard_router", tracing::Level::DEBUG),
+            )
+    }
+
+    /// Export what is still batched, then stop: on the way out, after the drain.
+    pub fn shutdown(self) {
+        if let Err(e) = self.provider.shutdown() {
+            tracing::warn!(error = %e, "traces not all exported");
+        }
+    }
+}
+
+/// The OTLP/HTTP client: hyper's, over rustls with the system's roots for `https://`
+/// collectors. The batch processor calls it from its own thread, off any runtime, so each
+/// export is spawned on the router's.
+#[derive(Debug)]
+struct OnRuntime {
+    client: opentelemetry_http::hyper::HyperClient<
+        hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    >,
+    runtime: tokio::runtime::Handle,
+}
+
+impl OnRuntime {
+    fn new(runtime: tokio::runtime::Handle) -> Result<OnRuntime, TelemetryError> {
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_native_roots()
+            .map_err(TelemetryError::Roots)?
+            .https_or_http()
+            .enable_http1()
+            .build();
+        Ok(OnRuntime {
+            client: opentelemetry_http::hyper::HyperClient::new(connector, EXPORT_TIMEOUT, None),
+            runtime,
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl HttpClient for OnRuntime {
+    async fn send_bytes(
+        &self,
+        request: http::Request<Bytes>,
+    ) -> Result<http::Response<Bytes>, HttpError> {
+        let client = self.client.clone();
+        self.runtime
+            .spawn(async move { client.send_bytes(request).await })
+            .await?
+    }
+}
+
+/// The span of one client request, continuing the trace of the client's `traceparent` if it
+/// sent one: `Span::none()` with tracing off. `operation` is the GenAI operation (`chat`,
+/// `text_completion`); the span's outcome fields are filled by [`record_outcome`].
+pub(crate) fn request_span(
+    headers: &http::HeaderMap,
+    operation: &'static str,
+    model: &str,
+    prompt_tokens: usize,
+) -> Span {
+    if !is_on() {
+        return Span::none();
+    }
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %format_args!("{operation} {model}"),
+        otel.kind = "server",
+        otel.status_code = Empty,
+        trace_id = Empty,
+        gen_ai.operation.name = operation,
+        gen_ai.request.model = %model,
+        gen_ai.usage.input_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX),
+        gen_ai.usage.output_tokens = Empty,
+        switchyard.attempts = Empty,
+        switchyard.ttft_ms = Empty,
+        error.type = Empty,
+    );
+    let parent = TraceContextPropagator::new().extract(&HeaderExtractor(headers));
+    if parent.span().span_context().is_valid() {
+        // The only error is a span that has started already; this one has not.
+        let _ = span.set_parent(parent);
+    }
+    let trace_id = span.context().span().span_context().trace_id();
+    span.record("trace_id", tracing::field::display(trace_id));
+    span
+}
+
+/// What the request came to, on its span: attempts, completion tokens, time to first token,
+/// and `error` (the error's kind) when it failed.
+pub(crate) fn record_outcome(span: &Span, summary: &Summary, error: Option<&'static str>) {
+    if span.is_none() {
+        return;
+    }
+    // Integers as i64: tracing-opentelemetry exports other integers as text.
+    span.record("switchyard.attempts", i64::from(summary.attempts));
+    span.record(
+        "gen_ai.usage.output_tokens",
+        i64::from(summary.completion_tokens),
+    );
+    if let Some(ttft) = summary.ttft {
+        span.record("switchyard.ttft_ms", ttft.as_secs_f64() * 1e3);
+    }
+    if let Some(kind) = error {
+        span.record("otel.status_code", "error");
+        span.record("error.type", kind);
+    }
+}
+
+/// The current span's context as a `traceparent` (and `tracestate`) on an engine call's
+/// `headers`. Called only with tracing on; the current span is the call's leg span.
+pub(crate) fn inject(headers: &mut http::HeaderMap) {
+    let context = Span::current().context();
+    TraceContextPropagator::new().inject_context(&context, &mut HeaderInjector(headers));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(
+        configured: Option<&str>,
+        vars: &[(&str, &str)],
+    ) -> Result<Option<TraceSettings>, TelemetryError> {
+        TraceSettings::from_env(configured, |name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn no_endpoint_means_no_tracing() {
+        assert_eq!(settings(None, &[(SERVICE_NAME, "r")]).unwrap(), None);
+    }
+
+    #[test]
+    fn the_base_endpoint_gets_the_traces_path_over_http_only() {
+        let http = settings(None, &[(ENDPOINT, "http://collector:4318/")]).unwrap();
+        let http = http.unwrap();
+        assert_eq!(http.endpoint, "http://collector:4318/v1/traces");
+        assert_eq!(http.protocol, OtlpProtocol::HttpProtobuf);
+        assert_eq!(http.service_name, DEFAULT_SERVICE_NAME);
+        assert_eq!(http.ratio, 1.0);
+        let grpc = settings(
+            None,
+            &[(ENDPOINT, "http://collector:4317"), (PROTOCOL, "grpc")],
+        );
+        let grpc = grpc.unwrap().unwrap();
+        assert_eq!(grpc.endpoint, "http://collector:4317");
+        assert_eq!(grpc.protocol, OtlpProtocol::Grpc);
+    }
+
+    #[test]
+    fn the_traces_endpoint_is_used_as_is_and_the_flag_wins_over_both() {
+        let vars = [
+            (ENDPOINT, "http://base:4318"),
+            (TRACES_ENDPOINT, "http://traces:4318/custom"),
+        ];
+        let env = settings(None, &vars).unwrap().unwrap();
+        assert_eq!(env.endpoint, "http://traces:4318/custom");
+        let flag = settings(Some("http://flag:4318"), &vars).unwrap().unwrap();
+        assert_eq!(flag.endpoint, "http://flag:4318/v1/traces");
+    }
+
+    #[test]
+    fn service_name_and_ratio_come_from_the_environment() {
+        let vars = [(SERVICE_NAME, "edge-router"), (SAMPLER_ARG, "0.01")];
+        let s = settings(Some("http://c:4318"), &vars).unwrap().unwrap();
+        assert_eq!((s.service_name.as_str(), s.ratio), ("edge-router", 0.01));
+    }
+
+    #[test]
+    fn a_bad_protocol_or_ratio_is_refused() {
+        let bad_protocol = settings(Some("http://c"), &[(PROTOCOL, "http/json")]);
+        assert!(matches!(bad_protocol, Err(TelemetryError::Protocol(p)) if p == "http/json"));
+        for arg in ["1.5", "-0.1", "half"] {
+            let bad_ratio = settings(Some("http://c"), &[(SAMPLER_ARG, arg)]);
+            assert!(matches!(bad_ratio, Err(TelemetryError::Ratio(a)) if a == arg));
+        }
+    }
+}
