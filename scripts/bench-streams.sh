@@ -10,15 +10,15 @@
 #
 # Knobs: STREAMS (1024,2048,4096), TARGETS (switchyard,vllm-router), TOKENS (600 per stream),
 # ITL_MS (50), STREAMS_PER_ENGINE (1024), BASE_PORT (18600, and the ports after it), OUT
-# (target/bench-streams).
+# (target/bench-streams), ROUTER_BIN (the router's binary when not BIN: before/after), PLUGINS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 OUT=${OUT:-target/bench-streams}
 VLLM_ROUTER_VERSION=0.1.17
-export VENV=$OUT/venv BIN=${BIN:-target/release/switchyard}
+export VENV=$OUT/venv BIN=${BIN:-target/release/switchyard} PLUGINS=${PLUGINS:-plugins}
 
-for need in "$BIN" plugins/round-robin.wasm; do
+for need in "$BIN" "$PLUGINS/round-robin.wasm"; do
     [[ -e $need ]] || { echo "missing $need: run 'make bench-streams'" >&2; exit 1; }
 done
 source scripts/lib.sh
