@@ -10,6 +10,8 @@
 #                         same 3x overload with and without flow control, goodput per class
 #   make bench-epp        release build + plugins + the test venv's Envoy, then scripts/bench-epp.sh:
 #                         Envoy with switchyard's EPP vs Envoy round-robin alone (ROUNDS=5 ...)
+#   make bench-streams    release build + plugins, then scripts/bench-streams.sh: 1,024 to 4,096
+#                         long streams through switchyard and vllm-router (STREAMS=... TOKENS=...)
 # Included by the top-level Makefile.
 
 .PHONY: bench-overhead
@@ -47,3 +49,10 @@ bench-flow: plugins release venv
 ## of one nginx static responder, wrk interleaved -> target/bench-epp/summary.md
 bench-epp: plugins release venv
 	SWITCHYARD_VENV=$(CURDIR)/$(VENV) scripts/bench-epp.sh
+
+.PHONY: bench-streams
+
+## bench-streams: 1,024 to 4,096 concurrent long streams through switchyard and vllm-router in
+## front of reference engines: RSS per open stream, CPU per token -> target/bench-streams/summary.md
+bench-streams: plugins release
+	scripts/bench-streams.sh

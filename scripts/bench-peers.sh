@@ -31,17 +31,9 @@ if ! command -v wrk >/dev/null || ! command -v nginx >/dev/null || ! command -v 
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk nginx-light openssl
 fi
 
-# install_venv DIR PIN...: a venv at DIR holding exactly these pins (made again when they change).
-install_venv() {
-    local dir=$1
-    shift
-    if [[ ! -f $dir/.installed ]] || [[ $(cat "$dir/.installed") != "$*" ]]; then
-        rm -rf "$dir"
-        python3 -m venv "$dir"
-        "$dir/bin/pip" install --quiet "$@"
-        echo "$*" >"$dir/.installed"
-    fi
-}
+# install_venv (scripts/lib.sh) sets up the peers' venvs; its stop_all trap has nothing to stop
+# here: bench_peers.py stops what it starts.
+source scripts/lib.sh
 pins="vllm-router==$VLLM_ROUTER_VERSION sglang-router==$SGLANG_ROUTER_VERSION"
 # shellcheck disable=SC2086 # one argument per pin
 install_venv "$VENV" $pins

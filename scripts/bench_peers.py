@@ -10,7 +10,8 @@ round by round, every target gets each load before any gets the next round, so w
 the machine does hits all of them alike.
 
 Loads: wrk (-t1, non-streaming, the body of ISSUE_BODY, 1 and 32 connections) and
-`switchyard bench` (closed loop, concurrency 1 and 32, streaming and non-streaming). A
+`switchyard bench` (closed loop, concurrency 1 and 32, streaming and non-streaming, each client
+on a connection of its own as wrk's: `--connection-per-client`). A
 streaming request needs an SSE answer, so the responder listens on two ports, one answering
 JSON and one SSE, and every router runs twice, once in front of each. The responder also
 listens on both again over TLS (a CA and its certificate made with openssl), and
@@ -158,6 +159,7 @@ def run_bench(out: Path, target_url: str, concurrency: int, stream: bool, tag: s
         [BIN, "bench", "--url", target_url, "--model", "m", "--concurrency", str(concurrency),
          "--num-requests", "1000000", "--duration", str(BENCH_SECONDS),
          "--input-len", "24", "--output-len", "2", "--seed", "1", "--json", str(path),
+         "--connection-per-client",
          "--stream" if stream else "--no-stream"],
         capture_output=True, text=True, timeout=BENCH_SECONDS + 120, check=True)
     data = json.loads(path.read_text())

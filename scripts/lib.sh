@@ -1,6 +1,6 @@
-# Process handling the benchmark scripts share: `source "scripts/lib.sh"` from the repository
-# root, after setting OUT (where the logs go). Every process a script starts goes into PIDS;
-# stop_all ends them all, on exit too.
+# What the benchmark scripts share, process handling and the peers' venvs: `source
+# "scripts/lib.sh"` from the repository root, after setting OUT (where the logs go). Every
+# process a script starts goes into PIDS; stop_all ends them all, on exit too.
 
 PIDS=()
 
@@ -27,4 +27,16 @@ wait_ok() {
     done
     echo "$url did not become ready within 30 s (logs in $OUT/logs)" >&2
     return 1
+}
+
+# install_venv DIR PIN...: a venv at DIR holding exactly these pins (made again when they change).
+install_venv() {
+    local dir=$1
+    shift
+    if [[ ! -f $dir/.installed ]] || [[ $(cat "$dir/.installed") != "$*" ]]; then
+        rm -rf "$dir"
+        python3 -m venv "$dir"
+        "$dir/bin/pip" install --quiet "$@"
+        echo "$*" >"$dir/.installed"
+    fi
 }

@@ -6,7 +6,8 @@
 
 use std::time::Duration;
 
-use futures::StreamExt;
+use bytes::Bytes;
+use futures::{Stream, StreamExt};
 use serde::Deserialize;
 use tokio::time::Instant;
 
@@ -174,19 +175,28 @@ pub async fn time_completion(
     stream: bool,
 ) -> Result<Timing, RequestError> {
     if stream {
-        time_stream(call, response, start).await
+        time_stream(call, response.bytes_stream(), start).await
     } else {
-        time_whole(call, response, start).await
+        let bytes = response.bytes().await.map_err(|e| RequestError::Protocol {
+            call,
+            reason: error_chain(&e),
+        })?;
+        time_whole(call, &bytes, start)
     }
 }
 
-/// Follows the SSE stream: TTFT at the first chunk with a choice, one ITL gap per later one.
-async fn time_stream(
+/// Follows the SSE stream of a response `body`: TTFT at the first chunk with a choice, one ITL
+/// gap per later one.
+pub async fn time_stream<S, E>(
     call: &'static str,
-    response: reqwest::Response,
+    body: S,
     start: Instant,
-) -> Result<Timing, RequestError> {
-    let mut events = switchyard_wire::sse::data_events(response.bytes_stream());
+) -> Result<Timing, RequestError>
+where
+    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let mut events = switchyard_wire::sse::data_events(body);
     let mut timing = Timing::default();
     let mut last_chunk: Option<Instant> = None;
     let mut chunks = 0u32;
@@ -228,18 +238,15 @@ async fn time_stream(
     Ok(timing)
 }
 
-/// A whole response: the first token reaches the client with the last, so TTFT = E2E.
-async fn time_whole(
+/// A whole response, its `bytes` read: the first token reaches the client with the last, so
+/// TTFT = E2E.
+pub fn time_whole(
     call: &'static str,
-    response: reqwest::Response,
+    bytes: &[u8],
     start: Instant,
 ) -> Result<Timing, RequestError> {
-    let bytes = response.bytes().await.map_err(|e| RequestError::Protocol {
-        call,
-        reason: error_chain(&e),
-    })?;
     let e2e = start.elapsed();
-    let body = std::str::from_utf8(&bytes).map_err(|e| RequestError::Protocol {
+    let body = std::str::from_utf8(bytes).map_err(|e| RequestError::Protocol {
         call,
         reason: format!("body is not UTF-8: {e}"),
     })?;
@@ -300,7 +307,7 @@ pub async fn with_timeout<T>(
         .unwrap_or(Err(RequestError::Timeout))
 }
 
-fn excerpt(text: &str) -> String {
+pub fn excerpt(text: &str) -> String {
     let text = text.trim();
     match text.char_indices().nth(ERROR_BODY_EXCERPT) {
         Some((cut, _)) => format!("{}…", &text[..cut]),

@@ -50,6 +50,13 @@ pub struct BenchArgs {
     #[arg(long, conflicts_with = "rate")]
     pub concurrency: Option<u32>,
 
+    /// Closed loop only: each of the N clients sends on an HTTP/1.1 connection of its own (as
+    /// wrk does), so the server holds exactly N; without it requests share a pool, where a
+    /// client may find its last stream's connection not yet returned and open another. Needs an
+    /// http:// URL.
+    #[arg(long, conflicts_with_all = ["rate", "trace", "compare_direct"])]
+    pub connection_per_client: bool,
+
     /// Open loop: send requests at R per second on average, with Poisson arrivals drawn from
     /// --seed. Latencies count from each request's scheduled send time, so a slow server
     /// cannot hide its queueing (no coordinated omission).
@@ -287,6 +294,8 @@ pub struct BenchConfig {
     pub num_requests: u64,
     pub duration: Duration,
     pub load: LoadShape,
+    /// Each closed-loop client on a connection of its own (`--connection-per-client`).
+    pub connection_per_client: bool,
     pub workload: WorkloadConfig,
     pub prompt_format: PromptFormat,
     pub stream: bool,
@@ -307,6 +316,13 @@ impl BenchArgs {
     /// Checks every bound once, so the run itself never meets a bad value.
     pub fn validate(self) -> Result<BenchConfig, BenchError> {
         let url = validate_url(&self.url)?;
+        check(
+            !self.connection_per_client
+                || url
+                    .get(..7)
+                    .is_some_and(|s| s.eq_ignore_ascii_case("http://")),
+            "--connection-per-client needs an http:// URL".into(),
+        )?;
         let endpoints = self
             .endpoints
             .iter()
@@ -369,6 +385,7 @@ impl BenchArgs {
             num_requests: self.num_requests,
             duration: Duration::from_secs_f64(self.duration),
             load,
+            connection_per_client: self.connection_per_client,
             workload: WorkloadConfig {
                 seed: self.seed,
                 input_len,

@@ -51,6 +51,7 @@
 
 mod client;
 mod config;
+mod connection;
 mod direct;
 mod plot;
 mod procstat;
@@ -287,14 +288,21 @@ fn executor(
     client: reqwest::Client,
     direct: Option<DirectArm>,
 ) -> Arc<Executor> {
+    let completions_url = format!("{}/v1/completions", config.url);
+    // The config accepts --connection-per-client only with an http:// URL, which `of` takes.
+    let own_connections = config
+        .connection_per_client
+        .then(|| connection::Target::of(&completions_url, CONNECT_TIMEOUT))
+        .flatten();
     Arc::new(Executor {
         client,
-        completions_url: format!("{}/v1/completions", config.url),
+        completions_url,
         model: config.model.clone(),
         prompt_format: config.prompt_format,
         stream: config.stream,
         request_timeout: config.request_timeout,
         direct,
+        own_connections,
     })
 }
 

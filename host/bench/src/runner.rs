@@ -11,6 +11,7 @@ use tokio::time::Instant;
 
 use super::client::{self, RequestError};
 use super::config::{LoadShape, PromptFormat};
+use super::connection::{Connection, Target};
 use super::direct::DirectArm;
 use super::schedule::ArrivalSchedule;
 use super::stats::{RequestOutcome, Timing};
@@ -27,12 +28,22 @@ pub struct Executor {
     pub stream: bool,
     pub request_timeout: Duration,
     pub direct: Option<DirectArm>,
+    /// `--connection-per-client`: each closed-loop client sends on a connection of its own to
+    /// this target instead of through `client`'s pool.
+    pub own_connections: Option<Target>,
 }
 
 impl Executor {
-    /// Sends `spec` and times it from `start` (its scheduled send time).
-    pub async fn run_one(&self, spec: RequestSpec, start: Instant) -> RequestOutcome {
-        let result = client::with_timeout(self.request_timeout, self.send(&spec, start)).await;
+    /// Sends `spec` and times it from `start` (its scheduled send time), on `connection` when
+    /// the client has one of its own.
+    pub async fn run_one(
+        &self,
+        spec: RequestSpec,
+        start: Instant,
+        connection: Option<&mut Connection>,
+    ) -> RequestOutcome {
+        let send = self.send(&spec, start, connection);
+        let result = client::with_timeout(self.request_timeout, send).await;
         RequestOutcome {
             index: spec.index,
             arm: spec.arm,
@@ -41,10 +52,15 @@ impl Executor {
         }
     }
 
-    async fn send(&self, spec: &RequestSpec, start: Instant) -> Result<Timing, RequestError> {
+    async fn send(
+        &self,
+        spec: &RequestSpec,
+        start: Instant,
+        connection: Option<&mut Connection>,
+    ) -> Result<Timing, RequestError> {
         match (spec.arm, &self.direct) {
             (Arm::Direct, Some(direct)) => direct.send(&self.client, spec, start).await,
-            _ => self.send_routed(spec, start).await,
+            _ => self.send_routed(spec, start, connection).await,
         }
     }
 
@@ -52,9 +68,15 @@ impl Executor {
         &self,
         spec: &RequestSpec,
         start: Instant,
+        connection: Option<&mut Connection>,
     ) -> Result<Timing, RequestError> {
         let body =
             client::completion_body(spec, self.model.as_deref(), self.prompt_format, self.stream);
+        if let Some(connection) = connection {
+            return connection
+                .post_completion("completions", &body, start, self.stream)
+                .await;
+        }
         let response =
             client::post_json(&self.client, "completions", &self.completions_url, &body).await?;
         client::time_completion("completions", response, start, self.stream).await
@@ -139,6 +161,7 @@ async fn closed_loop(
             progress.clone(),
         );
         tasks.spawn(async move {
+            let mut connection = executor.own_connections.clone().map(Connection::new);
             let mut outcomes = Vec::new();
             while Instant::now() < deadline {
                 let index = next.fetch_add(1, Ordering::Relaxed);
@@ -146,7 +169,10 @@ async fn closed_loop(
                     break;
                 }
                 let spec = workload.request(index);
-                outcomes.push(executor.run_one(spec, Instant::now()).await);
+                let outcome = executor
+                    .run_one(spec, Instant::now(), connection.as_mut())
+                    .await;
+                outcomes.push(outcome);
                 progress.inc(1);
             }
             outcomes
@@ -189,7 +215,7 @@ async fn open_loop(
                 Some(cap) => cap.acquire_owned().await.ok(),
                 None => None,
             };
-            let outcome = executor.run_one(spec, due).await;
+            let outcome = executor.run_one(spec, due, None).await;
             progress.inc(1);
             outcome
         });

@@ -264,6 +264,8 @@ fn bad_options_are_errors_not_panics() {
         &["--endpoint", "http://127.0.0.1:9"],
         &["--plan", "forward"],
         &["--compare-direct", "--endpoint", "nope"],
+        &["--connection-per-client", "--rate", "2"],
+        &["--connection-per-client", "--compare-direct"],
     ];
     for args in bad {
         let mut all = url.to_vec();
@@ -271,6 +273,8 @@ fn bad_options_are_errors_not_panics() {
         assert!(parse(&all).is_err(), "{args:?} should be rejected");
     }
     assert!(parse(&["--url", "ftp://host"]).is_err());
+    assert!(parse(&["--url", "https://host", "--connection-per-client"]).is_err());
+    assert!(parse(&["--url", "HTTP://host", "--connection-per-client"]).is_ok());
     assert!(parse(&["--url", "not a url"]).is_err());
 }
 
@@ -549,6 +553,40 @@ async fn sequential_streams_keep_their_connection() {
     );
     let by_connection = server.calls.lock().completions_by_connection.clone();
     assert!(by_connection.len() <= 2, "{by_connection:?}");
+}
+
+/// With --connection-per-client each closed-loop client keeps a connection of its own, as wrk
+/// does: 4 clients, 40 requests, exactly 4 connections carrying them all (through the pool the
+/// same load takes up to 8; see `sequential_streams_keep_their_connection`). Streamed and whole
+/// answers alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_client_keeps_a_connection_of_its_own() {
+    for stream in ["--stream", "--no-stream"] {
+        let server = mock::MockServer::start().await;
+        let report = run_against(
+            &server,
+            &[
+                "--num-requests",
+                "40",
+                "--concurrency",
+                "4",
+                "--output-len",
+                "3",
+                "--input-len",
+                "8",
+                "--connection-per-client",
+                stream,
+            ],
+        )
+        .await
+        .expect("runs");
+        let s = &report.overall;
+        assert_eq!((s.completed, s.failed), (40, 0), "{stream}: {:?}", s.errors);
+        assert_eq!(s.total_output_tokens, 40 * 3, "{stream}");
+        let by_connection = server.calls.lock().completions_by_connection.clone();
+        assert_eq!(by_connection.len(), 4, "{stream}: {by_connection:?}");
+        assert_eq!(by_connection.values().sum::<usize>(), 40, "{stream}");
+    }
 }
 
 #[tokio::test]

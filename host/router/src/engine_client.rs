@@ -67,6 +67,15 @@ pub use tls::{EngineTls, TlsError, TlsFiles, TlsSetupError};
 /// without bound.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
 
+/// Most bytes of an engine's answer a connection reads ahead of the relay. hyper's read
+/// buffer starts at 8 KiB and doubles after every read that fills it, up to ~400 KiB by
+/// default: a stream whose client reads slower than the engine writes (a busy client, a slow
+/// network) filled it on every read, so a backlog grew every engine connection's buffer toward
+/// that (1,024 streams on a busy box: 262 KiB of router RSS per open stream before, 116 KiB
+/// after; the book's bench-streams section). Held here, the backlog waits in the kernel's socket buffer
+/// and TCP slows the engine down.
+const ENGINE_READ_BUFFER_MAX: usize = 16 * 1024;
+
 /// How long an idle pooled connection to an engine is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
@@ -611,6 +620,7 @@ where
         // so a request is not sent on a connection the engine is closing.
         .pool_idle_timeout(POOL_IDLE_TIMEOUT)
         .pool_timer(TokioTimer::new())
+        .http1_max_buf_size(ENGINE_READ_BUFFER_MAX)
         .build(connector)
 }
 

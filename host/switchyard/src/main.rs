@@ -114,7 +114,11 @@ fn main() -> ExitCode {
     }
     let result = match cli.command {
         Command::Engine(args) => engine(args),
-        Command::Bench(args) => switchyard_bench::run_blocking(args).map_err(Into::into),
+        Command::Bench(args) => {
+            // 4,096 streaming clients need 4,096 connections at once.
+            raise_open_files_limit();
+            switchyard_bench::run_blocking(args).map_err(Into::into)
+        }
         Command::Trace(command) => switchyard_bench::run_trace_command(command).map_err(Into::into),
         Command::Lab(args) => switchyard_lab::run(args).map_err(Into::into),
         Command::Serve(args) => serve(&args, logs),
