@@ -198,6 +198,16 @@ impl AppState {
             || self.router.executor().cluster().serves(model)
     }
 
+    /// Whether a healthy endpoint may take a request for `model`, a served one: one that lists
+    /// or pins it. The default model no endpoint lists goes to any endpoint (engines may call
+    /// it something else); another configured model no endpoint lists has none.
+    fn can_route(&self, model: &str) -> bool {
+        match self.router.executor().cluster().healthy_serving(model) {
+            Some(healthy) => healthy > 0,
+            None => model == self.model,
+        }
+    }
+
     /// Which request headers policies see.
     pub fn with_forward_headers(mut self, names: Vec<String>) -> Self {
         self.forward_headers = names;
@@ -711,6 +721,9 @@ pub(crate) async fn prepare(
     }
     if !state.is_ready() {
         return Err(ApiError::NotReady("too few endpoints are healthy"));
+    }
+    if !state.can_route(&parsed.model) {
+        return Err(ApiError::ModelUnavailable(parsed.model));
     }
     let planner = state
         .planning

@@ -575,7 +575,7 @@ impl<E: Execute> Router<E> {
         let context = PolicyContext {
             attempt,
             last_failure,
-            endpoints: self.executor.cluster().snapshot_for(&prompt),
+            endpoints: self.executor.cluster().snapshot_for(&req.model, &prompt),
         };
         let (plan, cached) = self.plan(req, &prompt, remaining, context, st)?;
         let prompt_len = prompt.len();

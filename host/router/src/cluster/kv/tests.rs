@@ -59,7 +59,7 @@ fn store_two_blocks(cluster: &Cluster, id: u32) {
 
 fn cached(cluster: &Cluster, prompt: &[u32]) -> Vec<Option<u32>> {
     cluster
-        .snapshot_for(prompt)
+        .snapshot_for("m", prompt)
         .iter()
         .map(|e| e.cached_prefix)
         .collect()
