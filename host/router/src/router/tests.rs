@@ -313,6 +313,7 @@ impl Harness {
             client: None,
             arrived: Instant::now(),
             flow: Flow::default(),
+            tokenizer: None,
         }
     }
 
