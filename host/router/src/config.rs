@@ -108,7 +108,7 @@
 //! [[models]]                                   # a model served; the first is the default
 //! name = "qwen"                                # unless model/model_dir give one
 //! model_dir = "/models/qwen"                   # its tokenizer and chat template (default:
-//! policy = "cache-aware"                       # byte-level) and policy (default: `policy`)
+//! policy = "kv-aware"                          # byte-level) and policy (default: `policy`)
 //!
 //! [discovery]                                  # engines found while serving (feature `k8s`)
 //! kind = "k8s"                                 # pods from the Kubernetes API
