@@ -247,6 +247,11 @@ impl EndpointSpec {
         if self.num_gpus == 0 {
             return Err("num_gpus must be at least 1".into());
         }
+        if self.models.as_ref().is_some_and(Vec::is_empty) {
+            return Err(
+                "models = [] pins no model: leave it out to serve what its /v1/models lists".into(),
+            );
+        }
         let sglang_prefill = self.protocol == Protocol::Sglang && self.role == Role::Prefill;
         match (sglang_prefill, self.bootstrap_port) {
             (true, None) => Err(
@@ -538,6 +543,9 @@ pub struct EndpointStatus {
     /// Why its last readiness probe failed (a TLS failure is named here).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub probe_error: Option<ProbeError>,
+    /// The models it serves: pinned, or its `/v1/models` as last read (adapters with their
+    /// `parent`).
+    pub models: Vec<ModelCard>,
 }
 
 /// Why a readiness probe failed: the failure's kind (e.g. `connect`, `timeout`,
@@ -883,11 +891,17 @@ impl Cluster {
 
     /// What a policy sees for a request for `model` whose prompt (the continuation's, on
     /// later attempts) is `prompt`: [`Cluster::snapshot`] with the endpoints that do not serve
-    /// `model` shown as tombstones (see `models`), and each endpoint's cached prefix filled in
-    /// where its KV events are trusted. No lookup when no endpoint publishes events.
+    /// `model` shown as tombstones (see `models`) and saturation judged among those that do,
+    /// and each endpoint's cached prefix filled in where its KV events are trusted. No lookup
+    /// when no endpoint publishes events.
     pub fn snapshot_for(&self, model: &str, prompt: &[u32]) -> Vec<EndpointSnapshot> {
-        let mut snapshot = self.snapshot();
+        let mut snapshot = self.engines_snapshot();
         self.serving.read().hide_others(model, &mut snapshot);
+        // After the model's filter: an endpoint is saturated while another serving the same
+        // model has room.
+        if let Some(saturation) = &self.saturation {
+            saturation.hide_saturated(&mut snapshot);
+        }
         if self.kv.is_active() {
             let handles: Vec<_> = self
                 .endpoints
@@ -976,6 +990,7 @@ impl Cluster {
                         Some(self.kv.status(source, &handle, now))
                     }),
                     probe_error: e.probe_error.lock().clone(),
+                    models: e.models.read().clone(),
                 }
             })
             .collect()
@@ -1732,8 +1747,47 @@ mod tests {
             models: Some(vec!["mistral".into()]),
             ..spec("http://c", 1)
         };
+        let pins_nothing = EndpointSpec {
+            models: Some(Vec::new()),
+            ..spec("http://d", 1)
+        };
+        assert!(matches!(
+            cluster.add(&pins_nothing, Owner::Admin),
+            Err(EndpointError::Invalid { .. })
+        ));
         let id = cluster.add(&pinned, Owner::Admin).expect("added");
         assert_eq!(cluster.owned_by(&Owner::Admin), [(id, pinned.clone())]);
         assert!(cluster.serves("mistral"));
+    }
+
+    #[test]
+    fn saturation_is_judged_among_the_endpoints_serving_the_requests_model() {
+        let decode = |url: &str| EndpointSpec {
+            role: Role::Decode,
+            ..spec(url, 1)
+        };
+        let cluster = Cluster::new(
+            vec![decode("http://a"), decode("http://b")],
+            OutlierConfig::default(),
+        )
+        .with_saturation(Some(SaturationConfig::default()));
+        cluster.set_models(0, vec![ModelCard::base("llama")]);
+        cluster.set_models(1, vec![ModelCard::base("qwen")]);
+        let waiting = |n| EngineLoad {
+            waiting: Some(n),
+            ..EngineLoad::default()
+        };
+        cluster.set_engine_load(0, waiting(10));
+        cluster.set_engine_load(1, waiting(0));
+        for id in 0..2 {
+            cluster.set_health(id, true);
+        }
+        // qwen's room is no room for llama: its one endpoint, saturated, still takes it.
+        let llama: Vec<_> = cluster
+            .snapshot_for("llama", &[])
+            .iter()
+            .map(|e| e.health)
+            .collect();
+        assert_eq!(llama, [Health::Healthy, Health::Removed]);
     }
 }

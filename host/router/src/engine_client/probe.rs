@@ -11,10 +11,10 @@ const MAX_PROBE_BYTES: usize = 256 << 10;
 
 /// A model an engine lists on `GET /v1/models`: its id, and for a LoRA adapter the base model
 /// it runs on (vLLM's `ModelCard.parent`; `null` or absent for a base model).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ModelCard {
     pub id: String,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
 }
 
