@@ -15,6 +15,7 @@ mod k8s;
 mod kv_aware;
 mod kv_events;
 mod lab;
+mod models;
 mod protocols;
 mod replicas;
 mod router;

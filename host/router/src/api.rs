@@ -35,6 +35,7 @@ mod tls;
 mod tokenize;
 mod workers;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -104,9 +105,12 @@ pub struct AppState {
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
     pub limits: RequestLimits,
-    /// Model names served besides those the endpoints list: `--model` and the names mapped to
-    /// policies.
+    /// Model names served besides those the endpoints list: the other `[[models]]` and the
+    /// names mapped to policies.
     pub models: Vec<String>,
+    /// The other `[[models]]`' tokenizers and limits, by name (empty: every request is
+    /// measured as the default model's).
+    pub model_prompts: HashMap<String, ModelPrompts>,
     /// Generating requests served at once, and the queue for more.
     pub admission: Admission,
     /// Deadlines and the cap on client connections, per listener.
@@ -114,6 +118,12 @@ pub struct AppState {
     /// Where the router is in its shutdown.
     pub drain: Drain,
     next_id: AtomicU64,
+}
+
+/// How a model's prompts are measured: its tokenizer and chat template, and its limits.
+pub struct ModelPrompts {
+    pub tokenizer: Arc<PromptTokenizer>,
+    pub limits: RequestLimits,
 }
 
 /// How long a request may be, in tokens.
@@ -159,6 +169,7 @@ impl AppState {
             default_max_tokens,
             limits: RequestLimits::default(),
             models: Vec::new(),
+            model_prompts: HashMap::new(),
             connections: ConnectionLimits::default(),
             drain: Drain::default(),
             next_id: AtomicU64::new(1),
@@ -190,12 +201,47 @@ impl AppState {
         self
     }
 
+    /// The tokenizers and limits of models besides the default one.
+    pub fn with_model_prompts(mut self, prompts: HashMap<String, ModelPrompts>) -> Self {
+        self.model_prompts = prompts;
+        self
+    }
+
+    /// The tokenizer and limits of the model `body` names: the default model's unless it
+    /// names another configured one (the body's `model` is read ahead only when there are
+    /// others).
+    fn prompts_for(&self, body: &[u8]) -> (&PromptTokenizer, RequestLimits) {
+        #[derive(serde::Deserialize)]
+        struct Named<'a> {
+            #[serde(borrow)]
+            model: Option<std::borrow::Cow<'a, str>>,
+        }
+        let other = (!self.model_prompts.is_empty())
+            .then(|| serde_json::from_slice::<Named<'_>>(body).ok()?.model)
+            .flatten()
+            .and_then(|model| self.model_prompts.get(model.as_ref()));
+        match other {
+            Some(prompts) => (&prompts.tokenizer, prompts.limits),
+            None => (&self.tokenizer, self.limits),
+        }
+    }
+
     /// Whether the router serves `model`: the served name, a name mapped to a policy, or one
     /// an endpoint lists at `/v1/models`.
     pub fn serves(&self, model: &str) -> bool {
         model == self.model
             || self.models.iter().any(|m| m == model)
             || self.router.executor().cluster().serves(model)
+    }
+
+    /// Whether a healthy endpoint may take a request for `model`, a served one: one that lists
+    /// or pins it. The default model no endpoint lists goes to any endpoint (engines may call
+    /// it something else); another configured model no endpoint lists has none.
+    fn can_route(&self, model: &str) -> bool {
+        match self.router.executor().cluster().healthy_serving(model) {
+            Some(healthy) => healthy > 0,
+            None => model == self.model,
+        }
     }
 
     /// Which request headers policies see.
@@ -712,6 +758,9 @@ pub(crate) async fn prepare(
     if !state.is_ready() {
         return Err(ApiError::NotReady("too few endpoints are healthy"));
     }
+    if !state.can_route(&parsed.model) {
+        return Err(ApiError::ModelUnavailable(parsed.model));
+    }
     let planner = state
         .planning
         .select(policy_header(headers).as_deref(), &parsed.model)?;
@@ -721,6 +770,13 @@ pub(crate) async fn prepare(
         &parsed.model,
         parsed.prompt.len(),
     );
+    let tokenizer = match state.model_prompts.is_empty() {
+        true => None,
+        false => state
+            .model_prompts
+            .get(&parsed.model)
+            .map(|prompts| prompts.tokenizer.tokenizer()),
+    };
     let route = RouteRequest {
         id: state.next_id.fetch_add(1, Ordering::Relaxed),
         request_id: format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>()),
@@ -735,6 +791,7 @@ pub(crate) async fn prepare(
         arrived,
         flow,
         span,
+        tokenizer,
     };
     Ok(Prepared {
         route,
@@ -763,15 +820,16 @@ async fn parse(
 }
 
 fn parse_now(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
+    let (tokenizer, limits) = state.prompts_for(body);
     let defaults = Defaults {
         model: &state.model,
         max_tokens: state.default_max_tokens,
-        context_length: state.limits.context_length,
-        max_prompt_tokens: state.limits.max_prompt_tokens,
+        context_length: limits.context_length,
+        max_prompt_tokens: limits.max_prompt_tokens,
     };
     match shape {
-        Shape::Completion => openai::parse_completion(body, &state.tokenizer, defaults),
-        Shape::Chat => openai::parse_chat(body, &state.tokenizer, defaults),
+        Shape::Completion => openai::parse_completion(body, tokenizer, defaults),
+        Shape::Chat => openai::parse_chat(body, tokenizer, defaults),
     }
 }
 

@@ -7,8 +7,12 @@
 //!                                        shown draining while others have room: `saturation`)
 //!   demand() -> Vec<(model, role, Demand)>   saturation and desired replicas, for autoscalers
 //!   until_ready().await                  woken when the router becomes ready (scale from zero)
-//!   snapshot_for(prompt)                 the same with each endpoint's cached prefix (see `kv`)
-//!   snapshot_pinned(prompt)              the same, pinning DP ranks (see `kv`)
+//!   snapshot_for(model, prompt)          the same for one model's request: endpoints not serving
+//!                                        it shown removed (see `models`), each endpoint's cached
+//!                                        prefix filled in (see `kv`)
+//!   snapshot_pinned(model, prompt)       the same, pinning DP ranks (see `kv`)
+//!   set_models(id, cards) / models() / serves(model) / healthy_serving(model) / base_model(model)
+//!                                        what each endpoint serves (its /v1/models, or pinned)
 //!   subscribe_kv_events(id) / note_served(ids, len) / resync_kv_events(id, why)   KV events
 //!   in_flight(id) -> InFlight            RAII: counts a leg until dropped (error, cancel, done)
 //!   prefilling(id, tokens) -> Prefilling RAII: counts a leg's prompt tokens until its prefill ends
@@ -30,6 +34,7 @@
 mod health;
 mod inflight;
 mod kv;
+mod models;
 mod outlier;
 mod saturation;
 
@@ -43,9 +48,10 @@ use switchyard_contract::{EndpointSnapshot, Health, Protocol, Role};
 use switchyard_wire::metrics::EngineLoad;
 use tokio::time::Instant;
 
-use crate::engine_client::{CallError, TlsFiles, Upstream};
+use crate::engine_client::{CallError, ModelCard, TlsFiles, Upstream};
 use crate::kv_events::{KvEventsSource, ResyncReason, SubscriberConfig};
 use kv::{EndpointKv, KvCache};
+use models::ModelIndex;
 use outlier::Outlier;
 
 pub use health::{ProbeConfig, spawn_probe, spawn_probes};
@@ -77,6 +83,10 @@ pub struct EndpointSpec {
     /// The wire protocol the engine speaks: `mlc` (the default), `vllm`, `sglang` or `openai`.
     #[serde(default)]
     pub protocol: Protocol,
+    /// The models the engine serves, pinned: routing then ignores what its `/v1/models`
+    /// lists. Absent: the ids (and adapters) its readiness probe last read there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub models: Option<Vec<String>>,
     /// An SGLang prefill engine's bootstrap port (`--disaggregation-bootstrap-port`), where
     /// decode engines meet it; required for SGLang prefill endpoints and for them alone. The
     /// host is the URL's.
@@ -211,6 +221,7 @@ impl EndpointSpec {
             device_rank: None,
             api_key: None,
             protocol: Protocol::default(),
+            models: None,
             bootstrap_port: None,
             kv_events: None,
             kv_events_replay: None,
@@ -254,6 +265,11 @@ impl EndpointSpec {
         tls.check()?;
         if self.num_gpus == 0 {
             return Err("num_gpus must be at least 1".into());
+        }
+        if self.models.as_ref().is_some_and(Vec::is_empty) {
+            return Err(
+                "models = [] pins no model: leave it out to serve what its /v1/models lists".into(),
+            );
         }
         let sglang_prefill = self.protocol == Protocol::Sglang && self.role == Role::Prefill;
         match (sglang_prefill, self.bootstrap_port) {
@@ -427,8 +443,10 @@ pub(crate) struct EndpointState {
     /// `switchyard_contract::address_hash` of `url`: the key every router replica agrees on.
     address_hash: u64,
     outlier: Mutex<Outlier>,
-    /// The model ids its `/v1/models` last listed.
-    models: RwLock<Vec<String>>,
+    /// The models it serves: those its `/v1/models` last listed, or the pinned ones.
+    models: RwLock<Vec<ModelCard>>,
+    /// `models` was pinned by the operator: the probe's list does not replace it.
+    pinned: bool,
     /// Why its last readiness probe failed, if it did.
     probe_error: Mutex<Option<ProbeError>>,
     /// Where its engine publishes KV events, and the subscriber reading them.
@@ -463,7 +481,14 @@ impl EndpointState {
             pending_prefill: AtomicU32::new(0),
             load: Mutex::new(EngineLoad::default()),
             outlier: Mutex::new(Outlier::default()),
-            models: RwLock::new(Vec::new()),
+            models: RwLock::new(
+                spec.models
+                    .iter()
+                    .flatten()
+                    .map(|id| ModelCard::base(id.as_str()))
+                    .collect(),
+            ),
+            pinned: spec.models.is_some(),
             probe_error: Mutex::new(None),
             kv: EndpointKv::new(spec.kv_events_source(), spec.kv_events_dp_size),
         }
@@ -511,6 +536,8 @@ pub struct Cluster {
     /// The TLS files of `https://` endpoints that name none of their own (the top-level
     /// `engine_ca_file`, `engine_client_cert`, `engine_client_key`).
     engine_tls: TlsFiles,
+    /// Which endpoints serve which model, rebuilt when a list changes.
+    serving: RwLock<ModelIndex>,
 }
 
 /// What `/health` says: whether the router can serve, and which endpoints are down.
@@ -559,6 +586,9 @@ pub struct EndpointStatus {
     /// Why its last readiness probe failed (a TLS failure is named here).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub probe_error: Option<ProbeError>,
+    /// The models it serves: pinned, or its `/v1/models` as last read (adapters with their
+    /// `parent`).
+    pub models: Vec<ModelCard>,
 }
 
 /// Why a readiness probe failed: the failure's kind (e.g. `connect`, `timeout`,
@@ -615,6 +645,7 @@ impl Cluster {
             saturation: None,
             readiness_changed: tokio::sync::Notify::new(),
             engine_tls,
+            serving: RwLock::new(ModelIndex::default()),
         };
         for spec in &specs {
             // Checked with the configuration: unusable TLS files fail its calls, named by
@@ -719,6 +750,9 @@ impl Cluster {
             device_rank,
             owner,
         )));
+        if spec.models.is_some() {
+            *self.serving.write() = ModelIndex::build(&endpoints);
+        }
         id
     }
 
@@ -751,6 +785,7 @@ impl Cluster {
         }
         *phase = Phase::Removed;
         drop(phase);
+        self.reindex_models();
         self.kv.unsubscribe(id, &e.kv);
         tracing::info!(endpoint = id, url = e.url(), "endpoint removed");
         Ok(())
@@ -815,6 +850,9 @@ impl Cluster {
                         ca_file: e.tls.ca_file.clone(),
                         client_cert: e.tls.client_cert.clone(),
                         client_key: e.tls.client_key.clone(),
+                        models: e
+                            .pinned
+                            .then(|| e.models.read().iter().map(|m| m.id.clone()).collect()),
                     },
                     draining,
                 })
@@ -846,7 +884,7 @@ impl Cluster {
             if e.is_removed() {
                 continue;
             }
-            for model in e.models.read().iter() {
+            for ModelCard { id: model, .. } in e.models.read().iter() {
                 let at = match groups
                     .iter()
                     .position(|(m, r, _)| m == model && *r == e.role)
@@ -895,24 +933,41 @@ impl Cluster {
             .collect()
     }
 
-    /// What a policy sees for a request whose prompt (the continuation's, on later attempts)
-    /// is `prompt`: [`Cluster::snapshot`] with each endpoint's cached prefix filled in where
-    /// its KV events are trusted. No lookup when no endpoint publishes events. An endpoint
-    /// with several DP ranks shows what the rank holding the least holds: nothing pins the
-    /// request to a rank ([`Cluster::snapshot_pinned`] does).
-    pub fn snapshot_for(&self, prompt: &[u32]) -> Vec<EndpointSnapshot> {
-        self.snapshot_with_kv(prompt, false).0
+    /// What a policy sees for a request for `model` whose prompt (the continuation's, on
+    /// later attempts) is `prompt`: [`Cluster::snapshot`] with the endpoints that do not serve
+    /// `model` shown as tombstones (see `models`) and saturation judged among those that do,
+    /// and each endpoint's cached prefix filled in where its KV events are trusted. No lookup
+    /// when no endpoint publishes events. An endpoint with several DP ranks shows what the
+    /// rank holding the least holds: nothing pins the request to a rank
+    /// ([`Cluster::snapshot_pinned`] does).
+    pub fn snapshot_for(&self, model: &str, prompt: &[u32]) -> Vec<EndpointSnapshot> {
+        self.snapshot_with_kv(model, prompt, false).0
     }
 
     /// [`Cluster::snapshot_for`] for a request the router sends itself: an endpoint with
     /// several DP ranks shows the most any trusted rank holds, and the pins name the rank the
     /// request must then be sent to (`X-data-parallel-rank`).
-    pub fn snapshot_pinned(&self, prompt: &[u32]) -> (Vec<EndpointSnapshot>, RankPins) {
-        self.snapshot_with_kv(prompt, true)
+    pub fn snapshot_pinned(
+        &self,
+        model: &str,
+        prompt: &[u32],
+    ) -> (Vec<EndpointSnapshot>, RankPins) {
+        self.snapshot_with_kv(model, prompt, true)
     }
 
-    fn snapshot_with_kv(&self, prompt: &[u32], pinning: bool) -> (Vec<EndpointSnapshot>, RankPins) {
-        let mut snapshot = self.snapshot();
+    fn snapshot_with_kv(
+        &self,
+        model: &str,
+        prompt: &[u32],
+        pinning: bool,
+    ) -> (Vec<EndpointSnapshot>, RankPins) {
+        let mut snapshot = self.engines_snapshot();
+        self.serving.read().hide_others(model, &mut snapshot);
+        // After the model's filter: an endpoint is saturated while another serving the same
+        // model has room.
+        if let Some(saturation) = &self.saturation {
+            saturation.hide_saturated(&mut snapshot);
+        }
         let mut pins = RankPins::default();
         if self.kv.is_active() {
             let handles: Vec<_> = self
@@ -1011,6 +1066,7 @@ impl Cluster {
                         .as_ref()
                         .and_then(|source| self.kv.status(source, &e.kv.handles()?, now)),
                     probe_error: e.probe_error.lock().clone(),
+                    models: e.models.read().clone(),
                 }
             })
             .collect()
@@ -1147,30 +1203,59 @@ impl Cluster {
         }
     }
 
-    /// The model ids endpoint `id` lists at `/v1/models`, as its probe last read them.
-    pub fn set_models(&self, id: u32, models: Vec<String>) {
-        if let Some(e) = self.endpoint(id) {
-            *e.models.write() = models;
+    /// The models endpoint `id` lists at `/v1/models`, as its probe last read them; ignored
+    /// when its models are pinned. The per-model index is rebuilt only when the list changed.
+    pub fn set_models(&self, id: u32, models: Vec<ModelCard>) {
+        let Some(e) = self.endpoint(id) else { return };
+        if e.pinned || *e.models.read() == models {
+            return;
         }
+        *e.models.write() = models;
+        self.reindex_models();
     }
 
-    /// The models the endpoints list (each endpoint's last `/v1/models`), removed ones aside.
-    pub fn models(&self) -> Vec<String> {
-        self.endpoints
-            .read()
-            .iter()
-            .filter(|e| !e.is_removed())
-            .flat_map(|e| e.models.read().clone())
-            .collect()
+    /// Locks `endpoints` before `serving`, as every method taking both does.
+    fn reindex_models(&self) {
+        let endpoints = self.endpoints.read();
+        *self.serving.write() = ModelIndex::build(&endpoints);
     }
 
-    /// Whether any endpoint still in the list lists `model` at `/v1/models`.
+    /// The models the endpoints serve (listed or pinned), removed ones aside, each once (the
+    /// first endpoint's card when two disagree on an adapter's parent).
+    pub fn models(&self) -> Vec<ModelCard> {
+        let mut models: Vec<ModelCard> = Vec::new();
+        for e in self.endpoints.read().iter().filter(|e| !e.is_removed()) {
+            for card in e.models.read().iter() {
+                if !models.iter().any(|m| m.id == card.id) {
+                    models.push(card.clone());
+                }
+            }
+        }
+        models
+    }
+
+    /// Whether any endpoint still in the list serves `model` (lists or pins it).
     pub fn serves(&self, model: &str) -> bool {
-        self.endpoints
-            .read()
-            .iter()
-            .filter(|e| !e.is_removed())
-            .any(|e| e.models.read().iter().any(|m| m == model))
+        self.serving.read().serving(model).is_some()
+    }
+
+    /// How many healthy endpoints serve `model`; `None` when no endpoint lists or pins it.
+    pub fn healthy_serving(&self, model: &str) -> Option<usize> {
+        let endpoints = self.endpoints.read();
+        let serving = self.serving.read();
+        let ids = serving.serving(model)?;
+        let now = Instant::now();
+        Some(
+            ids.iter()
+                .filter_map(|&id| endpoints.get(id as usize))
+                .filter(|e| e.health(now).is_healthy())
+                .count(),
+        )
+    }
+
+    /// The base model `model` runs on when an engine lists it as a LoRA adapter.
+    pub fn base_model(&self, model: &str) -> Option<String> {
+        self.serving.read().parent(model).map(str::to_owned)
     }
 
     /// Whether enough endpoints are healthy to serve, and which are not.
@@ -1391,7 +1476,7 @@ mod tests {
         )
         .with_saturation(Some(SaturationConfig::default()));
         for id in 0..3 {
-            cluster.set_models(id, vec!["m".into()]);
+            cluster.set_models(id, vec![ModelCard::base("m")]);
         }
         cluster.set_health(0, true);
         cluster.set_health(1, true);
@@ -1660,5 +1745,125 @@ mod tests {
             .map(|(id, _)| *id)
             .collect();
         assert_eq!(owned, [0]);
+    }
+
+    fn healthy_ids(snapshot: &[EndpointSnapshot]) -> Vec<u32> {
+        snapshot
+            .iter()
+            .filter(|e| e.health.is_healthy())
+            .map(|e| e.id)
+            .collect()
+    }
+
+    #[test]
+    fn a_requests_snapshot_shows_only_the_endpoints_serving_its_model() {
+        let pinned = EndpointSpec {
+            models: Some(vec!["llama".into()]),
+            ..spec("http://c", 1)
+        };
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1), pinned],
+            OutlierConfig::default(),
+        );
+        cluster.set_models(0, vec![ModelCard::base("llama")]);
+        let adapter = ModelCard {
+            id: "sql-lora".into(),
+            parent: Some("qwen".into()),
+        };
+        cluster.set_models(1, vec![ModelCard::base("qwen"), adapter]);
+        // A pinned endpoint's list is the operator's, whatever its engine says.
+        cluster.set_models(2, vec![ModelCard::base("qwen")]);
+        for id in 0..3 {
+            cluster.set_health(id, true);
+        }
+
+        assert_eq!(healthy_ids(&cluster.snapshot_for("llama", &[])), [0, 2]);
+        assert_eq!(healthy_ids(&cluster.snapshot_for("qwen", &[])), [1]);
+        assert_eq!(healthy_ids(&cluster.snapshot_for("sql-lora", &[])), [1]);
+        // Ids stay positions: the others are tombstones, not gaps.
+        let snapshot = cluster.snapshot_for("qwen", &[]);
+        assert!(snapshot.iter().enumerate().all(|(i, e)| e.id == i as u32));
+        assert_eq!(snapshot[0].health, Health::Removed);
+        // A name no endpoint lists (the router's own, engines calling it otherwise) goes anywhere.
+        assert_eq!(
+            healthy_ids(&cluster.snapshot_for("router-name", &[])),
+            [0, 1, 2]
+        );
+
+        assert_eq!(cluster.base_model("sql-lora").as_deref(), Some("qwen"));
+        assert_eq!(cluster.base_model("qwen"), None);
+        assert_eq!(cluster.healthy_serving("llama"), Some(2));
+        assert_eq!(cluster.healthy_serving("router-name"), None);
+        cluster.set_health(1, false);
+        assert_eq!(cluster.healthy_serving("sql-lora"), Some(0));
+        assert!(cluster.serves("sql-lora"));
+    }
+
+    #[test]
+    fn what_an_endpoint_serves_follows_its_list_and_its_removal() {
+        let cluster = Cluster::new(
+            vec![spec("http://a", 1), spec("http://b", 1)],
+            OutlierConfig::default(),
+        );
+        cluster.set_models(0, vec![ModelCard::base("llama")]);
+        cluster.set_models(1, vec![ModelCard::base("llama")]);
+        assert_eq!(
+            cluster.models(),
+            [ModelCard::base("llama")],
+            "each model once"
+        );
+        cluster.set_models(1, vec![ModelCard::base("qwen")]);
+        assert!(cluster.serves("qwen"));
+        assert_eq!(cluster.healthy_serving("llama"), Some(0));
+        cluster.remove(1).expect("idle");
+        assert!(!cluster.serves("qwen"));
+        assert_eq!(cluster.models(), [ModelCard::base("llama")]);
+        // Pinned at run time (the admin API, a SIGHUP): served before any probe answers.
+        let pinned = EndpointSpec {
+            models: Some(vec!["mistral".into()]),
+            ..spec("http://c", 1)
+        };
+        let pins_nothing = EndpointSpec {
+            models: Some(Vec::new()),
+            ..spec("http://d", 1)
+        };
+        assert!(matches!(
+            cluster.add(&pins_nothing, Owner::Admin),
+            Err(EndpointError::Invalid { .. })
+        ));
+        let id = cluster.add(&pinned, Owner::Admin).expect("added");
+        assert_eq!(cluster.owned_by(&Owner::Admin), [(id, pinned.clone())]);
+        assert!(cluster.serves("mistral"));
+    }
+
+    #[test]
+    fn saturation_is_judged_among_the_endpoints_serving_the_requests_model() {
+        let decode = |url: &str| EndpointSpec {
+            role: Role::Decode,
+            ..spec(url, 1)
+        };
+        let cluster = Cluster::new(
+            vec![decode("http://a"), decode("http://b")],
+            OutlierConfig::default(),
+        )
+        .with_saturation(Some(SaturationConfig::default()));
+        cluster.set_models(0, vec![ModelCard::base("llama")]);
+        cluster.set_models(1, vec![ModelCard::base("qwen")]);
+        let waiting = |n| EngineLoad {
+            waiting: Some(n),
+            ..EngineLoad::default()
+        };
+        cluster.set_engine_load(0, waiting(10));
+        cluster.set_engine_load(1, waiting(0));
+        for id in 0..2 {
+            cluster.set_health(id, true);
+        }
+        // qwen's room is no room for llama: its one endpoint, saturated, still takes it.
+        let llama: Vec<_> = cluster
+            .snapshot_for("llama", &[])
+            .iter()
+            .map(|e| e.health)
+            .collect();
+        assert_eq!(llama, [Health::Healthy, Health::Removed]);
     }
 }

@@ -27,8 +27,8 @@
 //! engine_client_cert = "/etc/engines/router.crt"  # mTLS to https:// engines
 //! engine_client_key = "/etc/engines/router.key"
 //! otlp_endpoint = "http://otel-collector:4318"  # traces over OTLP (see crate::telemetry)
-//! model_dir = "/models/llama"                  # tokenizer.json + tokenizer_config.json, or a .gguf
-//! model = "llama"                              # name reported by /v1/models
+//! model_dir = "/models/llama"                  # shorthand for one [[models]] entry: its tokenizer
+//! model = "llama"                              # and name (the default model when given)
 //! max_attempts = 3
 //! min_healthy_endpoints = 1                   # healthy endpoints needed to be ready
 //! max_body_bytes = 4194304                   # 4 MiB; larger bodies get 413
@@ -75,6 +75,7 @@
 //! [[endpoints]]
 //! url = "http://127.0.0.1:8081"
 //! protocol = "mlc"    # mlc (default) | vllm | sglang | openai (any OpenAI-compatible server)
+//! models = ["llama"]  # pinned: the models it serves (default: what its /v1/models lists)
 //! role = "prefill"    # any | prefill | decode (a hint on mlc; binding on vllm and sglang)
 //! num_gpus = 1        # mlc: GPUs in the KV-transfer world
 //! api_key = { env = "ENGINE_API_KEY" }  # or "…": sent as `Authorization: Bearer` on every call
@@ -104,7 +105,12 @@
 //! destination_fallbacks = 0                    # endpoints after the pick, for override_host
 //!
 //! [model_policies]                            # model name -> policy, for requests without
-//! llama = "round-robin"                        # an x-switchyard-policy header
+//! llama = "round-robin"                        # an x-switchyard-policy header (shorthand)
+//!
+//! [[models]]                                   # a model served; the first is the default
+//! name = "qwen"                                # unless model/model_dir give one
+//! model_dir = "/models/qwen"                   # its tokenizer and chat template (default:
+//! policy = "kv-aware"                          # byte-level) and policy (default: `policy`)
 //!
 //! [discovery]                                  # engines found while serving (feature `k8s`)
 //! kind = "k8s"                                 # pods from the Kubernetes API
@@ -152,7 +158,7 @@ pub use epp::{
 };
 pub use error::{ConfigError, Problem};
 pub use flow_control::FlowControlArgs;
-pub use model::ModelSource;
+pub use model::{ModelSource, ServedModel};
 pub use policy::PolicySettings;
 pub use settings::{
     DEFAULT_CONTEXT_LENGTH, DEFAULT_FALLBACK_POLICY, DEFAULT_FORWARD_HEADERS,
@@ -185,9 +191,13 @@ pub struct Config {
     pub plugins: PathBuf,
     pub policies: PolicySettings,
     pub admin: AdminSettings,
-    /// Where the tokenizer and chat template come from; `None`: the byte-level tokenizer.
+    /// Where the default model's tokenizer and chat template come from; `None`: the
+    /// byte-level tokenizer.
     pub model_source: Option<ModelSource>,
+    /// The default model: requests that name none get it.
     pub model: String,
+    /// The other `[[models]]`, each with its own tokenizer and limits.
+    pub models: Vec<ServedModel>,
     /// Retries, the retry budget and the request deadline.
     pub routing: RouterConfig,
     /// Healthy endpoints needed to be ready.
@@ -197,6 +207,7 @@ pub struct Config {
     pub outlier: OutlierConfig,
     pub max_body_bytes: usize,
     pub default_max_tokens: u32,
+    /// The default model's.
     pub limits: RequestLimits,
     /// How many requests are served at once, and how many may wait.
     pub admission: AdmissionConfig,
@@ -279,16 +290,13 @@ impl Config {
             .as_ref()
             .map(policy::compact_json)
             .transpose()?;
-        let policies = PolicySettings::new(&s, file.model_policies)?;
+        let mut model_policies = file.model_policies;
+        let (default_model, models) =
+            model::served(&s, file.models, &mut model_policies, |source| {
+                request_limits(&s, source)
+            })?;
+        let policies = PolicySettings::new(&s, model_policies)?;
         let admin = AdminSettings::new(&s)?;
-        let model_source = s.model_dir.clone().map(ModelSource::open).transpose()?;
-        let model = match &s.model {
-            Some(name) => name.value.clone(),
-            None => model_source
-                .as_ref()
-                .map_or_else(|| DEFAULT_MODEL.to_owned(), ModelSource::default_name),
-        };
-        let limits = request_limits(&s, model_source.as_ref())?;
         let engine_tls = tls::engines(&s)?;
         tls::check_engines(&endpoints, &engine_tls)?;
         // Discovered endpoints are not known yet: any number may be wanted.
@@ -309,8 +317,9 @@ impl Config {
             plugins: s.plugins.value.clone(),
             policies,
             admin,
-            model_source,
-            model,
+            model_source: default_model.source,
+            model: default_model.name,
+            models,
             routing: routing(&s)?,
             min_healthy_endpoints: s.min_healthy_endpoints.value,
             timeouts: Timeouts {
@@ -322,7 +331,7 @@ impl Config {
             outlier: outlier(&s)?,
             max_body_bytes: s.max_body_bytes.value,
             default_max_tokens: s.default_max_tokens.value,
-            limits,
+            limits: default_model.limits,
             admission: AdmissionConfig {
                 max_concurrent: s.max_concurrent_requests.value,
                 max_queued: s.max_queued_requests.value,

@@ -60,6 +60,7 @@ use thread_local::ThreadLocal;
 
 pub use microserving::Release;
 pub use openai::Answer;
+pub use probe::ModelCard;
 pub use tls::{EngineTls, TlsError, TlsFiles, TlsSetupError};
 
 /// Largest non-streamed answer (a microserving JSON reply, a completion, an error body) read

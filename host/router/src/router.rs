@@ -297,6 +297,9 @@ pub struct RouteRequest {
     pub flow: Flow,
     /// Its trace span (see [`crate::telemetry`]); `Span::none()` with tracing off.
     pub span: tracing::Span,
+    /// Its model's tokenizer when that is not the router's (another `[[models]]` entry's):
+    /// what delivered text is re-tokenized with.
+    pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
 /// A request's priority, tenant and deadline, which the policy sees too.
@@ -579,7 +582,7 @@ impl<E: Execute> Router<E> {
         let attempt = st.summary.attempts;
         let continued = match &st.delivered.token_ids {
             Some(ids) => ids.clone(),
-            None => self.continuation_tokens(&st.delivered.text)?,
+            None => self.continuation_tokens(req, &st.delivered.text)?,
         };
         // The engines' own count when they gave one: the re-tokenized text may count otherwise.
         let already = st
@@ -597,7 +600,7 @@ impl<E: Execute> Router<E> {
         prompt.extend_from_slice(&continued);
         // The whole prompt, so each endpoint's cached prefix counts what a continuation
         // re-sends too.
-        let (endpoints, pins) = self.executor.cluster().snapshot_pinned(&prompt);
+        let (endpoints, pins) = self.executor.cluster().snapshot_pinned(&req.model, &prompt);
         let context = PolicyContext {
             attempt,
             last_failure,
@@ -656,7 +659,7 @@ impl<E: Execute> Router<E> {
                 let this_attempt = match (usage, generated_before, st.delivered.generated) {
                     (Some(u), ..) => u.completion_tokens,
                     (None, Some(from), Some(now)) => now - from,
-                    _ => self.count_tokens(&st.delivered.text[before..])?,
+                    _ => self.count_tokens(req, &st.delivered.text[before..])?,
                 };
                 let cached = usage.and_then(|u| u.cached_tokens());
                 self.check_prediction(generation.generator, prompt_len, cached, st);
@@ -780,18 +783,24 @@ impl<E: Execute> Router<E> {
         }
     }
 
-    fn continuation_tokens(&self, delivered: &str) -> Result<Vec<u32>, RouteError> {
+    fn continuation_tokens(
+        &self,
+        req: &RouteRequest,
+        delivered: &str,
+    ) -> Result<Vec<u32>, RouteError> {
         if delivered.is_empty() {
             return Ok(Vec::new());
         }
-        self.tokenizer
+        req.tokenizer
+            .as_ref()
+            .unwrap_or(&self.tokenizer)
             .encode(delivered, false)
             .map(|e| e.get_ids().to_vec())
             .map_err(|e| RouteError::Tokenize(e.to_string()))
     }
 
-    fn count_tokens(&self, text: &str) -> Result<u32, RouteError> {
-        Ok(self.continuation_tokens(text)?.len() as u32)
+    fn count_tokens(&self, req: &RouteRequest, text: &str) -> Result<u32, RouteError> {
+        Ok(self.continuation_tokens(req, text)?.len() as u32)
     }
 
     async fn finish(
@@ -834,7 +843,7 @@ impl<E: Execute> Router<E> {
         }
         let tokens = match st.delivered.generated {
             Some(n) => Ok(n),
-            None => self.count_tokens(&st.delivered.text),
+            None => self.count_tokens(req, &st.delivered.text),
         };
         if let Ok(tokens) = tokens {
             st.summary.completion_tokens = tokens;

@@ -10,6 +10,7 @@
 //! Shutdown drains ([`RunningRouter::shutdown`]): `/health` 503 at once, every listener closed
 //! together after the drain delay, what is still open ended after the grace period.
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -26,8 +27,8 @@ use switchyard_policy_host::{
 
 use crate::Router;
 use crate::api::{
-    self, AdminAccess, AppState, BuiltinPlanner, DrainConfig, ListenerTlsError, Planning,
-    PromptTokenizer, TlsAcceptor, TokenizerError,
+    self, AdminAccess, AppState, BuiltinPlanner, DrainConfig, ListenerTlsError, ModelPrompts,
+    Planning, PromptTokenizer, TlsAcceptor, TokenizerError,
 };
 use crate::cluster::{Cluster, EndpointSpec, Owner, ProbeConfig, spawn_probes};
 use crate::config::{Config, ModelSource};
@@ -247,7 +248,7 @@ impl Loaded {
 
 /// Tokenizer, policies and their watcher, cluster and probes, discovery, router and state.
 pub(crate) async fn load(config: &Config) -> Result<Loaded, ServeError> {
-    let tokenizer = tokenizer(config)?;
+    let tokenizer = tokenizer(config.model_source.as_ref())?;
     let host = PolicyHost::new(PolicyLimits::default())?;
     let policies = PolicyRegistry::open(host, registry_config(config)).await?;
     let watcher = switchyard_policy_host::watch(Arc::clone(&policies), DEFAULT_DEBOUNCE)?;
@@ -262,20 +263,36 @@ pub(crate) async fn load_builtin(
     config: &Config,
     planner: impl FnOnce(&Executor) -> Arc<dyn BuiltinPlanner>,
 ) -> Result<Loaded, ServeError> {
-    let tokenizer = tokenizer(config)?;
+    let tokenizer = tokenizer(config.model_source.as_ref())?;
     wire(config, tokenizer, |executor| {
         Planning::Builtin(planner(executor))
     })
     .await
 }
 
-fn tokenizer(config: &Config) -> Result<Arc<PromptTokenizer>, ServeError> {
-    let tokenizer = match &config.model_source {
+/// A model's tokenizer and chat template; no source: the byte-level tokenizer.
+fn tokenizer(source: Option<&ModelSource>) -> Result<Arc<PromptTokenizer>, ServeError> {
+    let tokenizer = match source {
         Some(ModelSource::Dir(dir)) => PromptTokenizer::from_model_dir(dir)?,
         Some(ModelSource::Gguf { path, files }) => PromptTokenizer::from_gguf(files, path)?,
         None => PromptTokenizer::byte_level()?,
     };
     Ok(Arc::new(tokenizer))
+}
+
+/// The other `[[models]]`' tokenizers and limits, by name.
+fn model_prompts(config: &Config) -> Result<HashMap<String, ModelPrompts>, ServeError> {
+    config
+        .models
+        .iter()
+        .map(|model| {
+            let prompts = ModelPrompts {
+                tokenizer: tokenizer(model.source.as_ref())?,
+                limits: model.limits,
+            };
+            Ok((model.name.clone(), prompts))
+        })
+        .collect()
 }
 
 /// Cluster and probes, discovery, router and state, planned as `planning` says.
@@ -336,7 +353,16 @@ async fn wire(
         })
         .with_forward_headers(config.policies.forward_headers.clone())
         .with_limits(config.limits)
-        .with_models(config.policies.models.keys().cloned().collect())
+        .with_models(
+            config
+                .policies
+                .models
+                .keys()
+                .cloned()
+                .chain(config.models.iter().map(|m| m.name.clone()))
+                .collect(),
+        )
+        .with_model_prompts(model_prompts(config)?)
         .with_edge(config.admission.clone(), config.connections),
     );
     Ok(Loaded {

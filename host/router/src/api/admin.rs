@@ -21,6 +21,7 @@ use http_body_util::{BodyExt, Limited};
 use super::respond::{ApiError, json_response};
 use super::{AppState, Body, Peer, full};
 use crate::cluster::{ApiKey, Cluster, EndpointError, EndpointSpec, Owner};
+use crate::engine_client::ModelCard;
 use switchyard_policy_host::{ReloadError, ReloadOutcome};
 
 /// Readiness: 200 while at least `--min-healthy-endpoints` endpoints are healthy (the policy
@@ -56,7 +57,8 @@ pub fn livez() -> Response<Body> {
 
 /// Every model the router serves, OpenAI-style: the served model (with its context length
 /// under vLLM's name, `max_model_len`), the names mapped to policies, and those the endpoints
-/// list (a mixed cluster serves several). 503 until ready (MLC's readiness check is this route).
+/// list or pin (a mixed cluster serves several), a LoRA adapter with its base model as vLLM
+/// names it, `parent`. 503 until ready (MLC's readiness check is this route).
 pub fn models(state: &AppState) -> Response<Body> {
     if !state.is_ready() {
         return ApiError::NotReady("too few endpoints are healthy").response();
@@ -68,16 +70,25 @@ pub fn models(state: &AppState) -> Response<Body> {
         "owned_by": "switchyard",
         "max_model_len": state.limits.context_length,
     })];
-    let mut others: Vec<String> = state.models.clone();
-    others.extend(state.router.executor().cluster().models());
-    others.sort_unstable();
-    others.dedup();
-    data.extend(
-        others
-            .into_iter()
-            .filter(|m| *m != state.model)
-            .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard"})),
-    );
+    let mut others: Vec<ModelCard> = state.models.iter().map(ModelCard::base).collect();
+    for card in state.router.executor().cluster().models() {
+        match others.iter_mut().find(|m| m.id == card.id) {
+            // A configured name an engine serves as an adapter is shown with its parent.
+            Some(known) => known.parent = card.parent,
+            None => others.push(card),
+        }
+    }
+    others.sort_unstable_by(|a, b| a.id.cmp(&b.id));
+    data.extend(others.into_iter().filter(|m| m.id != state.model).map(
+        |ModelCard { id, parent }| {
+            let mut card =
+                json!({"id": id, "object": "model", "created": 0, "owned_by": "switchyard"});
+            if let Some(parent) = parent {
+                card["parent"] = parent.into();
+            }
+            card
+        },
+    ));
     json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
 }
 

@@ -511,6 +511,7 @@ fn register_connections(registry: &mut Registry, m: &ConnectionMetrics) {
 mod tests {
     use super::*;
     use crate::cluster::OutlierConfig;
+    use crate::engine_client::ModelCard;
 
     fn value(rendered: &str, name: &str) -> f64 {
         rendered
@@ -538,7 +539,7 @@ mod tests {
         )
         .with_saturation(Some(SaturationConfig::default()));
         for id in 0..3 {
-            cluster.set_models(id, vec!["m".into()]);
+            cluster.set_models(id, vec![ModelCard::base("m")]);
             cluster.set_health(id, true);
         }
         let waiting = |n| EngineLoad {

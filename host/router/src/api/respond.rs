@@ -56,6 +56,8 @@ pub enum ApiError {
     Tokenize(String),
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
+    #[error("no healthy endpoint serves the model `{0}` now")]
+    ModelUnavailable(String),
     #[error(transparent)]
     Endpoint(#[from] EndpointError),
     #[error(transparent)]
@@ -90,6 +92,7 @@ impl ApiError {
             ApiError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Tokenize(_) => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::ModelUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Endpoint(EndpointError::Unknown(_)) => StatusCode::NOT_FOUND,
             ApiError::Endpoint(EndpointError::Invalid { .. }) => StatusCode::BAD_REQUEST,
             ApiError::Endpoint(_) => StatusCode::CONFLICT,
@@ -111,7 +114,7 @@ impl ApiError {
     fn param(&self) -> Option<&'static str> {
         match self {
             ApiError::InvalidField { param, .. } => Some(param),
-            ApiError::ModelNotFound(_) => Some("model"),
+            ApiError::ModelNotFound(_) | ApiError::ModelUnavailable(_) => Some("model"),
             _ => None,
         }
     }
@@ -136,6 +139,7 @@ impl ApiError {
             ApiError::NotReady(_) => "not_ready",
             ApiError::Tokenize(_) => "invalid_prompt",
             ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::ModelUnavailable(_) => "model_not_available",
             ApiError::Endpoint(_) => "endpoint_change_refused",
             ApiError::Route(RouteError::Policy(TranslateError::Unavailable { .. })) => {
                 "no_endpoint_available"

@@ -107,6 +107,15 @@ pub enum ConfigError {
     },
     #[error(transparent)]
     Traces(#[from] crate::telemetry::TelemetryError),
+    #[error(
+        "{again}: model {name:?} is already given by {first}: give each model once, as a \
+         [[models]] entry or by its shorthand (model, model_dir, [model_policies])"
+    )]
+    ModelTwice {
+        name: String,
+        first: Source,
+        again: Source,
+    },
 }
 
 /// What is wrong with one value.

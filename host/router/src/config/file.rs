@@ -18,6 +18,7 @@ use super::endpoints;
 use super::epp::EndpointPickerKeys;
 use super::error::{ConfigError, Problem};
 use super::flow_control::FlowControlKeys;
+use super::model::ModelEntry;
 use super::settings::RouterKeys;
 use super::source::{FileKey, Source, Sourced};
 use crate::cluster::EndpointSpec;
@@ -33,15 +34,18 @@ pub(super) struct ConfigFile {
     pub(super) endpoints: Vec<Sourced<EndpointSpec>>,
     /// Model name → policy name.
     pub(super) model_policies: BTreeMap<String, Sourced<String>>,
+    /// `[[models]]`, in file order.
+    pub(super) models: Vec<Sourced<ModelEntry>>,
 }
 
 /// The top-level keys that are tables of their own rather than settings.
-const TABLES: [&str; 5] = [
+const TABLES: [&str; 6] = [
     "endpoints",
     "discovery",
     "flow_control",
     "epp",
     "model_policies",
+    "models",
 ];
 
 impl ConfigFile {
@@ -72,6 +76,7 @@ impl ConfigFile {
             let name: &str = key.get_ref();
             match name {
                 "endpoints" => config.endpoints = endpoints::from_file(&file, &key, value)?,
+                "models" => config.models = file.array_of_tables(&key, value)?,
                 "discovery" => {
                     for (key, value) in file.table("", &key, value)? {
                         if config.discovery.take(&key, value, &file)?.is_some() {
@@ -167,6 +172,36 @@ impl FileText {
                 problem: Problem::Value(reason),
             }),
         }
+    }
+
+    /// The tables of `key`'s value, which must be an array of them (`[[key]]`), each read as
+    /// a `T` and sourced at its own line.
+    pub(super) fn array_of_tables<'i, T: serde::Deserialize<'i>>(
+        &self,
+        key: &Spanned<DeString<'i>>,
+        value: Spanned<DeValue<'i>>,
+    ) -> Result<Vec<Sourced<T>>, ConfigError> {
+        let name: &str = key.get_ref();
+        let span = value.span();
+        let DeValue::Array(entries) = value.into_inner() else {
+            return Err(ConfigError::Invalid {
+                at: self.source("", name, span),
+                problem: Problem::Value(format!("expected [[{name}]] tables")),
+            });
+        };
+        entries
+            .into_iter()
+            .map(|entry| {
+                let at = self.source("", name, entry.span());
+                match deserialize(ValueDeserializer::from(entry)) {
+                    Ok(value) => Ok(Sourced::new(value, at)),
+                    Err(reason) => Err(ConfigError::Invalid {
+                        at,
+                        problem: Problem::Value(reason),
+                    }),
+                }
+            })
+            .collect()
     }
 
     /// The entries of `key`'s value, which must be a table.

@@ -544,6 +544,103 @@ fn the_file_maps_models_to_policies_that_exist() {
     assert!(matches!(problem, Problem::NoPolicy { .. }), "{problem}");
 }
 
+/// The two places a model given twice was given: the first, then the second.
+fn given_twice(error: ConfigError) -> (String, Source, Source) {
+    match error {
+        ConfigError::ModelTwice { name, first, again } => (name, first, again),
+        other => panic!("not a model given twice: {other}"),
+    }
+}
+
+#[test]
+fn models_entries_give_each_model_its_tokenizer_and_policy_the_first_the_default() {
+    let dir = plugins_with("disagg");
+    std::fs::write(dir.path().join("round-robin.wasm"), b"\0asm").expect("write");
+    let qwen = dir.path().join("qwen");
+    std::fs::create_dir(&qwen).expect("mkdir");
+    std::fs::write(qwen.join("tokenizer.json"), b"{}").expect("write");
+    let file = dir.path().join("router.toml");
+    let text = |top: &str, tables: &str| {
+        format!(
+            "plugins = {:?}\n{top}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n\
+             models = [\"llama\"]\n{tables}",
+            dir.path()
+        )
+    };
+    let entries = format!(
+        "[[models]]\nname = \"llama\"\npolicy = \"round-robin\"\n\
+         [[models]]\nname = \"qwen\"\nmodel_dir = {qwen:?}\n"
+    );
+    let config = Config::from_args(&with_file(&file, &text("", &entries))).expect("valid");
+    assert_eq!(config.model, "llama", "the first entry is the default");
+    assert!(
+        config.model_source.is_none(),
+        "byte-level where none is given"
+    );
+    assert_eq!(
+        config.endpoints[0].models.as_deref(),
+        Some(&["llama".to_owned()][..])
+    );
+    let [qwen_model] = &config.models[..] else {
+        panic!("one other model: {:?}", config.models)
+    };
+    assert_eq!(qwen_model.name, "qwen");
+    assert!(matches!(&qwen_model.source, Some(ModelSource::Dir(d)) if *d == qwen));
+    assert_eq!(
+        config.policies.models.get("llama").map(String::as_str),
+        Some("round-robin")
+    );
+    // The shorthand is one more entry, first.
+    let config = Config::from_args(&with_file(&file, &text("model = \"mistral\"", &entries)))
+        .expect("valid");
+    assert_eq!(config.model, "mistral");
+    let others: Vec<_> = config.models.iter().map(|m| m.name.as_str()).collect();
+    assert_eq!(others, ["llama", "qwen"]);
+    // An entry's tokenizer must exist, named by the entry's line.
+    let missing = "[[models]]\nname = \"x\"\nmodel_dir = \"/nonexistent\"\n";
+    let (at, problem) = invalid(
+        Config::from_args(&with_file(&file, &text("", missing))).expect_err("no tokenizer"),
+    );
+    assert_eq!(key_and_line(&at), ("models", 6));
+    assert!(matches!(problem, Problem::NoTokenizer(_)), "{problem}");
+}
+
+#[test]
+fn a_model_given_in_both_forms_or_twice_is_refused_with_both_places() {
+    let dir = plugins_with("disagg");
+    std::fs::write(dir.path().join("round-robin.wasm"), b"\0asm").expect("write");
+    let file = dir.path().join("router.toml");
+    let refused = |body: &str| {
+        let text = format!(
+            "plugins = {:?}\n{body}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        );
+        let (name, first, again) =
+            given_twice(Config::from_args(&with_file(&file, &text)).expect_err("given twice"));
+        (
+            name,
+            key_and_line(&first).0.to_owned(),
+            key_and_line(&again).0.to_owned(),
+        )
+    };
+    let entry = "[[models]]\nname = \"llama\"";
+    let twice = |first: &str, second: &str| (String::from("llama"), first.into(), second.into());
+    assert_eq!(
+        refused(&format!("model = \"llama\"\n{entry}")),
+        twice("model", "models")
+    );
+    assert_eq!(
+        refused(&format!("{entry}\n{entry}")),
+        twice("models", "models")
+    );
+    assert_eq!(
+        refused(&format!(
+            "[model_policies]\nllama = \"round-robin\"\n{entry}"
+        )),
+        twice("model_policies.llama", "models")
+    );
+}
+
 #[test]
 fn discovery_comes_from_flags_over_the_file_and_needs_a_selector() {
     let dir = plugins_with("disagg");

@@ -125,6 +125,7 @@ pub fn endpoint(pod: &Pod, target_port: Option<u16>) -> Result<(Arc<str>, Endpoi
         device_rank: device_rank(pod)?,
         api_key: None,
         protocol: protocol(pod)?,
+        models: None,
         bootstrap_port: bootstrap_port(pod)?,
         kv_events: kv_events(KV_EVENTS_PORT_ANNOTATION)?,
         kv_events_replay: kv_events(KV_EVENTS_REPLAY_PORT_ANNOTATION)?,

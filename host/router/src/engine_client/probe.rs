@@ -9,32 +9,48 @@ use super::{CallBody, CallError, EngineClient, Upstream, classify, read_capped};
 /// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
 const MAX_PROBE_BYTES: usize = 256 << 10;
 
+/// A model an engine lists on `GET /v1/models`: its id, and for a LoRA adapter the base model
+/// it runs on (vLLM's `ModelCard.parent`; `null` or absent for a base model).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ModelCard {
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+}
+
+impl ModelCard {
+    /// A base model (no parent), as an operator pins it.
+    pub fn base(id: impl Into<String>) -> ModelCard {
+        ModelCard {
+            id: id.into(),
+            parent: None,
+        }
+    }
+}
+
 impl EngineClient {
     /// Readiness, as each protocol's engines report it: vLLM and SGLang answer `GET /health`
     /// with 200 once they serve, and every engine lists its models on `GET /v1/models`; `Ok`
     /// with the ids of the models it serves (none when the list does not parse), or why the
-    /// engine is not ready.
+    /// engine is not ready. A vLLM engine lists each LoRA adapter it has loaded beside its
+    /// base model, naming the base as the adapter's `parent`.
     pub async fn ready(
         &self,
         engine: &Upstream,
         protocol: Protocol,
-    ) -> Result<Vec<String>, CallError> {
+    ) -> Result<Vec<ModelCard>, CallError> {
         if matches!(protocol, Protocol::Vllm | Protocol::Sglang) {
             self.probe(engine, "/health").await?;
         }
         #[derive(serde::Deserialize)]
         struct Models {
-            data: Vec<Model>,
-        }
-        #[derive(serde::Deserialize)]
-        struct Model {
-            id: String,
+            data: Vec<ModelCard>,
         }
         let body = self.probe(engine, "/v1/models").await?;
-        let ids = serde_json::from_slice::<Models>(&body)
-            .map(|m| m.data.into_iter().map(|m| m.id).collect())
+        let models = serde_json::from_slice::<Models>(&body)
+            .map(|m| m.data)
             .unwrap_or_default();
-        Ok(ids)
+        Ok(models)
     }
 
     /// The engine's Prometheus text (`GET /metrics`); `None` when it has none or does not

@@ -112,7 +112,7 @@ async fn plan(
     let Prepared { route, planner, .. } =
         api::prepare(state, shape, &req.head.headers, req.body, req.arrived, flow).await?;
     let cluster = state.router.executor().cluster();
-    let mut endpoints = cluster.snapshot_for(&route.prompt);
+    let mut endpoints = cluster.snapshot_for(&route.model, &route.prompt);
     narrow(cluster, &mut endpoints, req.subset.as_deref());
     let first = PolicyContext {
         attempt: 1,

@@ -314,6 +314,7 @@ impl Harness {
             arrived: Instant::now(),
             flow: Flow::default(),
             span: tracing::Span::none(),
+            tokenizer: None,
         }
     }
 

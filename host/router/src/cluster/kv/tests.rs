@@ -59,7 +59,7 @@ fn store_two_blocks(cluster: &Cluster, id: u32) {
 
 fn cached(cluster: &Cluster, prompt: &[u32]) -> Vec<Option<u32>> {
     cluster
-        .snapshot_for(prompt)
+        .snapshot_for("m", prompt)
         .iter()
         .map(|e| e.cached_prefix)
         .collect()
@@ -270,7 +270,7 @@ fn store_two_blocks_on(cluster: &Cluster, id: u32, rank: u32) {
 
 /// The cached prefixes a request the router sends sees, and the rank endpoint 0 is pinned to.
 fn pinned(cluster: &Cluster, prompt: &[u32]) -> (Vec<Option<u32>>, Option<u32>) {
-    let (snapshot, pins) = cluster.snapshot_pinned(prompt);
+    let (snapshot, pins) = cluster.snapshot_pinned("m", prompt);
     (
         snapshot.iter().map(|e| e.cached_prefix).collect(),
         pins.rank(0),
@@ -341,7 +341,7 @@ async fn a_stale_rank_is_left_out_and_only_a_pinned_rank_must_publish() {
     let ranks = silent_listeners(2).await;
     let cluster = dp_cluster(&ranks);
     store_two_blocks_on(&cluster, 0, 1);
-    let (_, pins) = cluster.snapshot_pinned(&PROMPT);
+    let (_, pins) = cluster.snapshot_pinned("m", &PROMPT);
     assert_eq!(pins.rank(0), Some(1));
 
     // Unpinned, the engine picked a rank the router cannot name: none goes stale.
