@@ -186,6 +186,26 @@ def wait_ok(fleet: Fleet, name: str, probe: str, seconds: float = 60) -> None:
                      f"(logs in {fleet.out}/logs)")
 
 
+def wait_models(fleet: Fleet, name: str, base: str, seconds: float = 60,
+                model: str | None = None) -> None:
+    """Poll BASE/v1/models until it answers 200 (an engine, or a router with its workers),
+    listing `model` when one is given."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if fleet.procs[name].popen.poll() is not None:
+            raise SystemExit(f"{name} exited; see {fleet.out}/logs/{name}.log")
+        try:
+            with urllib.request.urlopen(base + "/v1/models", timeout=2) as answer:
+                if answer.status == 200 and (
+                        model is None or f'"{model}"'.encode() in answer.read()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"{name} did not answer /v1/models within {seconds} s "
+                     f"(logs in {fleet.out}/logs)")
+
+
 WRK_LUA = f"""
 wrk.method = "POST"
 wrk.body = '{ISSUE_BODY}'

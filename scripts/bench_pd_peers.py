@@ -23,12 +23,11 @@ import json
 import os
 import statistics
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import CLK_TCK, Fleet, machine_load, running  # noqa: E402
+from bench_common import CLK_TCK, Fleet, machine_load, running, wait_models  # noqa: E402
 from bench_peers import BIN, ROUNDS, VENV, run_bench  # noqa: E402
 
 PD_BASE_PORT = int(os.environ.get("PD_BASE_PORT", "18400"))
@@ -65,21 +64,6 @@ def start(fleet: Fleet) -> None:
                                 "--log-level", "warning"])
     for name, port in (("switchyard", SWITCHYARD), ("vllm-router", VLLM_ROUTER)):
         wait_models(fleet, name, url(port))
-
-
-def wait_models(fleet: Fleet, name: str, base: str, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if fleet.procs[name].popen.poll() is not None:
-            raise SystemExit(f"{name} exited; see {fleet.out}/logs/{name}.log")
-        try:
-            with urllib.request.urlopen(base + "/v1/models", timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{name} did not answer /v1/models within {seconds} s")
 
 
 def metric(port: int, name: str) -> float:

@@ -27,11 +27,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import CLK_TCK, Fleet, Proc, descendants, machine_load, running  # noqa: E402
+from bench_common import (  # noqa: E402
+    CLK_TCK, Fleet, Proc, descendants, machine_load, running, wait_models,
+)
 
 BIN = os.environ.get("BIN", "target/release/switchyard")
 # The router under test, when not BIN (another build's, for a before/after).
@@ -84,22 +85,6 @@ def router_argv(target: str, engines: list[str], streams: int) -> list[str]:
     raise ValueError(target)
 
 
-def wait_models(fleet: Fleet, name: str, url: str, seconds: float = 60) -> None:
-    """Poll URL/v1/models until it answers (an engine or a router with its workers)."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if fleet.procs[name].popen.poll() is not None:
-            raise SystemExit(f"{name} exited; see {fleet.out}/logs/{name}.log")
-        try:
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as answer:
-                if answer.status == 200 and b'"m"' in answer.read():
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit(f"{name} not ready within {seconds} s (logs in {fleet.out}/logs)")
-
-
 def rss_kib(proc: Proc) -> int:
     """VmRSS of the process and its descendants."""
     total = 0
@@ -134,9 +119,9 @@ def run_one(out: Path, target: str, streams: int) -> dict:
             port = BASE_PORT + 1 + i
             fleet.start(f"engine-{i}", engine_argv(port, batch))
             urls.append(f"http://127.0.0.1:{port}")
-            wait_models(fleet, f"engine-{i}", urls[-1])
+            wait_models(fleet, f"engine-{i}", urls[-1], model="m")
         router = fleet.start(target, router_argv(target, urls, streams))
-        wait_models(fleet, target, f"http://127.0.0.1:{ROUTER_PORT}")
+        wait_models(fleet, target, f"http://127.0.0.1:{ROUTER_PORT}", model="m")
         time.sleep(2)  # settle: the first health probes and pool warm-up
         idle_rss = rss_kib(router)
         cpu_before = router.cpu_ticks()

@@ -12,22 +12,15 @@ use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
 
 use crate::http::{client, json_body, post, post_json, serve_loopback};
-use crate::router::eventually;
+use crate::router::{eventually, metric};
 
 /// The `POST` calls engine `engine` has received, every leg of every request counted.
 async fn calls(engine: &EngineProcess) -> f64 {
-    let text = client()
-        .get(engine.endpoint("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
-    text.lines()
-        .find_map(|l| l.strip_prefix("switchyard_engine_calls_received_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_else(|| panic!("no calls_received in:\n{text}"))
+    metric(
+        &engine.endpoint("/metrics"),
+        "switchyard_engine_calls_received",
+    )
+    .await
 }
 
 /// What the router's `/v1/models` lists.
