@@ -233,10 +233,12 @@ pub fn request(prompt_len: u32) -> Request {
         priority: 0,
         tenant: None,
         deadline_ms: None,
+        base_model: None,
     }
 }
 
-/// A test request's flow control, as the router's admission read it (contract 0.2.0).
+/// A test request's flow control, as the router's admission read it, and its model (contract
+/// 0.2.0).
 impl Request {
     /// At `priority`: higher is more important, negative is sheddable.
     pub fn with_priority(mut self, priority: i32) -> Request {
@@ -253,6 +255,13 @@ impl Request {
     /// Due to start within `ms` milliseconds of the call.
     pub fn with_deadline_ms(mut self, ms: u32) -> Request {
         self.deadline_ms = Some(ms);
+        self
+    }
+
+    /// For `model`, a LoRA adapter running on `base` (contract 0.2.0).
+    pub fn with_adapter(mut self, model: &str, base: &str) -> Request {
+        self.model = model.to_owned();
+        self.base_model = Some(base.to_owned());
         self
     }
 }
@@ -451,6 +460,16 @@ fn resolve(position: i32, prompt_len: u32) -> Result<u32, String> {
 mod tests {
     use super::*;
     use crate::select::{balance_end, candidates, least_loaded};
+
+    #[test]
+    fn an_adapter_request_names_its_base_model() {
+        assert_eq!(request(4).base_model, None);
+        let req = request(4).with_adapter("sql-lora", "llama-3-8b");
+        assert_eq!(
+            (req.model.as_str(), req.base_model.as_deref()),
+            ("sql-lora", Some("llama-3-8b"))
+        );
+    }
 
     #[test]
     fn request_builders_set_its_flow_control() {

@@ -1,5 +1,6 @@
 //! Route on the request's model: named models go whole to an endpoint of the protocol the
-//! config names, every other request is disaggregated on a pair of one protocol.
+//! config names, every other request is disaggregated on a pair of one protocol. A LoRA
+//! adapter not named itself follows its base model's rule (`request.base-model`).
 //!
 //! Config: `{"forward": {"<model>": "mlc" | "vllm" | "sglang" | "openai", ...}}` (default: no
 //! model is forwarded).
@@ -41,7 +42,11 @@ impl Policy for ModelRoute {
 
     fn translate(&mut self, request: &Request, context: &Context) -> Result<Plan, PolicyError> {
         let usable = candidates(context);
-        if let Some(&protocol) = self.forward.get(&request.model) {
+        let rule = self.forward.get(&request.model).or_else(|| {
+            let base = request.base_model.as_ref()?;
+            self.forward.get(base)
+        });
+        if let Some(&protocol) = rule {
             return least_loaded(usable, |e| e.protocol == protocol && serves_alone(e))
                 .map(|e| Plan::forward(e.id))
                 .ok_or_else(|| {

@@ -32,6 +32,36 @@ fn named_models_go_whole_to_their_protocol_and_the_rest_are_disaggregated() {
 }
 
 #[test]
+fn an_adapter_follows_its_base_models_rule_unless_named_itself() {
+    let mut policy =
+        Harness::<ModelRoute>::init(r#"{"forward": {"llama": "openai", "sql-lora": "vllm"}}"#)
+            .expect("valid config");
+    let ctx = endpoints(3)
+        .protocol(0, Protocol::Openai, Role::Any)
+        .protocol(1, Protocol::Vllm, Role::Any)
+        .protocol(2, Protocol::Sglang, Role::Any)
+        .context();
+    let adapter = |name: &str| request(12).with_adapter(name, "llama");
+    assert_eq!(
+        policy.translate(&adapter("chat-lora"), &ctx),
+        Ok(Plan::forward(0)),
+        "an adapter of llama goes where llama goes"
+    );
+    assert_eq!(
+        policy.translate(&adapter("sql-lora"), &ctx),
+        Ok(Plan::forward(1)),
+        "an adapter named in the config follows its own rule"
+    );
+    let mut other = request(12);
+    other.model = "chat-lora".into();
+    assert_eq!(
+        policy.translate(&other, &ctx),
+        Ok(Plan::forward(2)),
+        "the same name on no base model is not llama's"
+    );
+}
+
+#[test]
 fn a_named_model_without_its_endpoints_is_unavailable() {
     let mut policy = policy();
     let ctx = mixed().unhealthy(0).context();

@@ -20,6 +20,8 @@ pub struct PolicyRequest<'a> {
     pub headers: &'a [(String, String)],
     /// Flow control's view of it (0.2.0 policies see it).
     pub flow: RequestFlow<'a>,
+    /// The base model `model` runs on when it is a LoRA adapter (0.2.0 policies see it).
+    pub base_model: Option<&'a str>,
 }
 
 /// A request's priority, tenant and deadline, as the router's flow control read them.

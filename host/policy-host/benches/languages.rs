@@ -131,6 +131,7 @@ fn translate_latency(policy: &Policy) -> Percentiles {
             user: (i % 4 == 0).then_some("priority-bench"),
             headers: &[],
             flow: Default::default(),
+            base_model: None,
         };
         let started = Instant::now();
         let plan = policy.translate(&request, &ctx);

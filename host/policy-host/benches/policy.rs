@@ -61,6 +61,7 @@ fn translate(c: &mut Criterion) {
                 user: None,
                 headers: &headers,
                 flow: Default::default(),
+                base_model: None,
             };
             black_box(policy.translate(&request, &context).expect("a plan"))
         })

@@ -160,6 +160,7 @@ fn run_case(
         user: None,
         headers: &[],
         flow: Default::default(),
+        base_model: None,
     };
     match policy.translate(&request, &case.context) {
         Ok(plan) => validate(&plan, case.prompt_len, &case.context.endpoints)

@@ -16,7 +16,7 @@
 //! let policy = host.load_file("plugins/disagg.wasm".as_ref(), None)?;
 //! let prompt = [1, 2, 3];
 //! let request = PolicyRequest { id: 1, prompt: &prompt, max_tokens: 16, stream: false,
-//!     model: "m", user: None, headers: &[], flow: Default::default() };
+//!     model: "m", user: None, headers: &[], flow: Default::default(), base_model: None };
 //! let context = PolicyContext { attempt: 1, last_failure: None, endpoints: vec![] };
 //! let plan = policy.translate(&request, &context)?; // validate with `switchyard_contract::validate`
 //! # Ok(()) }

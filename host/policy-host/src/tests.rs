@@ -105,6 +105,7 @@ pub(super) fn request<'a>(prompt: &'a [u32], headers: &'a [(String, String)]) ->
         user: Some("u"),
         headers,
         flow: Default::default(),
+        base_model: None,
     }
 }
 

@@ -90,6 +90,7 @@ fn translate(
         user: None,
         headers: &[],
         flow: Default::default(),
+        base_model: None,
     };
     let plan = policy.translate(&request, ctx)?;
     if let Err(e) = validate(&plan, prompt_len, &ctx.endpoints) {

@@ -97,6 +97,7 @@ fn translate(
         user: req.user,
         headers: req.headers,
         flow: Default::default(),
+        base_model: None,
     };
     let plan = policy.translate(&request, &ctx)?;
     let prompt_len = u32::try_from(req.prompt.len()).expect("test prompt fits u32");

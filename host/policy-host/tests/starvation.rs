@@ -154,6 +154,7 @@ fn serve(
         user: None,
         headers: &[],
         flow: Default::default(),
+        base_model: None,
     };
     let context = PolicyContext {
         attempt: 1,

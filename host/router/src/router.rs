@@ -716,6 +716,8 @@ impl<E: Execute> Router<E> {
         context: PolicyContext,
         st: &mut State,
     ) -> Result<(ValidPlan, CachedPrefixes), RouteError> {
+        // An adapter's base model, from what its engines list (a lookup; a copy for adapters only).
+        let base_model = self.executor.cluster().base_model(&req.model);
         let request = PolicyRequest {
             id: req.id,
             prompt,
@@ -725,6 +727,7 @@ impl<E: Execute> Router<E> {
             user: req.user.as_deref(),
             headers: &req.headers,
             flow: req.flow.for_policy(),
+            base_model: base_model.as_deref(),
         };
         let planner = Arc::clone(&st.planner);
         let planned = match Self::ask(planner.as_ref(), &request, &context, st) {

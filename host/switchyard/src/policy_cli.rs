@@ -174,6 +174,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
                 user: None,
                 headers: &[],
                 flow: Default::default(),
+                base_model: None,
             };
             let plan = policy.translate(&request, &context)?;
             let resolved = validate(&plan, prompt_len, &context.endpoints).map_err(|error| {

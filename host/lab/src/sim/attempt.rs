@@ -142,6 +142,7 @@ impl Simulation<'_> {
             user: None,
             headers: &[],
             flow: Default::default(),
+            base_model: None,
         };
         let context = PolicyContext {
             attempt,

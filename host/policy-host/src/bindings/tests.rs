@@ -42,6 +42,22 @@ fn flow_control_reaches_0_2_0_guests() {
 }
 
 #[test]
+fn an_adapters_base_model_reaches_0_2_0_guests() {
+    let prompt = [1, 2, 3];
+    assert_eq!(v0_2_0::request(&request(&prompt, &[]), 8).base_model, None);
+    let request = PolicyRequest {
+        model: "sql-lora",
+        base_model: Some("llama-3-8b"),
+        ..request(&prompt, &[])
+    };
+    let wit = v0_2_0::request(&request, 8);
+    assert_eq!(
+        (wit.model.as_str(), wit.base_model.as_deref()),
+        ("sql-lora", Some("llama-3-8b"))
+    );
+}
+
+#[test]
 fn removed_endpoints_reach_0_1_0_guests_only() {
     use switchyard_contract::{EndpointSnapshot, Health, PolicyContext};
     let health = [

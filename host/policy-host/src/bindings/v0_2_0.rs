@@ -5,7 +5,8 @@
 //! prompt's cached prefix on each endpoint (`endpoint.cached-prefix`), the prompt tokens this
 //! router has sent each endpoint and it has not prefilled yet (`endpoint.pending-prefill`),
 //! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any,
-//! and the request's flow control (`request.priority`, `request.tenant`, `request.deadline-ms`).
+//! the request's flow control (`request.priority`, `request.tenant`, `request.deadline-ms`),
+//! and the base model of a LoRA adapter (`request.base-model`).
 
 mod generated {
     wasmtime::component::bindgen!({
@@ -30,6 +31,7 @@ super::shared_with_v0_1_0!(
         priority: |req: &PolicyRequest<'_>| req.flow.priority,
         tenant: |req: &PolicyRequest<'_>| req.flow.tenant.map(str::to_owned),
         deadline_ms: |req: &PolicyRequest<'_>| req.flow.deadline_ms,
+        base_model: |req: &PolicyRequest<'_>| req.base_model.map(str::to_owned),
     }
 );
 

@@ -86,6 +86,7 @@ fn plan_with(
         user: None,
         headers,
         flow: Default::default(),
+        base_model: None,
     };
     let context = PolicyContext {
         attempt: 1,

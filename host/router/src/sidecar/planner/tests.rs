@@ -50,6 +50,7 @@ fn plan(
         user: None,
         headers: &headers,
         flow: RequestFlow::default(),
+        base_model: None,
     };
     let ctx = PolicyContext {
         attempt: 1 + u32::from(last_failure.is_some()),
