@@ -178,7 +178,10 @@ impl Tracing {
     /// The subscriber layer that turns the router's spans into OpenTelemetry spans, from
     /// `debug` up (the attempt, policy and leg spans are `debug`), and its events into span
     /// events. Nothing else: dependencies' spans stay out of the trace, and their callsites
-    /// are judged once (a target filter), not at every hit.
+    /// are judged once (a target filter), not at every hit. A streamed answer's spans are
+    /// entered at every poll, so entering one does no work: no busy/idle clock reads (two
+    /// attributes nobody asked for) and no OpenTelemetry context attached (engine calls read
+    /// their leg span's context from the span itself, [`inject`]).
     pub fn layer<S>(&self) -> impl Layer<S> + use<S>
     where
         S: tracing::Subscriber + for<'a> LookupSpan<'a>,
@@ -188,6 +191,8 @@ impl Tracing {
             .with_tracer(tracer)
             .with_location(false)
             .with_threads(false)
+            .with_tracked_inactivity(false)
+            .with_context_activation(false)
             .with_filter(
                 tracing_subscriber::filter::Targets::new()
                     .with_target("switchyard_router", tracing::Level::DEBUG),
