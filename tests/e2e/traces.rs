@@ -302,6 +302,10 @@ async fn a_request_is_one_trace_from_the_client_through_every_engine_leg() {
         answer["usage"]["prompt_tokens"]
     );
     assert_eq!(attrs["switchyard.attempts"], 1);
+    assert_eq!(
+        attrs["switchyard.policy"], "disagg",
+        "the default policy planned it"
+    );
     assert!(
         attrs["switchyard.ttft_ms"]
             .as_f64()

@@ -281,14 +281,25 @@ impl Planning {
     }
 
     /// The planner of one request: the policy `header` (`x-switchyard-policy`) or `model`
-    /// selects, or the built-in one.
-    fn select(&self, header: Option<&str>, model: &str) -> Result<Arc<dyn Planner>, ApiError> {
+    /// selects, or the built-in one. The policy's name goes on the request's trace `span`.
+    fn select(
+        &self,
+        header: Option<&str>,
+        model: &str,
+        span: &tracing::Span,
+    ) -> Result<Arc<dyn Planner>, ApiError> {
         let policies = match self {
             Planning::Policies(policies) => policies,
-            Planning::Builtin(planner) => return Ok(Arc::clone(planner) as Arc<dyn Planner>),
+            Planning::Builtin(planner) => {
+                crate::telemetry::record_policy(span, "built-in");
+                return Ok(Arc::clone(planner) as Arc<dyn Planner>);
+            }
         };
         match policies.select(header, model) {
-            Ok(selection) => Ok(Arc::new(selection)),
+            Ok(selection) => {
+                crate::telemetry::record_policy(span, selection.policy());
+                Ok(Arc::new(selection))
+            }
             Err(e @ SelectError::Unknown { .. }) => {
                 Err(ApiError::invalid(POLICY_HEADER, e.to_string()))
             }
@@ -761,15 +772,15 @@ pub(crate) async fn prepare(
     if !state.can_route(&parsed.model) {
         return Err(ApiError::ModelUnavailable(parsed.model));
     }
-    let planner = state
-        .planning
-        .select(policy_header(headers).as_deref(), &parsed.model)?;
     let span = crate::telemetry::request_span(
         headers,
         shape.operation(),
         &parsed.model,
         parsed.prompt.len(),
     );
+    let planner = state
+        .planning
+        .select(policy_header(headers).as_deref(), &parsed.model, &span)?;
     let tokenizer = match state.model_prompts.is_empty() {
         true => None,
         false => state

@@ -268,6 +268,7 @@ pub(crate) fn request_span(
         gen_ai.request.model = %model,
         gen_ai.usage.input_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX),
         gen_ai.usage.output_tokens = Empty,
+        switchyard.policy = Empty,
         switchyard.attempts = Empty,
         switchyard.ttft_ms = Empty,
         error.type = Empty,
@@ -280,6 +281,13 @@ pub(crate) fn request_span(
     let trace_id = span.context().span().span_context().trace_id();
     span.record("trace_id", tracing::field::display(trace_id));
     span
+}
+
+/// The policy that plans the request, on its span (nothing with tracing off).
+pub(crate) fn record_policy(span: &Span, policy: &str) {
+    if !span.is_none() {
+        span.record("switchyard.policy", policy);
+    }
 }
 
 /// What the request came to, on its span: attempts, completion tokens, time to first token,
