@@ -781,13 +781,10 @@ pub(crate) async fn prepare(
     let planner = state
         .planning
         .select(policy_header(headers).as_deref(), &parsed.model, &span)?;
-    let tokenizer = match state.model_prompts.is_empty() {
-        true => None,
-        false => state
-            .model_prompts
-            .get(&parsed.model)
-            .map(|prompts| prompts.tokenizer.tokenizer()),
-    };
+    let tokenizer = state
+        .model_prompts
+        .get(&parsed.model)
+        .map(|prompts| prompts.tokenizer.tokenizer());
     let route = RouteRequest {
         id: state.next_id.fetch_add(1, Ordering::Relaxed),
         request_id: format!("{}-{:032x}", shape.id_prefix(), rand::random::<u128>()),

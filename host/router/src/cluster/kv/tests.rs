@@ -24,8 +24,13 @@ fn spec(url: &str, kv_events: Option<String>) -> EndpointSpec {
 /// Endpoint 0 publishes (to `silent`), endpoint 1 does not; subscribers started.
 fn cluster(silent: &TcpListener) -> Cluster {
     let events = format!("tcp://{}", silent.local_addr().expect("bound"));
+    cluster_of(spec("http://a", Some(events)))
+}
+
+/// Endpoint 0 is `publishing`, endpoint 1 does not publish; subscribers started.
+fn cluster_of(publishing: EndpointSpec) -> Cluster {
     let cluster = Cluster::new(
-        vec![spec("http://a", Some(events)), spec("http://b", None)],
+        vec![publishing, spec("http://b", None)],
         OutlierConfig::default(),
     )
     .with_kv_events(SubscriberConfig {
@@ -44,17 +49,7 @@ async fn silent_listener() -> TcpListener {
 
 /// Endpoint `id` cached two blocks of 4 tokens: 1..=8.
 fn store_two_blocks(cluster: &Cluster, id: u32) {
-    let stored = BlockStored::new(
-        vec![BlockHash::Int(0xa), BlockHash::Int(0xb)],
-        None,
-        (1..=8).collect(),
-        4,
-    );
-    cluster
-        .kv
-        .index
-        .write()
-        .apply(id, &Event::BlockStored(stored));
+    store_two_blocks_on(cluster, id, 0);
 }
 
 fn cached(cluster: &Cluster, prompt: &[u32]) -> Vec<Option<u32>> {
@@ -238,22 +233,14 @@ async fn silent_listeners(n: u16) -> Vec<TcpListener> {
 /// Endpoint 0 publishes from one DP rank per listener; endpoint 1 from none.
 fn dp_cluster(ranks: &[TcpListener]) -> Cluster {
     let events = format!("tcp://{}", ranks[0].local_addr().expect("bound"));
-    let dp = EndpointSpec {
+    cluster_of(EndpointSpec {
         kv_events_dp_size: Some(ranks.len() as u32),
         ..spec("http://a", Some(events))
-    };
-    let cluster = Cluster::new(vec![dp, spec("http://b", None)], OutlierConfig::default())
-        .with_kv_events(SubscriberConfig {
-            stale_after: STALE_AFTER,
-            ..SubscriberConfig::default()
-        });
-    for id in 0..2 {
-        cluster.subscribe_kv_events(id);
-    }
-    cluster
+    })
 }
 
-/// Rank `rank` of endpoint `id` cached two blocks of 4 tokens: 1..=8.
+/// Rank `rank` of endpoint `id` cached two blocks of 4 tokens: 1..=8 (rank 0's index is every
+/// single-rank endpoint's).
 fn store_two_blocks_on(cluster: &Cluster, id: u32, rank: u32) {
     let stored = BlockStored::new(
         vec![BlockHash::Int(0xa), BlockHash::Int(0xb)],
