@@ -25,8 +25,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::openai::Responder;
 use super::respond::ApiError;
 use super::{AppState, Body};
-use crate::Event;
-use crate::Routing;
+use crate::{Done, Event, Failed, Routing};
 
 /// Stream `routing`'s events (starting with `first`, already received) to the client.
 pub fn stream_response(
@@ -186,11 +185,12 @@ impl StreamRelay {
                 }
                 self.responder.text_frame(out, &text);
             }
-            Event::Done {
-                finish_reason,
-                usage,
-                summary,
-            } => {
+            Event::Done(done) => {
+                let Done {
+                    finish_reason,
+                    usage,
+                    summary,
+                } = *done;
                 self.done = true;
                 self.state.metrics.request(route, 200);
                 self.state
@@ -200,7 +200,8 @@ impl StreamRelay {
                 self.responder.usage_frame(out, &usage);
                 out.extend_from_slice(switchyard_wire::sse::DONE_EVENT);
             }
-            Event::Failed { error, summary } => {
+            Event::Failed(failed) => {
+                let Failed { error, summary } = *failed;
                 let error = ApiError::Route(error);
                 self.state.metrics.request(route, error.status().as_u16());
                 self.state
