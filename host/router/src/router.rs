@@ -636,7 +636,12 @@ impl<E: Execute> Router<E> {
             cached,
         };
         let id = AttemptId::new(&req.request_id, attempt);
-        let mut generation = match self.executor.execute(&plan, body, &id).await {
+        // Boxed: running the plan (its legs' requests, connects and timeouts: 8 KiB of state in
+        // a debug build) is the largest state of the run by far, and lives only until the
+        // generation starts. Inline, every open stream's run kept that room for its whole life
+        // (heaptrack: 10.7 KiB per open stream, release build).
+        let executed = Box::pin(self.executor.execute(&plan, body, &id)).await;
+        let mut generation = match executed {
             Ok(g) => {
                 self.executor
                     .cluster()
