@@ -81,6 +81,10 @@ struct StreamRelay {
 /// Most bytes of events written to the client in one frame.
 const COALESCE_LIMIT: usize = 64 << 10;
 
+/// Room made for each event framed: a text chunk's JSON is 150–300 bytes, and a frame grown
+/// from empty reallocated five times on the way (8, 16, … 256 bytes) for every token.
+const EVENT_BYTES: usize = 512;
+
 impl Stream for StreamRelay {
     type Item = Result<Frame<Bytes>, Infallible>;
 
@@ -176,6 +180,7 @@ impl Coalescer {
 impl StreamRelay {
     /// Append the client's bytes for one event.
     fn frame(&mut self, event: Event, out: &mut Vec<u8>) {
+        out.reserve(EVENT_BYTES);
         let route = self.responder.shape.route();
         match event {
             Event::Text(text) => {
