@@ -731,7 +731,8 @@ async fn admitted(
             &ApiError::NotReady("the request was abandoned by the router"),
         );
     };
-    if let Event::Failed { error, summary } = first {
+    if let Event::Failed(failed) = first {
+        let crate::Failed { error, summary } = *failed;
         state.metrics.finished(&summary, arrived.elapsed());
         return reject(&state, shape, &ApiError::Route(error));
     }
@@ -897,17 +898,19 @@ async fn collect_events(
         };
         match event {
             Some(Event::Text(t)) => text.push_str(&t),
-            Some(Event::Done {
-                finish_reason,
-                usage,
-                summary,
-            }) => {
+            Some(Event::Done(done)) => {
+                let crate::Done {
+                    finish_reason,
+                    usage,
+                    summary,
+                } = *done;
                 state.metrics.finished(&summary, arrived.elapsed());
                 state.metrics.request(responder.shape.route(), 200);
                 let body = responder.full_response(text, finish_reason.as_str(), &usage);
                 return respond::json_response(StatusCode::OK, &body);
             }
-            Some(Event::Failed { error, summary }) => {
+            Some(Event::Failed(failed)) => {
+                let crate::Failed { error, summary } = *failed;
                 state.metrics.finished(&summary, arrived.elapsed());
                 return reject(state, responder.shape, &ApiError::Route(error));
             }

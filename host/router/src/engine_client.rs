@@ -758,19 +758,58 @@ fn broken_answer(e: hyper::Error) -> CallError {
 /// End a chunk stream with an error when the engine goes quiet for longer than `idle`. Fused:
 /// polling it again after its end keeps answering `None`.
 fn with_idle_timeout(chunks: ChunkStream, idle: Duration) -> ChunkStream {
-    Box::pin(
-        futures::stream::unfold((chunks, false), move |(mut chunks, done)| async move {
-            if done {
-                return None;
+    Box::pin(IdleTimeout {
+        chunks,
+        idle,
+        waiting_since: None,
+        timer: Box::pin(tokio::time::sleep(idle)),
+        over: false,
+    })
+}
+
+/// A chunk stream that fails with [`SseError::Idle`] once its reader has waited `idle` for a
+/// chunk. The gap is measured while the reader waits (polled, nothing ready), so a client that
+/// is slow to take chunks never makes the engine look quiet.
+///
+/// One timer per stream, not one per chunk: a chunk only clears `waiting_since`, and the timer
+/// is set again when it fires early (once per `idle` at most). A timeout around each chunk's
+/// read registered and cancelled a timer entry in the runtime's wheel for every token.
+struct IdleTimeout {
+    chunks: ChunkStream,
+    idle: Duration,
+    /// When the reader started waiting for the next chunk; `None` while one is ready or read.
+    waiting_since: Option<tokio::time::Instant>,
+    /// Fires at or before `waiting_since + idle` (a wait that began later moves it on).
+    timer: Pin<Box<tokio::time::Sleep>>,
+    over: bool,
+}
+
+impl futures::Stream for IdleTimeout {
+    type Item = Result<CompletionResponse, SseError>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        if this.over {
+            return Poll::Ready(None);
+        }
+        if let Poll::Ready(item) = this.chunks.poll_next_unpin(cx) {
+            this.waiting_since = None;
+            this.over = item.is_none();
+            return Poll::Ready(item);
+        }
+        let since = *this
+            .waiting_since
+            .get_or_insert_with(tokio::time::Instant::now);
+        let due = since + this.idle;
+        while this.timer.as_mut().poll(cx).is_ready() {
+            if due <= tokio::time::Instant::now() {
+                this.over = true;
+                return Poll::Ready(Some(Err(SseError::Idle(this.idle))));
             }
-            match tokio::time::timeout(idle, chunks.next()).await {
-                Ok(Some(item)) => Some((item, (chunks, false))),
-                Ok(None) => None,
-                Err(_) => Some((Err(SseError::Idle(idle)), (chunks, true))),
-            }
-        })
-        .fuse(),
-    )
+            this.timer.as_mut().reset(due);
+        }
+        Poll::Pending
+    }
 }
 
 /// What a failed request to `engine` says about it: a TLS failure (during the handshake, or

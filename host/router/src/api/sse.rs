@@ -25,8 +25,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::openai::Responder;
 use super::respond::ApiError;
 use super::{AppState, Body};
-use crate::Event;
-use crate::Routing;
+use crate::{Done, Event, Failed, Routing};
 
 /// Stream `routing`'s events (starting with `first`, already received) to the client.
 pub fn stream_response(
@@ -81,6 +80,10 @@ struct StreamRelay {
 
 /// Most bytes of events written to the client in one frame.
 const COALESCE_LIMIT: usize = 64 << 10;
+
+/// Room made for each event framed: a text chunk's JSON is 150–300 bytes, and a frame grown
+/// from empty reallocated five times on the way (8, 16, … 256 bytes) for every token.
+const EVENT_BYTES: usize = 512;
 
 impl Stream for StreamRelay {
     type Item = Result<Frame<Bytes>, Infallible>;
@@ -177,6 +180,7 @@ impl Coalescer {
 impl StreamRelay {
     /// Append the client's bytes for one event.
     fn frame(&mut self, event: Event, out: &mut Vec<u8>) {
+        out.reserve(EVENT_BYTES);
         let route = self.responder.shape.route();
         match event {
             Event::Text(text) => {
@@ -186,11 +190,12 @@ impl StreamRelay {
                 }
                 self.responder.text_frame(out, &text);
             }
-            Event::Done {
-                finish_reason,
-                usage,
-                summary,
-            } => {
+            Event::Done(done) => {
+                let Done {
+                    finish_reason,
+                    usage,
+                    summary,
+                } = *done;
                 self.done = true;
                 self.state.metrics.request(route, 200);
                 self.state
@@ -200,7 +205,8 @@ impl StreamRelay {
                 self.responder.usage_frame(out, &usage);
                 out.extend_from_slice(switchyard_wire::sse::DONE_EVENT);
             }
-            Event::Failed { error, summary } => {
+            Event::Failed(failed) => {
+                let Failed { error, summary } = *failed;
                 let error = ApiError::Route(error);
                 self.state.metrics.request(route, error.status().as_u16());
                 self.state

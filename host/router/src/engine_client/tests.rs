@@ -315,3 +315,37 @@ async fn a_stream_ends_at_done_although_the_engine_keeps_its_body_open() {
         .expect("ended at [DONE], not at the idle timeout");
     assert_eq!(texts, 1);
 }
+
+/// The idle limit bounds each wait for a chunk, not the stream: chunks 6 s apart run past the
+/// 10 s limit in all; a reader slow to ask for the next chunk (a slow client) does not count as
+/// the engine's silence; a wait past the limit fails exactly at it, and the stream then ends.
+#[tokio::test(start_paused = true)]
+async fn the_idle_limit_counts_each_wait_for_a_chunk_not_the_stream() {
+    let idle = Duration::from_secs(10);
+    let gap = Duration::from_secs(6);
+    let (tx, rx) = futures::channel::mpsc::unbounded();
+    let mut chunks = with_idle_timeout(Box::pin(rx), idle);
+    let chunk = || Ok(serde_json::from_str::<CompletionResponse>("{}").expect("a chunk"));
+    let engine = tokio::spawn(async move {
+        for _ in 0..4 {
+            tokio::time::sleep(gap).await;
+            tx.unbounded_send(chunk()).expect("the reader is there");
+        }
+        // Quiet from here on, the body still open.
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        drop(tx);
+    });
+    let started = tokio::time::Instant::now();
+    for _ in 0..3 {
+        assert!(matches!(chunks.next().await, Some(Ok(_))));
+    }
+    assert_eq!(started.elapsed(), 3 * gap, "chunks within the limit pass");
+    // The reader comes back 25 s later: the fourth chunk waits for it, ready.
+    tokio::time::sleep(Duration::from_secs(25)).await;
+    assert!(matches!(chunks.next().await, Some(Ok(_))));
+    let waiting = tokio::time::Instant::now();
+    assert!(matches!(chunks.next().await, Some(Err(SseError::Idle(d))) if d == idle));
+    assert_eq!(waiting.elapsed(), idle, "fails exactly at the limit");
+    assert!(chunks.next().await.is_none(), "and ends");
+    engine.abort();
+}

@@ -363,18 +363,14 @@ fn tokens(s: &str) -> Vec<u32> {
 
 fn expect_done(event: Event) -> (FinishReason, Usage, Summary) {
     match event {
-        Event::Done {
-            finish_reason,
-            usage,
-            summary,
-        } => (finish_reason, usage, summary),
+        Event::Done(done) => (done.finish_reason, done.usage, done.summary),
         other => panic!("expected Done, got {other:?}"),
     }
 }
 
 fn expect_failed(event: Event) -> (RouteError, Summary) {
     match event {
-        Event::Failed { error, summary } => (error, summary),
+        Event::Failed(failed) => (failed.error, failed.summary),
         other => panic!("expected Failed, got {other:?}"),
     }
 }
