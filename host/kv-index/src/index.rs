@@ -215,20 +215,26 @@ impl KvIndex {
         block_sizes.sort_unstable();
         block_sizes.dedup();
         for block_size in block_sizes {
-            let mut walking = vec![0u64; self.slots.len().div_ceil(64)];
+            let words = self.slots.len().div_ceil(64);
+            let (mut walking, mut bisecting) = (vec![0u64; words], vec![0u64; words]);
             for (_, blocks) in &endpoints {
                 if blocks.block_size == Some(block_size) && blocks.len() > 0 {
-                    walking[blocks.slot / 64] |= 1 << (blocks.slot % 64);
+                    // Whole chains make what an endpoint holds of a prompt a prefix of it, on
+                    // the GPU: a lookup counting other tiers too walks.
+                    let searched = match media == MediumSet::GPU && blocks.holds_whole_chains() {
+                        true => &mut bisecting,
+                        false => &mut walking,
+                    };
+                    searched[blocks.slot / 64] |= 1 << (blocks.slot % 64);
                 }
             }
-            self.walk(
-                tokens,
-                block_size as usize,
-                adapter,
-                media,
-                walking,
-                &mut matched_blocks,
-            );
+            let mut keys = PromptKeys::new(tokens, block_size as usize, adapter);
+            self.walk(&mut keys, media, walking, &mut matched_blocks);
+            for (word, slots) in bisecting.into_iter().enumerate() {
+                if slots != 0 {
+                    self.bisect(&mut keys, word, slots, &mut matched_blocks);
+                }
+            }
         }
         let mut matches: Vec<PrefixMatch> = endpoints
             .iter()
@@ -267,34 +273,27 @@ impl KvIndex {
                 .sum::<usize>()
     }
 
-    /// Walks the prompt's `block_size` blocks for the slots set in `walking`, writing each
-    /// slot's matched block count into `matched_blocks`.
+    /// Walks the prompt's blocks for the slots set in `walking`, writing each slot's matched
+    /// block count into `matched_blocks`: one probe a block until none of them matches.
     fn walk(
         &self,
-        tokens: &[u32],
-        block_size: usize,
-        adapter: Adapter<'_>,
+        prompt: &mut PromptKeys<'_>,
         media: MediumSet,
         mut walking: Vec<u64>,
         matched_blocks: &mut [usize],
     ) {
-        let mut chain = KeyChain::from(BlockKey::root(adapter));
-        let blocks = tokens.len() / block_size;
+        if walking.iter().all(|&slots| slots == 0) {
+            return;
+        }
+        let blocks = prompt.blocks();
         // A stretch of keys (a chain of hashes, no memory), then their lines read into the
         // cache together, then their probes, then the narrowing: reads that wait on nothing
         // else overlap their cache misses (the map is far larger than any cache).
-        let mut keys = Vec::with_capacity(LONGEST_STRETCH);
         let mut held = Vec::with_capacity(LONGEST_STRETCH * walking.len());
         let (mut walked, mut stretch) = (0, FIRST_STRETCH);
         while walked < blocks {
-            let stretch_tokens = &tokens[walked * block_size..];
-            keys.clear();
-            keys.extend(
-                stretch_tokens
-                    .chunks_exact(block_size)
-                    .take(stretch)
-                    .map(|b| chain.next(b)),
-            );
+            let end = (walked + stretch).min(blocks);
+            let keys = &prompt.up_to(end)[walked..];
             for (word, &slots) in walking.iter().enumerate() {
                 if slots != 0 {
                     self.holders.touch(keys.iter().copied(), word, media);
@@ -320,12 +319,133 @@ impl KvIndex {
                     return;
                 }
             }
-            walked += keys.len();
+            walked = end;
             stretch = (stretch * 2).min(LONGEST_STRETCH);
         }
         for (word, slots) in walking.iter().enumerate() {
             for_each_slot(*slots, word, |slot| matched_blocks[slot] = blocks);
         }
+    }
+
+    /// Finds where each of `word`'s `slots` stops matching the prompt on the GPU, for slots
+    /// holding whole chains only: holding a prompt's block means holding every block before
+    /// it, so the slots holding its first `depth` blocks shrink as `depth` grows, and between
+    /// two depths where the same slots hold, no slot stops. Probes at depths 32, 64, 128, ...
+    /// find a depth no slot reaches (a prompt is hashed little further than it is held), and
+    /// bisecting between probes that differ finds each stop: about log2(blocks) probes per
+    /// distinct depth where slots stop, instead of one per block up to the deepest.
+    fn bisect(
+        &self,
+        prompt: &mut PromptKeys<'_>,
+        word: usize,
+        slots: u64,
+        matched_blocks: &mut [usize],
+    ) {
+        let blocks = prompt.blocks();
+        // Every slot holds the first 0 blocks.
+        let mut known = (0, slots);
+        let mut depth = FIRST_STRETCH.min(blocks);
+        while known.0 < blocks {
+            let keys = prompt.up_to(depth);
+            let holding = self.holding(keys, word, depth, known.1, 0);
+            self.narrow(keys, word, known, (depth, holding), matched_blocks);
+            if holding == 0 {
+                return;
+            }
+            known = (depth, holding);
+            depth = (depth * 2).min(blocks);
+        }
+        for_each_slot(known.1, word, |slot| matched_blocks[slot] = blocks);
+    }
+
+    /// Between `lo` blocks, which the slots of `lo_holding` hold, and `hi`, which those of
+    /// `hi_holding` (a subset) hold, sets the matched blocks of each slot that stops there.
+    fn narrow(
+        &self,
+        keys: &[BlockKey],
+        word: usize,
+        (lo, lo_holding): (usize, u64),
+        (hi, hi_holding): (usize, u64),
+        matched_blocks: &mut [usize],
+    ) {
+        if lo_holding == hi_holding {
+            return;
+        }
+        if hi - lo == 1 {
+            for_each_slot(lo_holding & !hi_holding, word, |slot| {
+                matched_blocks[slot] = lo
+            });
+            return;
+        }
+        let mid = lo + (hi - lo) / 2;
+        let mid_holding = self.holding(keys, word, mid, lo_holding, hi_holding);
+        self.narrow(
+            keys,
+            word,
+            (lo, lo_holding),
+            (mid, mid_holding),
+            matched_blocks,
+        );
+        self.narrow(
+            keys,
+            word,
+            (mid, mid_holding),
+            (hi, hi_holding),
+            matched_blocks,
+        );
+    }
+
+    /// Which slots of `word` hold the prompt's first `depth` blocks (at least one), given that
+    /// they are among `at_most` and include `at_least`. The bounds are the order a prompt's
+    /// depths have; clamped to them, colliding keys (which could break it) still leave each
+    /// slot one depth.
+    fn holding(
+        &self,
+        keys: &[BlockKey],
+        word: usize,
+        depth: usize,
+        at_most: u64,
+        at_least: u64,
+    ) -> u64 {
+        (self.holders.mask(keys[depth - 1], word, MediumSet::GPU) & at_most) | at_least
+    }
+}
+
+/// A prompt's block keys for one block size, chained as far as a lookup has needed them.
+struct PromptKeys<'p> {
+    blocks: std::slice::ChunksExact<'p, u32>,
+    chain: KeyChain,
+    keys: Vec<BlockKey>,
+    count: usize,
+}
+
+impl<'p> PromptKeys<'p> {
+    fn new(tokens: &'p [u32], block_size: usize, adapter: Adapter<'_>) -> Self {
+        let blocks = tokens.chunks_exact(block_size);
+        Self {
+            count: blocks.len(),
+            blocks,
+            chain: KeyChain::from(BlockKey::root(adapter)),
+            keys: Vec::new(),
+        }
+    }
+
+    /// The prompt's full blocks.
+    fn blocks(&self) -> usize {
+        self.count
+    }
+
+    /// The keys of the first `end` blocks (at most all of them).
+    fn up_to(&mut self, end: usize) -> &[BlockKey] {
+        let Self {
+            blocks,
+            chain,
+            keys,
+            ..
+        } = self;
+        let more = end.saturating_sub(keys.len());
+        keys.extend(blocks.by_ref().take(more).map(|block| chain.next(block)));
+        &keys[..end.min(keys.len())]
     }
 }
 
@@ -365,10 +485,13 @@ fn store(
     };
     let medium = Medium::of(event.medium.as_deref());
     let mut chain = KeyChain::from(parent);
-    let mut last = parent;
+    // The key before the next block, `None` before a prompt's first.
+    let mut before = (parent != BlockKey::root(adapter)).then_some(parent);
     let tokens = event.token_ids.chunks_exact(event.block_size as usize);
     for (i, (hash, tokens)) in event.block_hashes.iter().zip(tokens).enumerate().skip(from) {
-        if i - from == budget {
+        if let Some(last) = before
+            && i - from == budget
+        {
             return Some((i, last));
         }
         // This block and every later one in the event chain from keys a prompt cannot
@@ -377,8 +500,9 @@ fn store(
             blocks.stats.skipped += count - i as u64;
             return None;
         }
-        last = chain.next(tokens);
-        blocks.store(holders, hash_bits(hash), last, medium, cap);
+        let key = chain.next(tokens);
+        blocks.store(holders, hash_bits(hash), (key, before), medium, cap);
+        before = Some(key);
     }
     None
 }

@@ -1,6 +1,7 @@
 //! One endpoint's blocks: in the order they came in, oldest dropped first at the cap, each
 //! with its key and the media it is on; and its engine's hashes → their places in that order
-//! (to place children and apply removals).
+//! (to place children and apply removals); and whether every block it holds on the GPU has
+//! its parent there too, which lets a lookup bisect for where its prefix of a prompt ends.
 
 use std::collections::VecDeque;
 
@@ -25,6 +26,13 @@ pub(super) struct EndpointBlocks {
     /// can be stored again at another place; it then moves there (the index under-reports,
     /// never over).
     places: Table,
+    /// The keys this endpoint holds on the GPU (its bits in the holders' GPU table) whose
+    /// parent key it does not hold there. While there are none, what it holds of any prompt is
+    /// a prefix of it: holding a prompt's block means holding every block before it.
+    orphans: u64,
+    /// Per key, how many of the keys held on the GPU have it as their parent: the orphans
+    /// the key adopts when it comes onto the GPU, and leaves when it goes.
+    children: Table,
     pub(super) stats: EndpointStats,
 }
 
@@ -32,8 +40,18 @@ pub(super) struct EndpointBlocks {
 struct Block {
     hash: u64,
     key: BlockKey,
+    /// The key of the block before it, unless it is a prompt's first (`first`): the two
+    /// fields of an `Option` without its padding (32 bytes a block, not 40).
+    parent: BlockKey,
+    first: bool,
     /// Empty for a gap.
     media: MediumSet,
+}
+
+impl Block {
+    fn parent(&self) -> Option<BlockKey> {
+        (!self.first).then_some(self.parent)
+    }
 }
 
 impl EndpointBlocks {
@@ -44,6 +62,8 @@ impl EndpointBlocks {
             order: VecDeque::new(),
             front: 0,
             places: Table::default(),
+            orphans: 0,
+            children: Table::default(),
             stats: EndpointStats::default(),
         }
     }
@@ -52,27 +72,34 @@ impl EndpointBlocks {
         self.places.len()
     }
 
+    /// Whether every block held on the GPU has its parent held there too (the usual state:
+    /// engines evict a chain's blocks from its end).
+    pub(super) fn holds_whole_chains(&self) -> bool {
+        self.orphans == 0
+    }
+
     pub(super) fn key_of(&self, hash: u64) -> Option<BlockKey> {
         self.place_of(hash).map(|at| self.order[at].key)
     }
 
-    /// Records that the engine holds `key` as `hash` on `medium`, making room under `cap`.
+    /// Records that the engine holds `key`, the block after `parent` (`None`: a prompt's
+    /// first), as `hash` on `medium`, making room under `cap`.
     pub(super) fn store(
         &mut self,
         holders: &mut Holders,
         hash: u64,
-        key: BlockKey,
+        (key, parent): (BlockKey, Option<BlockKey>),
         medium: Medium,
         cap: usize,
     ) {
-        self.touch_lines_of_store(holders, hash, key, medium, cap);
+        self.touch_lines_of_store(holders, hash, (key, parent), medium, cap);
         if let Some(at) = self.place_of(hash) {
-            let block = &mut self.order[at];
+            let block = self.order[at];
             if block.key == key {
                 // Another copy of a block it has (an offload, or a repeat): nothing moves.
                 if !block.media.contains(medium) {
-                    block.media = block.media.with(medium);
-                    holders.set(key, self.slot, medium);
+                    self.order[at].media = block.media.with(medium);
+                    self.hold(holders, block, medium);
                 }
                 return;
             }
@@ -84,12 +111,15 @@ impl EndpointBlocks {
         self.places
             .insert(hash, self.front + self.order.len() as u64);
         self.make_room_in_order(cap);
-        self.order.push_back(Block {
+        let block = Block {
             hash,
             key,
+            parent: parent.unwrap_or(key),
+            first: parent.is_none(),
             media: MediumSet::of(medium),
-        });
-        holders.set(key, self.slot, medium);
+        };
+        self.order.push_back(block);
+        self.hold(holders, block, medium);
         self.stats.stored += 1;
     }
 
@@ -98,13 +128,13 @@ impl EndpointBlocks {
         let Some(at) = self.place_of(hash) else {
             return;
         };
-        let block = &mut self.order[at];
+        let block = self.order[at];
         if !block.media.contains(medium) {
             return;
         }
-        block.media = block.media.without(medium);
-        holders.clear(block.key, self.slot, medium);
-        if block.media.is_empty() {
+        self.order[at].media = block.media.without(medium);
+        self.release(holders, block, medium);
+        if self.order[at].media.is_empty() {
             self.places.remove(hash);
             self.compact_order();
         }
@@ -113,16 +143,77 @@ impl EndpointBlocks {
 
     /// Drops every block (the slot and block size stay).
     pub(super) fn clear(&mut self, holders: &mut Holders) {
-        for block in &self.order {
-            clear_holders(holders, block, self.slot);
+        for at in 0..self.order.len() {
+            self.release_every_copy(holders, self.order[at]);
         }
         self.order.clear();
         self.places.clear();
+        // Zero already, unless two keys collided (the counts then may not return to zero):
+        // a clear starts over.
+        (self.orphans, self.children) = (0, Table::default());
         self.stats.clears += 1;
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.places.heap_bytes() + self.order.capacity() * size_of::<Block>()
+        self.places.heap_bytes()
+            + self.children.heap_bytes()
+            + self.order.capacity() * size_of::<Block>()
+    }
+
+    /// Sets the endpoint's bit for `block` on `medium`, counting what that changes.
+    fn hold(&mut self, holders: &mut Holders, block: Block, medium: Medium) {
+        if holders.set(block.key, self.slot, medium) && medium == Medium::Gpu {
+            self.count_gpu_change(holders, block, true);
+        }
+    }
+
+    /// Clears the endpoint's bit for `block` on `medium`, counting what that changes.
+    fn release(&mut self, holders: &mut Holders, block: Block, medium: Medium) {
+        if holders.clear(block.key, self.slot, medium) && medium == Medium::Gpu {
+            self.count_gpu_change(holders, block, false);
+        }
+    }
+
+    fn release_every_copy(&mut self, holders: &mut Holders, block: Block) {
+        for medium in Medium::EVERY {
+            if block.media.contains(medium) {
+                self.release(holders, block, medium);
+            }
+        }
+    }
+
+    /// Keeps `orphans` and `children` to their definitions, `block`'s key having just come
+    /// onto the GPU (`arrived`) or gone from it. Its children held there stop being orphans,
+    /// or become ones; and it is an orphan itself while its parent is not held. O(1): a
+    /// middle block's eviction orphans its children without visiting them.
+    fn count_gpu_change(&mut self, holders: &Holders, block: Block, arrived: bool) {
+        let adopted = self.children.get(block.key.bits()).unwrap_or(0);
+        let parent = block.parent();
+        let orphan = parent.is_some_and(|parent| !holders.holds_on_gpu(parent, self.slot));
+        if let Some(parent) = parent {
+            self.count_child(parent, arrived);
+        }
+        // Saturating: only colliding keys (one parent for two) could take a count below zero.
+        self.orphans = if arrived {
+            self.orphans.saturating_sub(adopted) + u64::from(orphan)
+        } else {
+            (self.orphans + adopted).saturating_sub(u64::from(orphan))
+        };
+    }
+
+    fn count_child(&mut self, parent: BlockKey, arrived: bool) {
+        let bits = parent.bits();
+        match self.children.get_mut(bits) {
+            Some(count) if arrived => *count += 1,
+            None if arrived => {
+                self.children.insert(bits, 1);
+            }
+            Some(1) => {
+                self.children.remove(bits);
+            }
+            Some(count) => *count -= 1,
+            None => {}
+        }
     }
 
     /// Reads the lines a store is about to search, all four at once: the block's place and
@@ -132,7 +223,7 @@ impl EndpointBlocks {
         &self,
         holders: &Holders,
         hash: u64,
-        key: BlockKey,
+        (key, parent): (BlockKey, Option<BlockKey>),
         medium: Medium,
         cap: usize,
     ) {
@@ -144,6 +235,13 @@ impl EndpointBlocks {
             self.slot / 64,
             medium,
         );
+        if medium == Medium::Gpu {
+            // The counts the store and the eviction change, and the parent's holders.
+            let counted = [Some(key), parent, evicted.map(|block| block.key)];
+            self.children
+                .touch_for_update(counted.into_iter().flatten().map(BlockKey::bits));
+            holders.touch(parent, self.slot / 64, MediumSet::GPU);
+        }
     }
 
     /// Where `hash`'s block is in `order`.
@@ -155,9 +253,9 @@ impl EndpointBlocks {
 
     /// Drops the block at `at` in `order`, leaving a gap.
     fn forget(&mut self, holders: &mut Holders, at: usize) {
-        let block = &mut self.order[at];
-        clear_holders(holders, block, self.slot);
-        block.media = MediumSet::NONE;
+        let block = self.order[at];
+        self.release_every_copy(holders, block);
+        self.order[at].media = MediumSet::NONE;
         self.places.remove(block.hash);
         self.compact_order();
     }
@@ -169,7 +267,7 @@ impl EndpointBlocks {
             self.front += 1;
             if !block.media.is_empty() {
                 self.places.remove(block.hash);
-                clear_holders(holders, &block, self.slot);
+                self.release_every_copy(holders, block);
                 self.stats.evicted += 1;
                 return;
             }
@@ -205,14 +303,6 @@ impl EndpointBlocks {
     }
 }
 
-fn clear_holders(holders: &mut Holders, block: &Block, slot: usize) {
-    for medium in Medium::EVERY {
-        if block.media.contains(medium) {
-            holders.clear(block.key, slot, medium);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,7 +318,7 @@ mod tests {
         const CAP: usize = 1_000;
         let (mut blocks, mut holders) = (EndpointBlocks::new(0), Holders::default());
         for i in 0..3 * CAP as u64 {
-            blocks.store(&mut holders, i, key(i), Medium::Gpu, CAP);
+            blocks.store(&mut holders, i, (key(i), None), Medium::Gpu, CAP);
             assert!(blocks.order.capacity() <= CAP, "{i}");
         }
         assert_eq!(
@@ -240,7 +330,7 @@ mod tests {
             blocks.remove(&mut holders, i, Medium::Gpu);
         }
         for i in 3 * CAP as u64..3 * CAP as u64 + 100 {
-            blocks.store(&mut holders, i, key(i), Medium::Gpu, CAP);
+            blocks.store(&mut holders, i, (key(i), None), Medium::Gpu, CAP);
         }
         assert_eq!((blocks.len(), blocks.order.len()), (CAP, CAP + 100));
         assert!(blocks.order.capacity() >= 2 * CAP);

@@ -25,39 +25,56 @@ pub(super) struct Holders {
 }
 
 impl Holders {
-    pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) {
+    /// Sets `slot`'s bit for `key` on `medium`; whether it was clear.
+    pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) -> bool {
         let (entry, bit) = (entry_key(key, slot / 64), 1 << (slot % 64));
-        match offloaded_index(medium) {
+        let mask = match offloaded_index(medium) {
             None => match self.gpu.get_mut(entry) {
-                Some(mask) => *mask |= bit,
+                Some(mask) => mask,
                 None => {
                     self.gpu.insert(entry, bit);
+                    return true;
                 }
             },
-            Some(tier) => self.offloaded.entry(entry).or_default()[tier] |= bit,
-        }
+            Some(tier) => &mut self.offloaded.entry(entry).or_default()[tier],
+        };
+        let was_clear = *mask & bit == 0;
+        *mask |= bit;
+        was_clear
     }
 
-    pub(super) fn clear(&mut self, key: BlockKey, slot: usize, medium: Medium) {
+    /// Clears `slot`'s bit for `key` on `medium`; whether it was set.
+    pub(super) fn clear(&mut self, key: BlockKey, slot: usize, medium: Medium) -> bool {
         let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
         match offloaded_index(medium) {
             None => {
-                if let Some(mask) = self.gpu.get_mut(entry) {
-                    *mask &= !bit;
-                    if *mask == 0 {
-                        self.gpu.remove(entry);
-                    }
+                let Some(mask) = self.gpu.get_mut(entry) else {
+                    return false;
+                };
+                let was_set = *mask & bit != 0;
+                *mask &= !bit;
+                if *mask == 0 {
+                    self.gpu.remove(entry);
                 }
+                was_set
             }
             Some(tier) => {
-                if let Some(masks) = self.offloaded.get_mut(&entry) {
-                    masks[tier] &= !bit;
-                    if masks.iter().all(|&mask| mask == 0) {
-                        self.offloaded.remove(&entry);
-                    }
+                let Some(masks) = self.offloaded.get_mut(&entry) else {
+                    return false;
+                };
+                let was_set = masks[tier] & bit != 0;
+                masks[tier] &= !bit;
+                if masks.iter().all(|&mask| mask == 0) {
+                    self.offloaded.remove(&entry);
                 }
+                was_set
             }
         }
+    }
+
+    /// Whether `slot` holds `key` in its GPU cache.
+    pub(super) fn holds_on_gpu(&self, key: BlockKey, slot: usize) -> bool {
+        self.mask(key, slot / 64, MediumSet::GPU) & 1 << (slot % 64) != 0
     }
 
     /// Brings the entries [`Self::mask`] will read for `keys` into the cache, together.
