@@ -215,22 +215,28 @@ impl KvIndex {
         block_sizes.sort_unstable();
         block_sizes.dedup();
         for block_size in block_sizes {
-            let words = self.slots.len().div_ceil(64);
-            let (mut walking, mut bisecting) = (vec![0u64; words], vec![0u64; words]);
+            let mut searched = vec![0u64; self.slots.len().div_ceil(64)];
+            let mut holes = false;
             for (_, blocks) in &endpoints {
                 if blocks.block_size == Some(block_size) && blocks.len() > 0 {
-                    // Whole chains make what an endpoint holds of a prompt a prefix of it, on
-                    // the GPU: a lookup counting other tiers too walks.
-                    let searched = match media == MediumSet::GPU && blocks.holds_whole_chains() {
-                        true => &mut bisecting,
-                        false => &mut walking,
-                    };
                     searched[blocks.slot / 64] |= 1 << (blocks.slot % 64);
+                    holes |= blocks.has_holes();
                 }
             }
-            let mut keys = PromptKeys::new(tokens, block_size as usize, adapter);
-            self.walk(&mut keys, media, walking, &mut matched_blocks);
-            for (word, slots) in bisecting.into_iter().enumerate() {
+            // Holes are kept for the GPU: a lookup counting other tiers too walks.
+            let bisecting = media == MediumSet::GPU;
+            let holes = (bisecting && holes).then_some(&self.holders);
+            let mut keys = PromptKeys::new(
+                tokens,
+                block_size as usize,
+                adapter,
+                (holes, searched.len()),
+            );
+            if !bisecting {
+                self.walk(&mut keys, media, searched, &mut matched_blocks);
+                continue;
+            }
+            for (word, slots) in searched.into_iter().enumerate() {
                 if slots != 0 {
                     self.bisect(&mut keys, word, slots, &mut matched_blocks);
                 }
@@ -293,7 +299,8 @@ impl KvIndex {
         let (mut walked, mut stretch) = (0, FIRST_STRETCH);
         while walked < blocks {
             let end = (walked + stretch).min(blocks);
-            let keys = &prompt.up_to(end)[walked..];
+            prompt.extend_to(end);
+            let keys = &prompt.keys[walked..end];
             for (word, &slots) in walking.iter().enumerate() {
                 if slots != 0 {
                     self.holders.touch(keys.iter().copied(), word, media);
@@ -327,10 +334,11 @@ impl KvIndex {
         }
     }
 
-    /// Finds where each of `word`'s `slots` stops matching the prompt on the GPU, for slots
-    /// holding whole chains only: holding a prompt's block means holding every block before
-    /// it, so the slots holding its first `depth` blocks shrink as `depth` grows, and between
-    /// two depths where the same slots hold, no slot stops. Probes at depths 32, 64, 128, ...
+    /// Finds where each of `word`'s `slots` stops matching the prompt on the GPU. Up to its
+    /// first hole on the prompt, a slot holding a block of it holds every block before it (its
+    /// parent is held, or is a hole), so the slots holding the first `depth` blocks, less those
+    /// with a hole before, shrink as `depth` grows; and between two depths where the same
+    /// slots hold, no slot stops. Probes at depths 32, 64, 128, ...
     /// find a depth no slot reaches (a prompt is hashed little further than it is held), and
     /// bisecting between probes that differ finds each stop: about log2(blocks) probes per
     /// distinct depth where slots stop, instead of one per block up to the deepest.
@@ -346,9 +354,9 @@ impl KvIndex {
         let mut known = (0, slots);
         let mut depth = FIRST_STRETCH.min(blocks);
         while known.0 < blocks {
-            let keys = prompt.up_to(depth);
-            let holding = self.holding(keys, word, depth, known.1, 0);
-            self.narrow(keys, word, known, (depth, holding), matched_blocks);
+            prompt.extend_to(depth);
+            let holding = self.holding(prompt, word, depth, known.1, 0);
+            self.narrow(prompt, word, known, (depth, holding), matched_blocks);
             if holding == 0 {
                 return;
             }
@@ -362,7 +370,7 @@ impl KvIndex {
     /// `hi_holding` (a subset) hold, sets the matched blocks of each slot that stops there.
     fn narrow(
         &self,
-        keys: &[BlockKey],
+        prompt: &PromptKeys<'_>,
         word: usize,
         (lo, lo_holding): (usize, u64),
         (hi, hi_holding): (usize, u64),
@@ -378,16 +386,16 @@ impl KvIndex {
             return;
         }
         let mid = lo + (hi - lo) / 2;
-        let mid_holding = self.holding(keys, word, mid, lo_holding, hi_holding);
+        let mid_holding = self.holding(prompt, word, mid, lo_holding, hi_holding);
         self.narrow(
-            keys,
+            prompt,
             word,
             (lo, lo_holding),
             (mid, mid_holding),
             matched_blocks,
         );
         self.narrow(
-            keys,
+            prompt,
             word,
             (mid, mid_holding),
             (hi, hi_holding),
@@ -395,38 +403,56 @@ impl KvIndex {
         );
     }
 
-    /// Which slots of `word` hold the prompt's first `depth` blocks (at least one), given that
-    /// they are among `at_most` and include `at_least`. The bounds are the order a prompt's
-    /// depths have; clamped to them, colliding keys (which could break it) still leave each
-    /// slot one depth.
+    /// Which slots of `word` hold the prompt's first `depth` blocks (at least one, chained
+    /// already): those holding the last of them with no hole before it, given that they are
+    /// among `at_most` and include `at_least`. The bounds are the order a prompt's depths
+    /// have; clamped to them, colliding keys (which could break it) still leave each slot one
+    /// depth.
     fn holding(
         &self,
-        keys: &[BlockKey],
+        prompt: &PromptKeys<'_>,
         word: usize,
         depth: usize,
         at_most: u64,
         at_least: u64,
     ) -> u64 {
-        (self.holders.mask(keys[depth - 1], word, MediumSet::GPU) & at_most) | at_least
+        let held = self
+            .holders
+            .mask(prompt.keys[depth - 1], word, MediumSet::GPU);
+        (held & !prompt.holed(depth, word) & at_most) | at_least
     }
 }
 
-/// A prompt's block keys for one block size, chained as far as a lookup has needed them.
+/// A prompt's block keys for one block size, chained as far as a lookup has needed them;
+/// and where the lookup bisects endpoints with holes, the slots with one so far.
 struct PromptKeys<'p> {
     blocks: std::slice::ChunksExact<'p, u32>,
     chain: KeyChain,
     keys: Vec<BlockKey>,
     count: usize,
+    /// Where to look each key up as a hole; `None` when no endpoint searched has any.
+    holes: Option<&'p Holders>,
+    words: usize,
+    /// Per key, `words` words: the slots with a hole at or before it.
+    holed: Vec<u64>,
 }
 
 impl<'p> PromptKeys<'p> {
-    fn new(tokens: &'p [u32], block_size: usize, adapter: Adapter<'_>) -> Self {
+    fn new(
+        tokens: &'p [u32],
+        block_size: usize,
+        adapter: Adapter<'_>,
+        (holes, words): (Option<&'p Holders>, usize),
+    ) -> Self {
         let blocks = tokens.chunks_exact(block_size);
         Self {
             count: blocks.len(),
             blocks,
             chain: KeyChain::from(BlockKey::root(adapter)),
             keys: Vec::new(),
+            holes,
+            words,
+            holed: Vec::new(),
         }
     }
 
@@ -435,17 +461,30 @@ impl<'p> PromptKeys<'p> {
         self.count
     }
 
-    /// The keys of the first `end` blocks (at most all of them).
-    fn up_to(&mut self, end: usize) -> &[BlockKey] {
-        let Self {
-            blocks,
-            chain,
-            keys,
-            ..
-        } = self;
-        let more = end.saturating_sub(keys.len());
-        keys.extend(blocks.by_ref().take(more).map(|block| chain.next(block)));
-        &keys[..end.min(keys.len())]
+    /// Chains the keys of the first `end` blocks (at most all of them).
+    fn extend_to(&mut self, end: usize) {
+        while self.keys.len() < end {
+            let Some(block) = self.blocks.next() else {
+                return;
+            };
+            let key = self.chain.next(block);
+            self.keys.push(key);
+            if let Some(holders) = self.holes {
+                let before = self.holed.len().checked_sub(self.words);
+                for word in 0..self.words {
+                    let earlier = before.map_or(0, |at| self.holed[at + word]);
+                    self.holed.push(earlier | holders.holes(key, word));
+                }
+            }
+        }
+    }
+
+    /// The slots of `word` with a hole among the first `depth` blocks (chained already).
+    fn holed(&self, depth: usize, word: usize) -> u64 {
+        match self.holes {
+            Some(_) => self.holed[(depth - 1) * self.words + word],
+            None => 0,
+        }
     }
 }
 

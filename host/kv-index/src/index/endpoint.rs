@@ -1,7 +1,7 @@
 //! One endpoint's blocks: in the order they came in, oldest dropped first at the cap, each
 //! with its key and the media it is on; and its engine's hashes → their places in that order
-//! (to place children and apply removals); and whether every block it holds on the GPU has
-//! its parent there too, which lets a lookup bisect for where its prefix of a prompt ends.
+//! (to place children and apply removals); and its holes, the keys a lookup may not bisect
+//! across (see [`Holders`]).
 
 use std::collections::VecDeque;
 
@@ -26,12 +26,11 @@ pub(super) struct EndpointBlocks {
     /// can be stored again at another place; it then moves there (the index under-reports,
     /// never over).
     places: Table,
-    /// The keys this endpoint holds on the GPU (its bits in the holders' GPU table) whose
-    /// parent key it does not hold there. While there are none, what it holds of any prompt is
-    /// a prefix of it: holding a prompt's block means holding every block before it.
-    orphans: u64,
-    /// Per key, how many of the keys held on the GPU have it as their parent: the orphans
-    /// the key adopts when it comes onto the GPU, and leaves when it goes.
+    /// Its holes in the holders' table: keys not on the GPU (no bit in the holders' GPU
+    /// table) with a child there.
+    holes: usize,
+    /// Per key, how many of the keys held on the GPU have it as their parent: whether the
+    /// key is a hole when it is not held.
     children: Table,
     pub(super) stats: EndpointStats,
 }
@@ -62,7 +61,7 @@ impl EndpointBlocks {
             order: VecDeque::new(),
             front: 0,
             places: Table::default(),
-            orphans: 0,
+            holes: 0,
             children: Table::default(),
             stats: EndpointStats::default(),
         }
@@ -72,10 +71,9 @@ impl EndpointBlocks {
         self.places.len()
     }
 
-    /// Whether every block held on the GPU has its parent held there too (the usual state:
-    /// engines evict a chain's blocks from its end).
-    pub(super) fn holds_whole_chains(&self) -> bool {
-        self.orphans == 0
+    /// Whether it has holes (engines evict a chain's blocks from its end: usually not).
+    pub(super) fn has_holes(&self) -> bool {
+        self.holes > 0
     }
 
     pub(super) fn key_of(&self, hash: u64) -> Option<BlockKey> {
@@ -148,9 +146,6 @@ impl EndpointBlocks {
         }
         self.order.clear();
         self.places.clear();
-        // Zero already, unless two keys collided (the counts then may not return to zero):
-        // a clear starts over.
-        (self.orphans, self.children) = (0, Table::default());
         self.stats.clears += 1;
     }
 
@@ -182,37 +177,54 @@ impl EndpointBlocks {
         }
     }
 
-    /// Keeps `orphans` and `children` to their definitions, `block`'s key having just come
-    /// onto the GPU (`arrived`) or gone from it. Its children held there stop being orphans,
-    /// or become ones; and it is an orphan itself while its parent is not held. O(1): a
-    /// middle block's eviction orphans its children without visiting them.
-    fn count_gpu_change(&mut self, holders: &Holders, block: Block, arrived: bool) {
-        let adopted = self.children.get(block.key.bits()).unwrap_or(0);
-        let parent = block.parent();
-        let orphan = parent.is_some_and(|parent| !holders.holds_on_gpu(parent, self.slot));
-        if let Some(parent) = parent {
-            self.count_child(parent, arrived);
+    /// Keeps `children` and the holes to their definitions, `block`'s key having just come
+    /// onto the GPU (`arrived`) or gone from it: it was a hole or becomes one when it has
+    /// children there, and its parent, when not held, is a hole while it has any. O(1): an
+    /// evicted middle block is a hole whatever follows it.
+    fn count_gpu_change(&mut self, holders: &mut Holders, block: Block, arrived: bool) {
+        // Arriving, it can have children only as a hole: with none, no need to look.
+        if (!arrived || self.holes > 0) && self.children.get(block.key.bits()).is_some() {
+            self.mark_hole(holders, block.key, !arrived);
         }
-        // Saturating: only colliding keys (one parent for two) could take a count below zero.
-        self.orphans = if arrived {
-            self.orphans.saturating_sub(adopted) + u64::from(orphan)
-        } else {
-            (self.orphans + adopted).saturating_sub(u64::from(orphan))
+        let Some(parent) = block.parent() else {
+            return;
+        };
+        let children = self.count_child(parent, arrived);
+        // The first child arrived, or the last went, under a parent not held.
+        if children == u64::from(arrived) && !holders.holds_on_gpu(parent, self.slot) {
+            self.mark_hole(holders, parent, arrived);
+        }
+    }
+
+    fn mark_hole(&mut self, holders: &mut Holders, key: BlockKey, hole: bool) {
+        holders.set_hole(key, self.slot, hole);
+        // Saturating: only colliding keys (one key, two parents) could unbalance the count.
+        self.holes = match hole {
+            true => self.holes + 1,
+            false => self.holes.saturating_sub(1),
         };
     }
 
-    fn count_child(&mut self, parent: BlockKey, arrived: bool) {
+    /// Counts a child of `parent` in or out; how many it has now.
+    fn count_child(&mut self, parent: BlockKey, arrived: bool) -> u64 {
         let bits = parent.bits();
         match self.children.get_mut(bits) {
-            Some(count) if arrived => *count += 1,
+            Some(count) if arrived => {
+                *count += 1;
+                *count
+            }
             None if arrived => {
                 self.children.insert(bits, 1);
+                1
             }
-            Some(1) => {
+            Some(1) | None => {
                 self.children.remove(bits);
+                0
             }
-            Some(count) => *count -= 1,
-            None => {}
+            Some(count) => {
+                *count -= 1;
+                *count
+            }
         }
     }
 
@@ -236,11 +248,22 @@ impl EndpointBlocks {
             medium,
         );
         if medium == Medium::Gpu {
-            // The counts the store and the eviction change, and the parent's holders.
-            let counted = [Some(key), parent, evicted.map(|block| block.key)];
+            // The children counts the store and the eviction change, and the parents' holders.
+            let arriving = Some(key).filter(|_| self.holes > 0);
+            let evicted_parent = evicted.and_then(|block| block.parent());
+            let counted = [
+                arriving,
+                parent,
+                evicted.map(|block| block.key),
+                evicted_parent,
+            ];
             self.children
                 .touch_for_update(counted.into_iter().flatten().map(BlockKey::bits));
-            holders.touch(parent, self.slot / 64, MediumSet::GPU);
+            holders.touch(
+                parent.into_iter().chain(evicted_parent),
+                self.slot / 64,
+                MediumSet::GPU,
+            );
         }
     }
 

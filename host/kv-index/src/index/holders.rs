@@ -22,6 +22,11 @@ pub(super) struct Holders {
     /// The same for the offloaded tiers ([`Medium::Cpu`], [`Medium::Storage`]), which only
     /// offloading connectors fill.
     offloaded: Map<[u64; 2]>,
+    /// The slots of one word for which the key is a hole: not on the GPU, with a child there
+    /// (a middle block evicted, the cap's oldest dropped). Along a prompt, a slot holds a
+    /// block only after every block before it, up to the first of its holes; engines evict
+    /// a chain from its end, so there are few, and this table stays in the caches.
+    holes: Table,
 }
 
 impl Holders {
@@ -70,6 +75,29 @@ impl Holders {
                 was_set
             }
         }
+    }
+
+    /// Marks `key` a hole of `slot`'s, or no longer one.
+    pub(super) fn set_hole(&mut self, key: BlockKey, slot: usize, hole: bool) {
+        let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
+        match (self.holes.get_mut(entry), hole) {
+            (Some(mask), true) => *mask |= bit,
+            (None, true) => {
+                self.holes.insert(entry, bit);
+            }
+            (Some(mask), false) => {
+                *mask &= !bit;
+                if *mask == 0 {
+                    self.holes.remove(entry);
+                }
+            }
+            (None, false) => {}
+        }
+    }
+
+    /// The slots of `word` for which `key` is a hole.
+    pub(super) fn holes(&self, key: BlockKey, word: usize) -> u64 {
+        self.holes.get(entry_key(key, word)).unwrap_or(0)
     }
 
     /// Whether `slot` holds `key` in its GPU cache.
@@ -129,7 +157,7 @@ impl Holders {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.gpu.heap_bytes() + super::map_heap_bytes(&self.offloaded)
+        self.gpu.heap_bytes() + self.holes.heap_bytes() + super::map_heap_bytes(&self.offloaded)
     }
 }
 
