@@ -25,10 +25,11 @@ use holders::Holders;
 /// more than the KV pool of any one engine we front.
 pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 100_000;
 
-/// Blocks whose keys a lookup computes before probing them: at first, then at most. Each
+/// Blocks whose keys a walk computes before probing them: at first, then at most. Each
 /// stretch ends waiting on the last of its probes' misses, so the stretches grow; but a short
 /// first one keeps a walk that stops early (a new prompt past its system prompt) short, and
-/// a bounded one keeps its lines in the L1 cache until probed.
+/// a bounded one keeps its lines in the L1 cache until probed. A bisection's first probe is
+/// at the first stretch's end too, and its next ones at doubling depths.
 const FIRST_STRETCH: usize = 32;
 const LONGEST_STRETCH: usize = 256;
 
@@ -179,9 +180,11 @@ impl KvIndex {
     }
 
     /// For every endpoint with events, how many leading tokens of `tokens` it holds for
-    /// `adapter` on `media` (ordered by endpoint id). One walk over the prompt's blocks per
-    /// block size in use (one, in a uniform fleet), narrowing the endpoints still matching,
-    /// and stopping when none is.
+    /// `adapter` on `media` (ordered by endpoint id). Per block size in use (one, in a
+    /// uniform fleet), on the GPU: a bisection for where each endpoint stops matching,
+    /// chaining the prompt's keys only as far as some endpoint matches; counting other tiers
+    /// too, a walk over the prompt's blocks narrowing the endpoints still matching, stopping
+    /// when none is.
     pub fn lookup(
         &self,
         tokens: &[u32],
@@ -192,8 +195,8 @@ impl KvIndex {
     }
 
     /// [`Self::lookup`] for the endpoints `among` accepts only: the others are left out of the
-    /// walk (however much of the prompt they hold, they keep it going no further) and of the
-    /// result.
+    /// search (however much of the prompt they hold, they keep it going no further) and of
+    /// the result.
     pub fn lookup_among(
         &self,
         tokens: &[u32],
