@@ -565,8 +565,24 @@ impl Model {
 /// and without, and deep answers, all occur.
 #[test]
 fn lookups_agree_with_a_brute_force_model_over_random_events() {
+    agree_with_the_model(0, 6_000);
+}
+
+/// The same with the 4 endpoints in the second word of slots, behind 64 that hold a block no
+/// prompt has.
+#[test]
+fn lookups_agree_with_the_model_past_the_first_64_endpoints() {
+    agree_with_the_model(64, 2_000);
+}
+
+fn agree_with_the_model(behind: u32, steps: usize) {
     const ENDPOINTS: u32 = 4;
     const CAP: usize = 24;
+    let mut index = KvIndex::new(CAP);
+    let bystanders: Vec<EndpointId> = (1_000..1_000 + behind).collect();
+    for &endpoint in &bystanders {
+        store(&mut index, endpoint, stored(&[1], None, &[7, 7], 2));
+    }
     let mut state = 0x0dd5_eed5_u64;
     let mut next = move |below: usize| {
         state = state
@@ -574,14 +590,13 @@ fn lookups_agree_with_a_brute_force_model_over_random_events() {
             .wrapping_add(1_442_695_040_888_963_407);
         (state >> 33) as usize % below
     };
-    let mut index = KvIndex::new(CAP);
     let mut models: Vec<Model> = (0..ENDPOINTS).map(|_| Model::default()).collect();
     let mut parents: HashMap<BlockKey, Option<BlockKey>> = HashMap::new();
     // An engine's hash for a block: its own, seeded per process, the same for the same key.
     let hash_of = |endpoint: u32, key: BlockKey| key.bits() ^ u64::from(endpoint + 1) << 56;
     let (mut whole, mut broken, mut deepest) = (0, 0, 0);
     let mut recent: Vec<Vec<u32>> = Vec::new();
-    for step in 0..6_000 {
+    for step in 0..steps {
         let endpoint = next(ENDPOINTS as usize) as u32;
         let model = &mut models[endpoint as usize];
         match next(20) {
@@ -638,6 +653,11 @@ fn lookups_agree_with_a_brute_force_model_over_random_events() {
         }
         for (endpoint, model) in (0..).zip(&models) {
             if let Some(blocks) = index.endpoints.get(&endpoint) {
+                assert_eq!(
+                    blocks.slot / 64,
+                    behind as usize / 64,
+                    "the word of slots meant"
+                );
                 let holes = model.gpu_holes(&parents);
                 assert_eq!(blocks.has_holes(), holes > 0, "step {step}");
                 whole += usize::from(holes == 0 && !model.blocks.is_empty());
@@ -668,6 +688,10 @@ fn lookups_agree_with_a_brute_force_model_over_random_events() {
                     endpoint,
                     tokens: 2 * model.held(&keys, media),
                 })
+                .chain(bystanders.iter().map(|&endpoint| PrefixMatch {
+                    endpoint,
+                    tokens: 0,
+                }))
                 .collect();
             deepest = deepest.max(expected.iter().map(|m| m.tokens).max().unwrap_or(0));
             assert_eq!(
@@ -678,7 +702,7 @@ fn lookups_agree_with_a_brute_force_model_over_random_events() {
         }
     }
     assert!(
-        whole > 1_000 && broken > 1_000,
+        whole > steps / 6 && broken > steps / 6,
         "{whole} whole, {broken} broken"
     );
     assert!(deepest >= 12, "deepest match {deepest} tokens");
