@@ -76,12 +76,7 @@ fn store_chain(
     let mut parent = parent;
     for (n, chunk) in tokens.chunks(BLOCK * BLOCKS_PER_EVENT).enumerate() {
         let hashes: Vec<u64> = (0..chunk.len() / BLOCK)
-            .map(|i| {
-                // Not `stream ^ mix(block)`: symmetric in the two, conversation c's block j
-                // would be conversation j's block c.
-                let block = (n * BLOCKS_PER_EVENT + i) as u64;
-                mix(mix(stream) ^ (u64::from(endpoint) << 40 | block))
-            })
+            .map(|i| block_hash(endpoint, stream, n * BLOCKS_PER_EVENT + i))
             .collect();
         let event = BlockStored::new(
             hashes.iter().copied().map(BlockHash::Int).collect(),
@@ -93,6 +88,13 @@ fn store_chain(
         parent = hashes.last().copied();
     }
     parent
+}
+
+/// `endpoint`'s hash for block `block` of a chain of `stream`.
+fn block_hash(endpoint: u32, stream: u64, block: usize) -> u64 {
+    // Not `stream ^ mix(block)`: symmetric in the two, conversation c's block j would be
+    // conversation j's block c.
+    mix(mix(stream) ^ (u64::from(endpoint) << 40 | block as u64))
 }
 
 fn fleet() -> Fleet {
@@ -284,6 +286,7 @@ fn summary(fleet: Fleet) -> Fleet {
     // the walk (what the lookups above spend beyond this is waiting on memory).
     time_lookups(&index, &hits[..1], 1_000)
         .report("lookup, 32k-token next turn, lines cached", walked);
+    broken_chain(&index, &hits, walked);
 
     // The runtime layout: subscriber tasks take the write lock per batch while requests look up.
     let index = Arc::new(index);
@@ -345,6 +348,41 @@ fn summary(fleet: Fleet) -> Fleet {
     );
     let index = Arc::into_inner(index).expect("writer joined").into_inner();
     Fleet { index, ..fleet }
+}
+
+/// Lookups while one endpoint's chain is broken: block 1,000 of the history of the long
+/// conversation homed on endpoint 0 evicted, the blocks after it kept (a hole). Every key a
+/// lookup chains is then also looked up among the holes (a table of one entry here), and
+/// endpoint 0's bisection stops at its hole; storing the block again mends the chain.
+fn broken_chain(index: &RwLock<KvIndex>, hits: &[Vec<u32>], walked: usize) {
+    const BROKEN_AT: usize = 1_000;
+    let whole = index.read().lookup(&hits[0], Adapter::Base, MediumSet::GPU);
+    let hash = |block| BlockHash::Int(block_hash(0, mix(0), block));
+    let removed = Event::BlockRemoved(BlockRemoved {
+        block_hashes: vec![hash(BROKEN_AT)],
+        medium: None,
+        group_idx: None,
+    });
+    index.write().apply(0, &removed);
+    let matched = index.read().lookup(&hits[0], Adapter::Base, MediumSet::GPU);
+    assert_eq!(matched[0].tokens, (SYSTEM_BLOCKS + BROKEN_AT) * BLOCK);
+    time_lookups(index, hits, 30).report(
+        "lookup, 32k-token next turn, endpoint 0's chain broken",
+        walked,
+    );
+    let start = (SYSTEM_BLOCKS + BROKEN_AT) * BLOCK;
+    let mended = BlockStored::new(
+        vec![hash(BROKEN_AT)],
+        Some(hash(BROKEN_AT - 1)),
+        hits[0][start..start + BLOCK].to_vec(),
+        BLOCK as u32,
+    );
+    index.write().apply(0, &Event::BlockStored(mended));
+    assert_eq!(
+        index.read().lookup(&hits[0], Adapter::Base, MediumSet::GPU),
+        whole,
+        "mended"
+    );
 }
 
 /// How long a subscriber holds the write lock for a batch holding one 512-block prefill (an

@@ -25,10 +25,11 @@ use holders::Holders;
 /// more than the KV pool of any one engine we front.
 pub const DEFAULT_BLOCKS_PER_ENDPOINT: usize = 100_000;
 
-/// Blocks whose keys a lookup computes before probing them: at first, then at most. Each
+/// Blocks whose keys a walk computes before probing them: at first, then at most. Each
 /// stretch ends waiting on the last of its probes' misses, so the stretches grow; but a short
 /// first one keeps a walk that stops early (a new prompt past its system prompt) short, and
-/// a bounded one keeps its lines in the L1 cache until probed.
+/// a bounded one keeps its lines in the L1 cache until probed. A bisection's first probe is
+/// at the first stretch's end too, and its next ones at doubling depths.
 const FIRST_STRETCH: usize = 32;
 const LONGEST_STRETCH: usize = 256;
 
@@ -179,9 +180,11 @@ impl KvIndex {
     }
 
     /// For every endpoint with events, how many leading tokens of `tokens` it holds for
-    /// `adapter` on `media` (ordered by endpoint id). One walk over the prompt's blocks per
-    /// block size in use (one, in a uniform fleet), narrowing the endpoints still matching,
-    /// and stopping when none is.
+    /// `adapter` on `media` (ordered by endpoint id). Per block size in use (one, in a
+    /// uniform fleet), on the GPU: a bisection for where each endpoint stops matching,
+    /// chaining the prompt's keys only as far as some endpoint matches; counting other tiers
+    /// too, a walk over the prompt's blocks narrowing the endpoints still matching, stopping
+    /// when none is.
     pub fn lookup(
         &self,
         tokens: &[u32],
@@ -192,8 +195,8 @@ impl KvIndex {
     }
 
     /// [`Self::lookup`] for the endpoints `among` accepts only: the others are left out of the
-    /// walk (however much of the prompt they hold, they keep it going no further) and of the
-    /// result.
+    /// search (however much of the prompt they hold, they keep it going no further) and of
+    /// the result.
     pub fn lookup_among(
         &self,
         tokens: &[u32],
@@ -215,20 +218,32 @@ impl KvIndex {
         block_sizes.sort_unstable();
         block_sizes.dedup();
         for block_size in block_sizes {
-            let mut walking = vec![0u64; self.slots.len().div_ceil(64)];
+            let mut searched = vec![0u64; self.slots.len().div_ceil(64)];
+            let mut holes = false;
             for (_, blocks) in &endpoints {
                 if blocks.block_size == Some(block_size) && blocks.len() > 0 {
-                    walking[blocks.slot / 64] |= 1 << (blocks.slot % 64);
+                    searched[blocks.slot / 64] |= 1 << (blocks.slot % 64);
+                    holes |= blocks.has_holes();
                 }
             }
-            self.walk(
+            // Holes are kept for the GPU: a lookup counting other tiers too walks.
+            let bisecting = media == MediumSet::GPU;
+            let holes = (bisecting && holes).then_some(&self.holders);
+            let mut keys = PromptKeys::new(
                 tokens,
                 block_size as usize,
                 adapter,
-                media,
-                walking,
-                &mut matched_blocks,
+                (holes, searched.len()),
             );
+            if !bisecting {
+                self.walk(&mut keys, media, searched, &mut matched_blocks);
+                continue;
+            }
+            for (word, slots) in searched.into_iter().enumerate() {
+                if slots != 0 {
+                    self.bisect(&mut keys, word, slots, &mut matched_blocks);
+                }
+            }
         }
         let mut matches: Vec<PrefixMatch> = endpoints
             .iter()
@@ -267,34 +282,28 @@ impl KvIndex {
                 .sum::<usize>()
     }
 
-    /// Walks the prompt's `block_size` blocks for the slots set in `walking`, writing each
-    /// slot's matched block count into `matched_blocks`.
+    /// Walks the prompt's blocks for the slots set in `walking`, writing each slot's matched
+    /// block count into `matched_blocks`: one probe a block until none of them matches.
     fn walk(
         &self,
-        tokens: &[u32],
-        block_size: usize,
-        adapter: Adapter<'_>,
+        prompt: &mut PromptKeys<'_>,
         media: MediumSet,
         mut walking: Vec<u64>,
         matched_blocks: &mut [usize],
     ) {
-        let mut chain = KeyChain::from(BlockKey::root(adapter));
-        let blocks = tokens.len() / block_size;
+        if walking.iter().all(|&slots| slots == 0) {
+            return;
+        }
+        let blocks = prompt.blocks();
         // A stretch of keys (a chain of hashes, no memory), then their lines read into the
         // cache together, then their probes, then the narrowing: reads that wait on nothing
         // else overlap their cache misses (the map is far larger than any cache).
-        let mut keys = Vec::with_capacity(LONGEST_STRETCH);
         let mut held = Vec::with_capacity(LONGEST_STRETCH * walking.len());
         let (mut walked, mut stretch) = (0, FIRST_STRETCH);
         while walked < blocks {
-            let stretch_tokens = &tokens[walked * block_size..];
-            keys.clear();
-            keys.extend(
-                stretch_tokens
-                    .chunks_exact(block_size)
-                    .take(stretch)
-                    .map(|b| chain.next(b)),
-            );
+            let end = (walked + stretch).min(blocks);
+            prompt.extend_to(end);
+            let keys = &prompt.keys[walked..end];
             for (word, &slots) in walking.iter().enumerate() {
                 if slots != 0 {
                     self.holders.touch(keys.iter().copied(), word, media);
@@ -320,11 +329,164 @@ impl KvIndex {
                     return;
                 }
             }
-            walked += keys.len();
+            walked = end;
             stretch = (stretch * 2).min(LONGEST_STRETCH);
         }
         for (word, slots) in walking.iter().enumerate() {
             for_each_slot(*slots, word, |slot| matched_blocks[slot] = blocks);
+        }
+    }
+
+    /// Finds where each of `word`'s `slots` stops matching the prompt on the GPU. Up to its
+    /// first hole on the prompt, a slot holding a block of it holds every block before it (its
+    /// parent is held, or is a hole), so the slots holding the first `depth` blocks, less those
+    /// with a hole before, shrink as `depth` grows; and between two depths where the same
+    /// slots hold, no slot stops. Probes at depths 32, 64, 128, ...
+    /// find a depth no slot reaches (a prompt is hashed little further than it is held), and
+    /// bisecting between probes that differ finds each stop: about log2(blocks) probes per
+    /// distinct depth where slots stop, instead of one per block up to the deepest.
+    fn bisect(
+        &self,
+        prompt: &mut PromptKeys<'_>,
+        word: usize,
+        slots: u64,
+        matched_blocks: &mut [usize],
+    ) {
+        let blocks = prompt.blocks();
+        // Every slot holds the first 0 blocks.
+        let mut known = (0, slots);
+        let mut depth = FIRST_STRETCH.min(blocks);
+        while known.0 < blocks {
+            prompt.extend_to(depth);
+            let holding = self.holding(prompt, word, depth, known.1, 0);
+            self.narrow(prompt, word, known, (depth, holding), matched_blocks);
+            if holding == 0 {
+                return;
+            }
+            known = (depth, holding);
+            depth = (depth * 2).min(blocks);
+        }
+        for_each_slot(known.1, word, |slot| matched_blocks[slot] = blocks);
+    }
+
+    /// Between `lo` blocks, which the slots of `lo_holding` hold, and `hi`, which those of
+    /// `hi_holding` (a subset) hold, sets the matched blocks of each slot that stops there.
+    fn narrow(
+        &self,
+        prompt: &PromptKeys<'_>,
+        word: usize,
+        (lo, lo_holding): (usize, u64),
+        (hi, hi_holding): (usize, u64),
+        matched_blocks: &mut [usize],
+    ) {
+        if lo_holding == hi_holding {
+            return;
+        }
+        if hi - lo == 1 {
+            for_each_slot(lo_holding & !hi_holding, word, |slot| {
+                matched_blocks[slot] = lo
+            });
+            return;
+        }
+        let mid = lo + (hi - lo) / 2;
+        let mid_holding = self.holding(prompt, word, mid, lo_holding, hi_holding);
+        self.narrow(
+            prompt,
+            word,
+            (lo, lo_holding),
+            (mid, mid_holding),
+            matched_blocks,
+        );
+        self.narrow(
+            prompt,
+            word,
+            (mid, mid_holding),
+            (hi, hi_holding),
+            matched_blocks,
+        );
+    }
+
+    /// Which slots of `word` hold the prompt's first `depth` blocks (at least one, chained
+    /// already): those holding the last of them with no hole before it, given that they are
+    /// among `at_most` and include `at_least`. The bounds are the order a prompt's depths
+    /// have; clamped to them, colliding keys (which could break it) still leave each slot one
+    /// depth.
+    fn holding(
+        &self,
+        prompt: &PromptKeys<'_>,
+        word: usize,
+        depth: usize,
+        at_most: u64,
+        at_least: u64,
+    ) -> u64 {
+        let held = self
+            .holders
+            .mask(prompt.keys[depth - 1], word, MediumSet::GPU);
+        (held & !prompt.holed(depth, word) & at_most) | at_least
+    }
+}
+
+/// A prompt's block keys for one block size, chained as far as a lookup has needed them;
+/// and where the lookup bisects endpoints with holes, the slots with one so far.
+struct PromptKeys<'p> {
+    blocks: std::slice::ChunksExact<'p, u32>,
+    chain: KeyChain,
+    keys: Vec<BlockKey>,
+    count: usize,
+    /// Where to look each key up as a hole; `None` when no endpoint searched has any.
+    holes: Option<&'p Holders>,
+    words: usize,
+    /// Per key, `words` words: the slots with a hole at or before it.
+    holed: Vec<u64>,
+}
+
+impl<'p> PromptKeys<'p> {
+    fn new(
+        tokens: &'p [u32],
+        block_size: usize,
+        adapter: Adapter<'_>,
+        (holes, words): (Option<&'p Holders>, usize),
+    ) -> Self {
+        let blocks = tokens.chunks_exact(block_size);
+        Self {
+            count: blocks.len(),
+            blocks,
+            chain: KeyChain::from(BlockKey::root(adapter)),
+            keys: Vec::new(),
+            holes,
+            words,
+            holed: Vec::new(),
+        }
+    }
+
+    /// The prompt's full blocks.
+    fn blocks(&self) -> usize {
+        self.count
+    }
+
+    /// Chains the keys of the first `end` blocks (at most all of them).
+    fn extend_to(&mut self, end: usize) {
+        while self.keys.len() < end {
+            let Some(block) = self.blocks.next() else {
+                return;
+            };
+            let key = self.chain.next(block);
+            self.keys.push(key);
+            if let Some(holders) = self.holes {
+                let before = self.holed.len().checked_sub(self.words);
+                for word in 0..self.words {
+                    let earlier = before.map_or(0, |at| self.holed[at + word]);
+                    self.holed.push(earlier | holders.holes(key, word));
+                }
+            }
+        }
+    }
+
+    /// The slots of `word` with a hole among the first `depth` blocks (chained already).
+    fn holed(&self, depth: usize, word: usize) -> u64 {
+        match self.holes {
+            Some(_) => self.holed[(depth - 1) * self.words + word],
+            None => 0,
         }
     }
 }
@@ -365,10 +527,13 @@ fn store(
     };
     let medium = Medium::of(event.medium.as_deref());
     let mut chain = KeyChain::from(parent);
-    let mut last = parent;
+    // The key before the next block, `None` before a prompt's first.
+    let mut before = (parent != BlockKey::root(adapter)).then_some(parent);
     let tokens = event.token_ids.chunks_exact(event.block_size as usize);
     for (i, (hash, tokens)) in event.block_hashes.iter().zip(tokens).enumerate().skip(from) {
-        if i - from == budget {
+        if let Some(last) = before
+            && i - from == budget
+        {
             return Some((i, last));
         }
         // This block and every later one in the event chain from keys a prompt cannot
@@ -377,8 +542,9 @@ fn store(
             blocks.stats.skipped += count - i as u64;
             return None;
         }
-        last = chain.next(tokens);
-        blocks.store(holders, hash_bits(hash), last, medium, cap);
+        let key = chain.next(tokens);
+        blocks.store(holders, hash_bits(hash), (key, before), medium, cap);
+        before = Some(key);
     }
     None
 }

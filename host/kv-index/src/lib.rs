@@ -6,8 +6,9 @@
 //!   (the parent's key and the block's tokens, chained as the engine chains its own hashes,
 //!   so the router's tokenization of a prompt finds the same keys), the engine's hashes kept
 //!   only to place children and apply removals; a cap per endpoint, oldest dropped first.
-//! - [`KvIndex::lookup`]: for a prompt's tokens, every endpoint's cached prefix length, in one
-//!   walk over the prompt's blocks.
+//! - [`KvIndex::lookup`]: for a prompt's tokens, every endpoint's cached prefix length: the
+//!   prompt's keys chained, then a bisection for where each endpoint's prefix ends (a few
+//!   dozen probes of the index, not one per block).
 //! - [`Medium`] / [`MediumSet`]: only blocks in the engine's own (GPU) cache count unless a
 //!   caller asks for offloaded tiers too. [`Adapter`]: LoRA blocks never match base prompts.
 //!

@@ -128,7 +128,7 @@ fn one() -> u32 {
 
 /// The most data-parallel ranks one endpoint's KV events may come from (vLLM's DP
 /// deployments go to a few dozen; each rank is a subscriber task and an index).
-const MAX_DP_SIZE: u32 = 256;
+pub(crate) const MAX_DP_SIZE: u32 = 256;
 
 /// `tcp://HOST:PORT`, the only ZeroMQ transport engines publish KV events on, whose port plus
 /// `last_rank` (where the engine's last DP rank publishes) is a port too.

@@ -56,6 +56,7 @@
 //! retry_budget_min_per_sec = 10               # plus this many per second
 //! kv_events_stale_after = "10s"               # an endpoint's KV events silent this long
 //!                                             # after it served a prompt: index not trusted
+//! kv_events_dp_size = 1                       # DP ranks of an endpoint that does not say
 //!
 //! [flow_control]                              # how the queue orders what waits
 //! enabled = true                              # false: first come, first served
@@ -352,6 +353,7 @@ impl Config {
             workers: s.workers.value,
             kv_events: SubscriberConfig {
                 stale_after: s.kv_events_stale_after.value,
+                dp_size: s.kv_events_dp_size.value,
                 ..SubscriberConfig::default()
             },
             engine_tls,

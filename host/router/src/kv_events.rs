@@ -136,6 +136,9 @@ pub struct SubscriberConfig {
     /// `kv_events_stale_after`: how long an endpoint that served a request may publish nothing
     /// before its index is stale.
     pub stale_after: Duration,
+    /// The top-level `kv_events_dp_size`: how many data-parallel ranks publish for an endpoint
+    /// that does not say (a fleet of DP engines sets it once).
+    pub dp_size: u32,
 }
 
 impl Default for SubscriberConfig {
@@ -143,6 +146,7 @@ impl Default for SubscriberConfig {
         Self {
             replay_timeout: Duration::from_secs(2),
             stale_after: Duration::from_secs(10),
+            dp_size: 1,
         }
     }
 }

@@ -22,42 +22,87 @@ pub(super) struct Holders {
     /// The same for the offloaded tiers ([`Medium::Cpu`], [`Medium::Storage`]), which only
     /// offloading connectors fill.
     offloaded: Map<[u64; 2]>,
+    /// The slots of one word for which the key is a hole: not on the GPU, with a child there
+    /// (a middle block evicted, the cap's oldest dropped). Along a prompt, a slot holds a
+    /// block only after every block before it, up to the first of its holes; engines evict
+    /// a chain from its end, so there are few, and this table stays in the caches.
+    holes: Table,
 }
 
 impl Holders {
-    pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) {
+    /// Sets `slot`'s bit for `key` on `medium`; whether it was clear.
+    pub(super) fn set(&mut self, key: BlockKey, slot: usize, medium: Medium) -> bool {
         let (entry, bit) = (entry_key(key, slot / 64), 1 << (slot % 64));
-        match offloaded_index(medium) {
+        let mask = match offloaded_index(medium) {
             None => match self.gpu.get_mut(entry) {
-                Some(mask) => *mask |= bit,
+                Some(mask) => mask,
                 None => {
                     self.gpu.insert(entry, bit);
+                    return true;
                 }
             },
-            Some(tier) => self.offloaded.entry(entry).or_default()[tier] |= bit,
-        }
+            Some(tier) => &mut self.offloaded.entry(entry).or_default()[tier],
+        };
+        let was_clear = *mask & bit == 0;
+        *mask |= bit;
+        was_clear
     }
 
-    pub(super) fn clear(&mut self, key: BlockKey, slot: usize, medium: Medium) {
+    /// Clears `slot`'s bit for `key` on `medium`; whether it was set.
+    pub(super) fn clear(&mut self, key: BlockKey, slot: usize, medium: Medium) -> bool {
         let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
         match offloaded_index(medium) {
             None => {
-                if let Some(mask) = self.gpu.get_mut(entry) {
-                    *mask &= !bit;
-                    if *mask == 0 {
-                        self.gpu.remove(entry);
-                    }
+                let Some(mask) = self.gpu.get_mut(entry) else {
+                    return false;
+                };
+                let was_set = *mask & bit != 0;
+                *mask &= !bit;
+                if *mask == 0 {
+                    self.gpu.remove(entry);
                 }
+                was_set
             }
             Some(tier) => {
-                if let Some(masks) = self.offloaded.get_mut(&entry) {
-                    masks[tier] &= !bit;
-                    if masks.iter().all(|&mask| mask == 0) {
-                        self.offloaded.remove(&entry);
-                    }
+                let Some(masks) = self.offloaded.get_mut(&entry) else {
+                    return false;
+                };
+                let was_set = masks[tier] & bit != 0;
+                masks[tier] &= !bit;
+                if masks.iter().all(|&mask| mask == 0) {
+                    self.offloaded.remove(&entry);
                 }
+                was_set
             }
         }
+    }
+
+    /// Marks `key` a hole of `slot`'s, or no longer one.
+    pub(super) fn set_hole(&mut self, key: BlockKey, slot: usize, hole: bool) {
+        let (entry, bit) = (entry_key(key, slot / 64), 1u64 << (slot % 64));
+        match (self.holes.get_mut(entry), hole) {
+            (Some(mask), true) => *mask |= bit,
+            (None, true) => {
+                self.holes.insert(entry, bit);
+            }
+            (Some(mask), false) => {
+                *mask &= !bit;
+                if *mask == 0 {
+                    self.holes.remove(entry);
+                }
+            }
+            (None, false) => {}
+        }
+    }
+
+    /// The slots of `word` for which `key` is a hole.
+    pub(super) fn holes(&self, key: BlockKey, word: usize) -> u64 {
+        self.holes.get(entry_key(key, word)).unwrap_or(0)
+    }
+
+    /// Whether `slot` holds `key` in its GPU cache.
+    pub(super) fn holds_on_gpu(&self, key: BlockKey, slot: usize) -> bool {
+        self.mask(key, slot / 64, MediumSet::GPU) & 1 << (slot % 64) != 0
     }
 
     /// Brings the entries [`Self::mask`] will read for `keys` into the cache, together.
@@ -112,7 +157,7 @@ impl Holders {
     }
 
     pub(super) fn heap_bytes(&self) -> usize {
-        self.gpu.heap_bytes() + super::map_heap_bytes(&self.offloaded)
+        self.gpu.heap_bytes() + self.holes.heap_bytes() + super::map_heap_bytes(&self.offloaded)
     }
 }
 

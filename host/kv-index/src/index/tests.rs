@@ -4,6 +4,7 @@ use switchyard_wire::kv_events::{
 
 use super::*;
 use crate::key::prompt_keys;
+use std::collections::HashMap;
 
 /// Payloads msgspec wrote from the engines' declarations (host/wire/fixtures/kv_events).
 macro_rules! fixture {
@@ -510,4 +511,199 @@ fn a_batch_applied_in_steps_leaves_what_it_leaves_applied_whole() {
             }
         }
     }
+}
+
+/// What the index must answer, kept the plainest way: per endpoint, its engine's live blocks
+/// (hash → key and media) and their order of arrival, for the cap.
+#[derive(Default)]
+struct Model {
+    blocks: HashMap<u64, (BlockKey, MediumSet)>,
+    order: std::collections::VecDeque<u64>,
+}
+
+impl Model {
+    fn drop_block(&mut self, hash: u64) {
+        self.blocks.remove(&hash);
+        self.order.retain(|&held| held != hash);
+    }
+
+    /// Leading blocks of `keys` held on any of `media`: a walk, with no shortcut.
+    fn held(&self, keys: &[BlockKey], media: MediumSet) -> usize {
+        let holds = |key: BlockKey| {
+            self.blocks.values().any(|&(held, on)| {
+                held == key
+                    && Medium::EVERY
+                        .iter()
+                        .any(|&m| on.contains(m) && media.contains(m))
+            })
+        };
+        keys.iter().take_while(|&&key| holds(key)).count()
+    }
+
+    /// Keys not held on the GPU with a child there.
+    fn gpu_holes(&self, parents: &HashMap<BlockKey, Option<BlockKey>>) -> usize {
+        let on_gpu: std::collections::HashSet<BlockKey> = self
+            .blocks
+            .values()
+            .filter(|(_, on)| on.contains(Medium::Gpu))
+            .map(|&(key, _)| key)
+            .collect();
+        let holes: std::collections::HashSet<BlockKey> = on_gpu
+            .iter()
+            .filter_map(|key| parents[key])
+            .filter(|parent| !on_gpu.contains(parent))
+            .collect();
+        holes.len()
+    }
+}
+
+/// Lookups agree with a brute-force walk over the model after every step of random stores
+/// (from the root or after a block, on the GPU or the CPU), removals (of any block: leaves,
+/// middles, roots), clears and the cap's evictions, on 4 endpoints whose prompts share
+/// prefixes (3 tokens, blocks of 2), on the GPU (bisected) and on every tier (walked):
+/// whether an endpoint has holes is checked against the model's, and endpoints with holes
+/// and without, and deep answers, all occur.
+#[test]
+fn lookups_agree_with_a_brute_force_model_over_random_events() {
+    agree_with_the_model(0, 6_000);
+}
+
+/// The same with the 4 endpoints in the second word of slots, behind 64 that hold a block no
+/// prompt has.
+#[test]
+fn lookups_agree_with_the_model_past_the_first_64_endpoints() {
+    agree_with_the_model(64, 2_000);
+}
+
+fn agree_with_the_model(behind: u32, steps: usize) {
+    const ENDPOINTS: u32 = 4;
+    const CAP: usize = 24;
+    let mut index = KvIndex::new(CAP);
+    let bystanders: Vec<EndpointId> = (1_000..1_000 + behind).collect();
+    for &endpoint in &bystanders {
+        store(&mut index, endpoint, stored(&[1], None, &[7, 7], 2));
+    }
+    let mut state = 0x0dd5_eed5_u64;
+    let mut next = move |below: usize| {
+        state = state
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        (state >> 33) as usize % below
+    };
+    let mut models: Vec<Model> = (0..ENDPOINTS).map(|_| Model::default()).collect();
+    let mut parents: HashMap<BlockKey, Option<BlockKey>> = HashMap::new();
+    // An engine's hash for a block: its own, seeded per process, the same for the same key.
+    let hash_of = |endpoint: u32, key: BlockKey| key.bits() ^ u64::from(endpoint + 1) << 56;
+    let (mut whole, mut broken, mut deepest) = (0, 0, 0);
+    let mut recent: Vec<Vec<u32>> = Vec::new();
+    for step in 0..steps {
+        let endpoint = next(ENDPOINTS as usize) as u32;
+        let model = &mut models[endpoint as usize];
+        match next(20) {
+            0..=11 => {
+                let prompt: Vec<u32> = (0..2 * (1 + next(8))).map(|_| next(3) as u32).collect();
+                let keys = prompt_keys(&prompt, 2, Adapter::Base);
+                recent.push(prompt.clone());
+                for (i, &key) in keys.iter().enumerate() {
+                    parents.insert(key, i.checked_sub(1).map(|i| keys[i]));
+                }
+                let from = next(keys.len()).min(next(keys.len()));
+                let medium = if next(5) == 0 { "CPU" } else { "GPU" };
+                let parent = from.checked_sub(1).map(|i| hash_of(endpoint, keys[i]));
+                let hashes: Vec<u64> = keys[from..].iter().map(|&k| hash_of(endpoint, k)).collect();
+                let mut event = stored(&hashes, parent, &prompt[2 * from..], 2);
+                event.medium = Some(medium.into());
+                store(&mut index, endpoint, event);
+                if parent.is_none_or(|parent| model.blocks.contains_key(&parent)) {
+                    for (&hash, &key) in hashes.iter().zip(&keys[from..]) {
+                        let on = MediumSet::of(Medium::of(Some(medium)));
+                        if let Some((_, media)) = model.blocks.get_mut(&hash) {
+                            *media = media.with(Medium::of(Some(medium)));
+                            continue;
+                        }
+                        while model.blocks.len() >= CAP {
+                            let oldest = model.order[0];
+                            model.drop_block(oldest);
+                        }
+                        model.blocks.insert(hash, (key, on));
+                        model.order.push_back(hash);
+                    }
+                }
+            }
+            12..=18 => {
+                let live: Vec<u64> = model.blocks.keys().copied().collect();
+                let hashes: Vec<u64> = (0..1 + next(3))
+                    .filter_map(|_| live.get(next(live.len().max(1))).copied())
+                    .collect();
+                let medium = if next(4) == 0 { "CPU" } else { "GPU" };
+                index.apply(endpoint, &removed(&hashes, Some(medium)));
+                for hash in hashes {
+                    if let Some((_, media)) = model.blocks.get_mut(&hash) {
+                        *media = media.without(Medium::of(Some(medium)));
+                        if media.is_empty() {
+                            model.drop_block(hash);
+                        }
+                    }
+                }
+            }
+            _ => {
+                index.apply(endpoint, &Event::AllBlocksCleared);
+                *model = Model::default();
+            }
+        }
+        for (endpoint, model) in (0..).zip(&models) {
+            if let Some(blocks) = index.endpoints.get(&endpoint) {
+                assert_eq!(
+                    blocks.slot / 64,
+                    behind as usize / 64,
+                    "the word of slots meant"
+                );
+                let holes = model.gpu_holes(&parents);
+                assert_eq!(blocks.has_holes(), holes > 0, "step {step}");
+                whole += usize::from(holes == 0 && !model.blocks.is_empty());
+                broken += usize::from(holes > 0);
+                assert_eq!(blocks.len(), model.blocks.len(), "step {step}");
+            }
+        }
+        for _ in 0..4 {
+            // Most random prompts miss at once: half are stored ones, lengthened.
+            let mut prompt = match recent.len() {
+                0 => Vec::new(),
+                stored => recent[next(stored)].clone(),
+            };
+            if next(2) == 0 {
+                prompt.clear();
+            }
+            prompt.extend((0..2 * next(4) + next(2)).map(|_| next(3) as u32));
+            let media = if next(3) == 0 {
+                MediumSet::ALL
+            } else {
+                MediumSet::GPU
+            };
+            let keys = prompt_keys(&prompt, 2, Adapter::Base);
+            let expected: Vec<PrefixMatch> = (0..)
+                .zip(&models)
+                .filter(|(endpoint, _)| index.endpoints.contains_key(endpoint))
+                .map(|(endpoint, model)| PrefixMatch {
+                    endpoint,
+                    tokens: 2 * model.held(&keys, media),
+                })
+                .chain(bystanders.iter().map(|&endpoint| PrefixMatch {
+                    endpoint,
+                    tokens: 0,
+                }))
+                .collect();
+            deepest = deepest.max(expected.iter().map(|m| m.tokens).max().unwrap_or(0));
+            assert_eq!(
+                index.lookup(&prompt, Adapter::Base, media),
+                expected,
+                "step {step}: {prompt:?}"
+            );
+        }
+    }
+    assert!(
+        whole > steps / 6 && broken > steps / 6,
+        "{whole} whole, {broken} broken"
+    );
+    assert!(deepest >= 12, "deepest match {deepest} tokens");
 }

@@ -418,8 +418,23 @@ impl KvMetrics {
         m
     }
 
-    /// Mirrors the subscriber's counts (the subscriber counts; these show them).
+    /// Mirrors the subscribers' counts (they count; these show them): for an endpoint with
+    /// several DP ranks, each rank's under its `rank` label, each rank a subscriber and an
+    /// index of its own.
     fn endpoint(&self, labels: &Labels, kv: &KvEventsStatus) {
+        for rank in std::iter::once(kv).chain(&kv.dp_ranks) {
+            match rank.dp_rank {
+                Some(dp_rank) => {
+                    let mut labels = labels.clone();
+                    labels.push(("rank", dp_rank.to_string()));
+                    self.rank(&labels, rank);
+                }
+                None => self.rank(labels, rank),
+            }
+        }
+    }
+
+    fn rank(&self, labels: &Labels, kv: &KvEventsStatus) {
         self.blocks
             .get_or_create(labels)
             .set(i64::try_from(kv.blocks).unwrap_or(i64::MAX));
@@ -573,6 +588,92 @@ mod tests {
             desired(&rendered, decode),
             0.0,
             "none ready: the queue depth scales from zero"
+        );
+    }
+
+    /// A DP endpoint's ranks each show their own series, told apart by `rank`; a single-rank
+    /// endpoint's carry no `rank`.
+    #[test]
+    fn every_dp_ranks_kv_event_counts_have_their_own_series() {
+        use crate::cluster::IndexCounts;
+        let status = |dp_rank: Option<u32>, n: u64| KvEventsStatus {
+            events: format!("tcp://127.0.0.1:{}", 5557 + dp_rank.unwrap_or(0)),
+            replay: None,
+            topic: String::new(),
+            dp_rank,
+            applied_seq: Some(n),
+            stale: n == 2,
+            blocks: 10 * n as usize,
+            block_size: Some(16),
+            batches: n,
+            events_applied: 100 * n,
+            skipped_events: 0,
+            malformed: 0,
+            rank_mismatches: 0,
+            gaps: n,
+            replays: n,
+            replay_failures: 0,
+            clears: n,
+            disconnects: 0,
+            index: IndexCounts {
+                stored: 0,
+                removed: 0,
+                evicted: 0,
+                unplaced: 0,
+                skipped: 0,
+            },
+            dp_ranks: Vec::new(),
+        };
+        let metrics = Metrics::new();
+        let labels = |endpoint: &str| -> Labels {
+            vec![
+                ("endpoint", endpoint.to_owned()),
+                ("url", format!("http://{endpoint}")),
+            ]
+        };
+        let mut dp = status(Some(0), 1);
+        dp.dp_ranks = vec![status(Some(1), 2), status(Some(2), 3)];
+        metrics.kv.endpoint(&labels("0"), &dp);
+        metrics.kv.endpoint(&labels("1"), &status(None, 4));
+        let mut rendered = String::new();
+        encode(&mut rendered, &metrics.registry).expect("renders");
+        for (series, expected) in [
+            (
+                r#"switchyard_kv_blocks{endpoint="0",url="http://0",rank="0"}"#,
+                10.0,
+            ),
+            (
+                r#"switchyard_kv_blocks{endpoint="0",url="http://0",rank="2"}"#,
+                30.0,
+            ),
+            (
+                r#"switchyard_kv_index_stale{endpoint="0",url="http://0",rank="1"}"#,
+                1.0,
+            ),
+            (
+                r#"switchyard_kv_index_stale{endpoint="0",url="http://0",rank="2"}"#,
+                0.0,
+            ),
+            (
+                r#"switchyard_kv_events_total{endpoint="0",url="http://0",rank="1"}"#,
+                200.0,
+            ),
+            (
+                r#"switchyard_kv_event_gaps_total{endpoint="0",url="http://0",rank="2"}"#,
+                3.0,
+            ),
+            (r#"switchyard_kv_blocks{endpoint="1",url="http://1"}"#, 40.0),
+            (
+                r#"switchyard_kv_index_clears_total{endpoint="1",url="http://1"}"#,
+                4.0,
+            ),
+        ] {
+            assert_eq!(value(&rendered, series), expected, "{series}");
+        }
+        assert_eq!(
+            rendered.matches("switchyard_kv_blocks{").count(),
+            4,
+            "three ranks and a single-rank endpoint:\n{rendered}"
         );
     }
 

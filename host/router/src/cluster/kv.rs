@@ -71,7 +71,7 @@ impl KvCache {
         };
         let mut running = endpoint.subscriptions.lock();
         if running.is_none() {
-            let ranks = endpoint.ranks();
+            let ranks = endpoint.ranks(self.config.dp_size);
             let subscriptions: Vec<Subscription> = (0..ranks)
                 .map(|rank| {
                     let source = if ranks == 1 {
@@ -401,9 +401,9 @@ impl EndpointKv {
         }
     }
 
-    /// How many DP ranks publish.
-    fn ranks(&self) -> u32 {
-        self.dp_size.unwrap_or(1).max(1)
+    /// How many DP ranks publish: as configured, else the router's `default`.
+    fn ranks(&self, default: u32) -> u32 {
+        self.dp_size.unwrap_or(default).max(1)
     }
 
     /// The running subscribers' handles, by rank.

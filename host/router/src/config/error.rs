@@ -127,6 +127,8 @@ pub enum Problem {
     Value(String),
     #[error("must be at least {0}")]
     AtLeast(u32),
+    #[error("{value} is not from {low} to {high}")]
+    OutOfRange { value: u32, low: u32, high: u32 },
     #[error("must be longer than zero")]
     ZeroDuration,
     #[error("{0} is not a number from 0 to 100")]

@@ -16,7 +16,7 @@ use super::flow_control::FlowControlArgs;
 use super::table::{at_least_one, longer_than_zero, not_empty, settings};
 use crate::RetryBudgetConfig;
 use crate::api::{AdmissionConfig, ConnectionLimits, DrainConfig};
-use crate::cluster::OutlierConfig;
+use crate::cluster::{MAX_DP_SIZE, OutlierConfig};
 use crate::engine_client::Timeouts;
 use crate::kv_events::SubscriberConfig;
 
@@ -401,6 +401,15 @@ settings! {
         default: SubscriberConfig::default().stale_after,
         check: longer_than_zero,
     }
+    /// How many data-parallel ranks publish KV events for an endpoint whose own
+    /// `kv_events_dp_size` does not say: rank r at its `kv_events` and `kv_events_replay`
+    /// ports plus r [default: 1].
+    kv_events_dp_size: Option<u32> => u32 {
+        flag: "kv-events-dp-size",
+        key: "kv_events_dp_size",
+        default: SubscriberConfig::default().dp_size,
+        check: dp_ranks,
+    }
     /// Threads serving client connections; each connection, with the engine calls its
     /// requests make, stays on one of them [default: one per core this process may use].
     workers: Option<NonZeroUsize> => NonZeroUsize {
@@ -443,6 +452,18 @@ fn header_names(names: &[String]) -> Result<(), Problem> {
 pub(super) fn holds_a_prompt(tokens: &u32) -> Result<(), Problem> {
     if *tokens < 2 {
         return Err(Problem::AtLeast(2));
+    }
+    Ok(())
+}
+
+/// A number of data-parallel ranks, each a subscriber of its own.
+fn dp_ranks(size: &u32) -> Result<(), Problem> {
+    if !(1..=MAX_DP_SIZE).contains(size) {
+        return Err(Problem::OutOfRange {
+            value: *size,
+            low: 1,
+            high: MAX_DP_SIZE,
+        });
     }
     Ok(())
 }

@@ -854,6 +854,35 @@ fn endpoint_flags_take_kv_event_sockets_and_check_them() {
     assert_eq!(at, Source::Flag("kv-events-stale-after"));
 }
 
+/// The top-level `kv_events_dp_size`, for endpoints that do not give their own: 1 unless set,
+/// the flag over the file, and a number of ranks the endpoints' own key would take.
+#[test]
+fn the_routers_kv_events_dp_size_comes_from_the_file_or_the_flag() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let toml = |dp_size: &str| {
+        format!(
+            "plugins = {:?}\n{dp_size}[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        )
+    };
+    let config = |a: &ServeArgs| Config::from_args(a).map(|c| c.kv_events.dp_size);
+    assert_eq!(config(&with_file(&file, &toml(""))).expect("valid"), 1);
+    let mut a = with_file(&file, &toml("kv_events_dp_size = 4\n"));
+    assert_eq!(config(&a).expect("valid"), 4);
+    a.router.kv_events_dp_size = Some(2);
+    assert_eq!(config(&a).expect("valid"), 2);
+    for size in [0, 257] {
+        a.router.kv_events_dp_size = Some(size);
+        let (at, _) = invalid(Config::from_args(&a).expect_err("out of range"));
+        assert_eq!(at, Source::Flag("kv-events-dp-size"), "{size}");
+    }
+    let (at, _) = invalid(
+        Config::from_args(&with_file(&file, &toml("kv_events_dp_size = 0\n"))).expect_err("0"),
+    );
+    assert!(matches!(at, Source::File(_)), "{at:?}");
+}
+
 #[test]
 fn saturation_and_scale_from_zero_come_from_flags_over_the_flow_control_table() {
     let dir = plugins_with("disagg");

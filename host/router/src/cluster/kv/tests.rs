@@ -349,6 +349,36 @@ async fn a_stale_rank_is_left_out_and_only_a_pinned_rank_must_publish() {
     assert_eq!((kv.stale, kv.dp_ranks[0].stale), (false, true));
 }
 
+/// The router's `kv_events_dp_size` gives the ranks of an endpoint that does not say; an
+/// endpoint's own value wins.
+#[tokio::test(start_paused = true)]
+async fn the_routers_dp_size_is_the_ranks_of_an_endpoint_that_does_not_say() {
+    let ranks = silent_listeners(3).await;
+    let events = format!("tcp://{}", ranks[0].local_addr().expect("bound"));
+    let own = |dp_size| EndpointSpec {
+        kv_events_dp_size: dp_size,
+        ..spec("http://a", Some(events.clone()))
+    };
+    let cluster = Cluster::new(vec![own(None), own(Some(1))], OutlierConfig::default())
+        .with_kv_events(SubscriberConfig {
+            dp_size: 3,
+            ..SubscriberConfig::default()
+        });
+    for id in 0..2 {
+        cluster.subscribe_kv_events(id);
+    }
+    let status = cluster.status();
+    let ranks_shown = |id: usize| {
+        let kv = status[id].kv_events.as_ref().expect("publishes");
+        std::iter::once(kv)
+            .chain(&kv.dp_ranks)
+            .map(|rank| rank.dp_rank)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(ranks_shown(0), [Some(0), Some(1), Some(2)]);
+    assert_eq!(ranks_shown(1), [None], "its own: one rank");
+}
+
 #[test]
 fn kv_events_dp_size_is_checked() {
     let dp = |size, events: &str| EndpointSpec {
