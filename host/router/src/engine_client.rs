@@ -190,7 +190,13 @@ pub struct Upstream {
 
 /// vLLM's header pinning a request to one of its data-parallel ranks (its OpenAI server reads
 /// it on the completion and chat routes and hands the rank to its engine client).
-const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+const DP_RANK_HEADER: http::HeaderName = http::HeaderName::from_static("x-data-parallel-rank");
+
+/// The request id's header as a name made once: a `&str` name is parsed again on every call.
+const REQUEST_ID: http::HeaderName = http::HeaderName::from_static(REQUEST_ID_HEADER);
+
+/// Every call's body is JSON.
+const JSON: http::HeaderValue = http::HeaderValue::from_static("application/json");
 
 /// How an engine's connections are made.
 #[derive(Clone)]
@@ -211,21 +217,28 @@ struct Target {
     authority: Authority,
     /// The base's path without its trailing slash: empty, or e.g. `/engine`.
     prefix: Box<str>,
+    /// The `Host` header of every call, made once: the HTTP client writes one otherwise,
+    /// formatting `host:port` again for each request.
+    host: http::HeaderValue,
 }
 
 impl Target {
     fn parse(base: &str) -> Option<Target> {
         let uri: http::Uri = base.parse().ok()?;
         let parts = uri.into_parts();
+        let scheme = parts.scheme?;
+        let authority = parts.authority?;
+        let host = host_header(&scheme, &authority)?;
         Some(Target {
-            scheme: parts.scheme?,
-            authority: parts.authority?,
+            scheme,
+            authority,
             prefix: parts
                 .path_and_query
                 .as_ref()
                 .map_or("", |p| p.path())
                 .trim_end_matches('/')
                 .into(),
+            host,
         })
     }
 
@@ -241,6 +254,23 @@ impl Target {
             .path_and_query(path)
             .build()
     }
+}
+
+/// The `Host` header hyper-util's client would write for `authority`: its host, and its port
+/// unless it is the scheme's default (no user info).
+fn host_header(scheme: &Scheme, authority: &Authority) -> Option<http::HeaderValue> {
+    let default_port = match scheme.as_str() {
+        "http" => Some(80),
+        "https" => Some(443),
+        _ => None,
+    };
+    let host = match authority.port_u16() {
+        Some(port) if Some(port) != default_port => {
+            http::HeaderValue::try_from(format!("{}:{port}", authority.host()))
+        }
+        _ => http::HeaderValue::try_from(authority.host()),
+    };
+    host.ok()
 }
 
 impl Upstream {
@@ -309,7 +339,10 @@ impl Upstream {
         let uri = target.with_path(path).map_err(|_| CallError::Url {
             reason: "followed by the call's path, it makes no URI",
         })?;
-        let mut request = http::Request::builder().method(method).uri(uri);
+        let mut request = http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header(http::header::HOST, target.host.clone());
         if let Some(auth) = &self.auth {
             request = request.header(http::header::AUTHORIZATION, auth.clone());
         }
@@ -489,7 +522,7 @@ impl EngineClient {
         let send = || async {
             let mut request = engine.request(http::Method::POST, path)?;
             if let Some(id) = request_id {
-                request = request.header(REQUEST_ID_HEADER, id);
+                request = request.header(REQUEST_ID, id);
             }
             // The leg's span (the current one) as the engine's parent: its spans join the trace.
             if crate::telemetry::is_on()
@@ -712,7 +745,7 @@ fn json_request(
     delivery: Option<Delivery>,
 ) -> Result<http::Request<CallBody>, CallError> {
     request
-        .header(http::header::CONTENT_TYPE, "application/json")
+        .header(http::header::CONTENT_TYPE, JSON)
         .body(CallBody::new(json, delivery))
         .map_err(|e| CallError::Build {
             reason: e.to_string(),

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 use serde_json::value::RawValue;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use super::respond::ApiError;
 use super::tokenize::{ChatMessage, PromptTokenizer};
@@ -480,21 +480,97 @@ impl Responder {
     }
 
     /// A complete non-streaming response.
-    pub fn full_response(&self, text: String, finish_reason: &str, usage: &Usage) -> Value {
-        match self.shape {
-            Shape::Completion => json!({
-                "id": self.id, "object": "text_completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": null}],
-                "usage": usage_json(usage),
-            }),
-            Shape::Chat => json!({
-                "id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": finish_reason, "logprobs": null}],
-                "usage": usage_json(usage),
-            }),
+    pub fn full_response<'a>(
+        &'a self,
+        text: String,
+        finish_reason: &'a str,
+        usage: &Usage,
+    ) -> FullResponse<'a> {
+        let (object, text, message) = match self.shape {
+            Shape::Completion => ("text_completion", Some(text), None),
+            Shape::Chat => (
+                "chat.completion",
+                None,
+                Some(Message {
+                    content: text,
+                    role: "assistant",
+                }),
+            ),
+        };
+        FullResponse {
+            choices: [FullChoice {
+                finish_reason,
+                index: 0,
+                logprobs: (),
+                message,
+                text,
+            }],
+            created: self.created,
+            id: &self.id,
+            model: &self.model,
+            object,
+            usage: FullUsage::from(usage),
+        }
+    }
+}
+
+/// A complete non-streaming response, written straight from its fields (a `json!` tree cost
+/// an allocation per key and value). The fields are in the sorted order the tree wrote them,
+/// so answers are byte for byte what they were.
+#[derive(Serialize)]
+pub struct FullResponse<'a> {
+    choices: [FullChoice<'a>; 1],
+    created: u64,
+    id: &'a str,
+    model: &'a str,
+    object: &'static str,
+    usage: FullUsage,
+}
+
+/// The one choice: `text` for completions, `message` for chat.
+#[derive(Serialize)]
+struct FullChoice<'a> {
+    finish_reason: &'a str,
+    index: u32,
+    /// Always null: logprobs are not supported.
+    logprobs: (),
+    #[serde(skip_serializing_if = "Option::is_none")]
+    message: Option<Message>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<String>,
+}
+
+#[derive(Serialize)]
+struct Message {
+    content: String,
+    role: &'static str,
+}
+
+/// `usage`, its keys sorted; `prompt_tokens_details` only where the generating engine reported
+/// cached tokens: OpenAI clients read it as cache hits.
+#[derive(Debug, PartialEq, Serialize)]
+struct FullUsage {
+    completion_tokens: u32,
+    prompt_tokens: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_tokens_details: Option<CachedTokens>,
+    total_tokens: u32,
+}
+
+#[derive(Debug, PartialEq, Serialize)]
+struct CachedTokens {
+    cached_tokens: u32,
+}
+
+impl From<&Usage> for FullUsage {
+    fn from(usage: &Usage) -> Self {
+        FullUsage {
+            completion_tokens: usage.completion_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            prompt_tokens_details: usage
+                .cached_tokens()
+                .map(|cached_tokens| CachedTokens { cached_tokens }),
+            total_tokens: usage.total_tokens,
         }
     }
 }
@@ -532,21 +608,10 @@ struct Delta<'a> {
     content: Option<&'a str>,
 }
 
-fn usage_json(usage: &Usage) -> Value {
-    let mut json = json!({
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens,
-    });
-    // Only where the generating engine reported it: OpenAI clients read it as cache hits.
-    if let Some(cached) = usage.cached_tokens() {
-        json["prompt_tokens_details"] = json!({"cached_tokens": cached});
-    }
-    json
-}
-
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     fn defaults() -> Defaults<'static> {
@@ -743,14 +808,30 @@ mod tests {
 
     #[test]
     fn cached_tokens_show_only_where_the_engine_reported_them() {
+        let usage = |usage: &Usage| serde_json::to_value(FullUsage::from(usage)).unwrap();
         assert_eq!(
-            usage_json(&Usage::new(3, 2).with_cached_tokens(2)),
+            usage(&Usage::new(3, 2).with_cached_tokens(2)),
             json!({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
                 "prompt_tokens_details": {"cached_tokens": 2}})
         );
+        assert_eq!(usage(&Usage::new(3, 2)).get("prompt_tokens_details"), None);
+    }
+
+    /// The whole answer's bytes, keys sorted as clients have always seen them.
+    #[test]
+    fn full_responses_are_written_with_their_keys_sorted() {
+        let written = |shape, usage: &Usage| {
+            let r = responder(shape, false);
+            let body = r.full_response(" Paris.".to_owned(), "length", usage);
+            String::from_utf8(serde_json::to_vec(&body).unwrap()).unwrap()
+        };
         assert_eq!(
-            usage_json(&Usage::new(3, 2)).get("prompt_tokens_details"),
-            None
+            written(Shape::Completion, &Usage::new(6, 2)),
+            r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":null,"text":" Paris."}],"created":7,"id":"id-1","model":"m","object":"text_completion","usage":{"completion_tokens":2,"prompt_tokens":6,"total_tokens":8}}"#
+        );
+        assert_eq!(
+            written(Shape::Chat, &Usage::new(6, 2).with_cached_tokens(4)),
+            r#"{"choices":[{"finish_reason":"length","index":0,"logprobs":null,"message":{"content":" Paris.","role":"assistant"}}],"created":7,"id":"id-1","model":"m","object":"chat.completion","usage":{"completion_tokens":2,"prompt_tokens":6,"prompt_tokens_details":{"cached_tokens":4},"total_tokens":8}}"#
         );
     }
 

@@ -168,6 +168,32 @@ fn a_calls_uri_is_the_base_followed_by_the_path() {
     assert!(Target::parse("127.0.0.1:8000").is_none(), "no scheme");
 }
 
+/// Every call carries the `Host` header the HTTP client would have written: the host, and the
+/// port unless it is the scheme's default, never the user info.
+#[test]
+fn a_call_names_its_host_as_the_http_client_would() {
+    for (base, host) in [
+        ("http://127.0.0.1:8000", "127.0.0.1:8000"),
+        ("http://engine.local/prefix/", "engine.local"),
+        ("http://engine.local:80", "engine.local"),
+        ("https://engine.local:443", "engine.local"),
+        ("https://engine.local:80", "engine.local:80"),
+        ("http://user:secret@[::1]:9/a", "[::1]:9"),
+    ] {
+        let request = Upstream::new(base.into(), None)
+            .request(http::Method::GET, "/v1/models")
+            .expect("a request")
+            .body(())
+            .expect("built");
+        let sent: Vec<_> = request
+            .headers()
+            .get_all(http::header::HOST)
+            .iter()
+            .collect();
+        assert_eq!(sent, [host], "{base}");
+    }
+}
+
 /// A call pinned to a DP rank carries vLLM's `X-data-parallel-rank`; others carry none.
 #[test]
 fn a_pinned_upstream_names_its_dp_rank_on_every_call() {
