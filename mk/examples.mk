@@ -10,12 +10,12 @@ PYTHON ?= python3
 NPM    ?= npm
 NODE   ?= node
 
-# Versions known to build against wit/policy.wit; bump deliberately (see examples/README.md).
+# Versions known to build against wit/deps/policy@0.2.0/policy.wit; bump deliberately (see examples/README.md).
 COMPONENTIZE_PY_VERSION := 0.25.1
 
 EXAMPLES_OUT    := target/examples
 GUEST_VENV      := .venv-guests
-EXAMPLES_WIT    := wit/policy.wit
+EXAMPLES_WIT    := wit/deps/policy@0.2.0/policy.wit
 # Guests build in a target directory of their own (as in mk/guests.mk, shared with the tests).
 EXAMPLES_TARGET_DIR := target/guest-build
 EXAMPLES_CARGO_OUT := $(EXAMPLES_TARGET_DIR)/wasm32-wasip2/guest

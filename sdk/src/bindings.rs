@@ -1,5 +1,5 @@
-//! The bindings `wit-bindgen` generates from `wit/policy.wit` (`switchyard:policy@0.2.0`), for
-//! the world `stateful-policy` (the `policy` world plus `export-state`/`import-state`): a
+//! The bindings `wit-bindgen` generates from `wit/deps/policy@0.2.0/policy.wit`
+//! (`switchyard:policy@0.2.0`, frozen), for the world `stateful-policy` (the `policy` world plus `export-state`/`import-state`): a
 //! component exports one set of functions, so every SDK policy exports the superset, and a
 //! policy that keeps no state answers `export-state` with nothing (see
 //! [`crate::Policy::export_state`]). The router treats a component of either world as a policy.
@@ -14,9 +14,9 @@
 )]
 
 wit_bindgen::generate!({
-    // The newest contract's file alone: `wit/deps/` holds the frozen older versions, which are
-    // not this SDK's business.
-    path: "../wit/policy.wit",
+    // The frozen 0.2.0 file alone: its siblings in `wit/deps/` are the other versions, which
+    // are not this SDK's business.
+    path: "../wit/deps/policy@0.2.0/policy.wit",
     world: "stateful-policy",
     // Policy crates export through the SDK: the macro is `#[macro_export]`ed from here and
     // finds these bindings (and the `wit_bindgen` runtime) through this crate's paths, so a

@@ -8,7 +8,7 @@ use std::cell::RefCell;
 use std::marker::PhantomData;
 
 use crate::bindings::Guest;
-use crate::types::{Context, Outcome, Plan, PolicyError, PolicyInfo, Request, State};
+use crate::types::{Context, Outcome, Plan, PolicyError, PolicyInfo, Reads, Request, State};
 
 /// A routing policy. Implement it, then call [`export_policy!`](crate::export_policy).
 pub trait Policy: Sized + 'static {
@@ -28,6 +28,15 @@ pub trait Policy: Sized + 'static {
     /// `on_complete` is stateful.
     const STATE: State = State::Stateful;
 
+    /// What the policy reads, so the router does that work for it and no more:
+    /// [`Reads::PROMPT_LENGTH`] to get `request.prompt_len` (the router tokenizes the prompt
+    /// for it; read it with [`Request::prompt_length`]), [`Reads::OUTCOMES`] to have
+    /// [`Policy::on_complete`] called. The default, [`Reads::all()`], is always correct; a
+    /// policy that routes on the endpoints and the request's small fields alone says
+    /// `Reads::empty()` and saves the router a tokenization per request.
+    /// `PROMPT_TOKENS > 0` implies the prompt length.
+    const READS: Reads = Reads::all();
+
     /// Build the policy from its JSON config (`"{}"` when the operator gave none).
     /// An error stops the policy from loading; say what is wrong with the config.
     fn init(config: &str) -> Result<Self, String>;
@@ -35,7 +44,8 @@ pub trait Policy: Sized + 'static {
     /// Turn one attempt of one request into a plan.
     fn translate(&mut self, request: &Request, context: &Context) -> Result<Plan, PolicyError>;
 
-    /// Learn how a request ended. The default ignores it.
+    /// Learn how a request ended. Called only when [`Policy::READS`] has
+    /// [`Reads::OUTCOMES`]. The default ignores it.
     fn on_complete(&mut self, _outcome: &Outcome) {}
 
     /// Opt in to state carry-over on hot swap: the state to hand to the next version of this
@@ -113,6 +123,7 @@ pub(crate) fn describe<P: Policy>() -> PolicyInfo {
         language: P::LANGUAGE.into(),
         prompt_tokens: P::PROMPT_TOKENS,
         state: P::STATE,
+        reads: P::READS,
     }
 }
 

@@ -69,12 +69,31 @@ pub use log::{log, log_debug, log_error, log_info, log_warn};
 pub mod types {
     pub use crate::bindings::switchyard::policy::types::{
         Context, DownReason, Endpoint, EndpointId, Failure, FailureKind, Handoff, Header, Level,
-        Outcome, Plan, PolicyError, PolicyInfo, Position, PrepRecv, Protocol, RemoteSend, Request,
-        Role, SendBegin, StartGenerate, State, Status, Step,
+        Outcome, Plan, PolicyError, PolicyInfo, Position, PrepRecv, Protocol, Reads, RemoteSend,
+        Request, Role, SendBegin, StartGenerate, State, Status, Step,
     };
+
+    impl Request {
+        /// The prompt's length in tokens, for a policy that declares
+        /// [`Reads::PROMPT_LENGTH`](crate::types::Reads::PROMPT_LENGTH) in
+        /// [`Policy::READS`](crate::Policy::READS) (or asks for prompt tokens).
+        ///
+        /// # Panics
+        ///
+        /// When the router gave no length: the policy did not declare that it reads it, and
+        /// nothing else made the router tokenize this prompt. The panic is a fault the router
+        /// logs with this message (its fallback policy plans the attempt); declare the read.
+        /// Read the field `prompt_len` itself to handle its absence.
+        pub fn prompt_length(&self) -> u32 {
+            self.prompt_len.expect(
+                "request.prompt_len is none: declare `Reads::PROMPT_LENGTH` in `Policy::READS` \
+                 to have the router tokenize the prompt for this policy",
+            )
+        }
+    }
 }
 
-pub use types::{Plan, PolicyError, Step};
+pub use types::{Plan, PolicyError, Reads, Step};
 
 /// The SDK version stamped into every policy built with it (custom section
 /// `switchyard-sdk-version`), so the router can name the SDK a guest was built with.

@@ -14,14 +14,14 @@
 //! assert_eq!(ctx.attempt, 2);
 //! assert!(!ctx.endpoints[2].healthy);
 //! let plan = switchyard_policy::Plan::disagg(0, 1, -1);
-//! assert_eq!(check_plan(&plan, request(17).prompt_len, &ctx.endpoints), Ok(()));
+//! assert_eq!(check_plan(&plan, request(17).prompt_length(), &ctx.endpoints), Ok(()));
 //! ```
 
 use crate::export::{Policy, describe};
 use crate::select::{can_decode, can_prefill, serves_alone};
 use crate::types::{
     Context, DownReason, Endpoint, EndpointId, Failure, FailureKind, Outcome, Plan, PolicyError,
-    PolicyInfo, Protocol, Request, Role, SendBegin, Step,
+    PolicyInfo, Protocol, Reads, Request, Role, SendBegin, Step,
 };
 
 /// A snapshot of `n` healthy, idle, role-less MLC endpoints with ids `0..n`, one GPU each,
@@ -223,7 +223,7 @@ impl Cluster {
 pub fn request(prompt_len: u32) -> Request {
     Request {
         id: 1,
-        prompt_len,
+        prompt_len: Some(prompt_len),
         prompt_prefix: (0..prompt_len).collect(),
         max_tokens: 16,
         stream: false,
@@ -286,16 +286,24 @@ impl<P: Policy> Harness<P> {
     }
 
     /// Plan `request`, after trimming its `prompt_prefix` to `P::PROMPT_TOKENS` tokens as the
-    /// router does.
+    /// router does, and taking its `prompt_len` away unless the policy reads it (the router
+    /// gives it then only when something else needed the prompt tokenized: a test must not
+    /// depend on that).
     pub fn translate(&mut self, request: &Request, context: &Context) -> Result<Plan, PolicyError> {
         let mut request = request.clone();
         request.prompt_prefix.truncate(P::PROMPT_TOKENS as usize);
+        if !P::READS.contains(Reads::PROMPT_LENGTH) && P::PROMPT_TOKENS == 0 {
+            request.prompt_len = None;
+        }
         self.policy.translate(&request, context)
     }
 
-    /// Report an outcome, as the router does after a request's last attempt.
+    /// Report an outcome, as the router does after a request's last attempt: only to a policy
+    /// that reads outcomes.
     pub fn on_complete(&mut self, outcome: &Outcome) {
-        self.policy.on_complete(outcome);
+        if P::READS.contains(Reads::OUTCOMES) {
+            self.policy.on_complete(outcome);
+        }
     }
 
     /// The policy instance, to inspect its state.

@@ -5,14 +5,15 @@
 //! text. SGLang refuses `return_token_ids` on streamed chat: there the router re-tokenizes the
 //! delivered text, exact with a tokenizer for which that is the identity (the reference
 //! engine's byte-level one) and bounded otherwise (see the book: docs/src/engines.md,
-//! "Continuation").
+//! "Continuation"). The same holds for a plain forward through a policy that reads nothing
+//! (round-robin), whose prompt the router tokenizes only when it must continue it.
 
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess, free_port};
 
 use crate::faults::{SLOW, wait_health};
 use crate::http::{post_json, sse_payloads};
-use crate::router::{generating_decode, metric, open_stream};
+use crate::router::{generating_decode, generating_engine, metric, open_stream};
 
 /// A prefill engine and two decode engines speaking `protocol` (tcp KV, P able to push to
 /// both), behind a router. Engines in router order: P, D1, D2.
@@ -114,10 +115,37 @@ fn has_text(sse: &[u8], chat: bool) -> bool {
         })
 }
 
-async fn a_killed_decode_engine_is_continued_exactly(protocol: &str) {
+/// Two plain engines speaking `protocol` behind round-robin, which reads nothing: a forward
+/// sends the client's body, and nothing tokenizes the prompt until a stream must be continued.
+fn two_behind_round_robin(protocol: &str) -> (Vec<EngineProcess>, RouterProcess) {
+    let mut args = vec!["--protocol", protocol];
+    args.extend(SLOW);
+    let engines = vec![EngineProcess::spawn(&args), EngineProcess::spawn(&args)];
+    let endpoints: Vec<String> = engines
+        .iter()
+        .map(|e| format!("{protocol}+{}", e.url))
+        .collect();
+    let endpoints: Vec<&str> = endpoints.iter().map(String::as_str).collect();
+    let router = RouterProcess::serve(&endpoints, &["--policy", "round-robin"]);
+    (engines, router)
+}
+
+/// How the engines are set up behind the router, and so which one generates a stream.
+#[derive(Clone, Copy)]
+enum Setup {
+    /// A prefill engine and two decode engines ([`pair_with_spare`]).
+    Disaggregated,
+    /// Two plain engines ([`two_behind_round_robin`]).
+    RoundRobin,
+}
+
+async fn a_killed_engine_is_continued_exactly(protocol: &str, setup: Setup) {
     let plain: &[&str] = &["--protocol", protocol];
     let truth = EngineProcess::spawn(plain);
-    let (mut engines, router) = pair_with_spare(protocol);
+    let (mut engines, router) = match setup {
+        Setup::Disaggregated => pair_with_spare(protocol),
+        Setup::RoundRobin => two_behind_round_robin(protocol),
+    };
     let cases = [
         (
             "/v1/completions",
@@ -148,8 +176,11 @@ async fn a_killed_decode_engine_is_continued_exactly(protocol: &str) {
             let chunk = response.chunk().await.expect("the stream goes on");
             received.extend_from_slice(&chunk.expect("more than the opening"));
         }
-        // ...when whichever decode engine generates it is killed (P is engine 0).
-        let generating = generating_decode(&router).await;
+        // ...when whichever engine generates it is killed (P is engine 0 when there is one).
+        let generating = match setup {
+            Setup::Disaggregated => generating_decode(&router).await,
+            Setup::RoundRobin => generating_engine(&router).await,
+        };
         engines[generating].kill();
         while let Some(chunk) = response.chunk().await.expect("the stream ends cleanly") {
             received.extend_from_slice(&chunk);
@@ -164,19 +195,33 @@ async fn a_killed_decode_engine_is_continued_exactly(protocol: &str) {
         engines[generating].restart();
         wait_health(&router, generating, true).await;
     }
-    let retried = metric(&router.endpoint("/metrics"), "switchyard_retries").await;
+    let metrics = router.endpoint("/metrics");
+    let retried = metric(&metrics, "switchyard_retries").await;
     assert!(
         retried >= 2.0,
         "{protocol}: both streams were continued ({retried})"
     );
+    if let Setup::RoundRobin = setup {
+        // Each prompt was tokenized once, to continue it: never to forward it.
+        let tokenized = metric(&metrics, "switchyard_prompt_tokenizations").await;
+        assert_eq!(
+            tokenized, 2.0,
+            "{protocol}: one tokenization per continued stream"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_streams_continue_exactly_when_their_decode_engine_is_killed() {
-    a_killed_decode_engine_is_continued_exactly("vllm").await;
+    a_killed_engine_is_continued_exactly("vllm", Setup::Disaggregated).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_streams_continue_exactly_when_their_decode_engine_is_killed() {
-    a_killed_decode_engine_is_continued_exactly("sglang").await;
+    a_killed_engine_is_continued_exactly("sglang", Setup::Disaggregated).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_through_a_policy_that_reads_nothing_continues_exactly() {
+    a_killed_engine_is_continued_exactly("vllm", Setup::RoundRobin).await;
 }

@@ -20,7 +20,7 @@ const BLOCK: u32 = 16;
 /// The longest wait for a subscriber to apply what an engine published.
 const WITHIN: Duration = Duration::from_secs(20);
 
-const PUBLISHING: [&str; 5] = [
+pub(crate) const PUBLISHING: [&str; 5] = [
     "--prefix-cache",
     "--kv-events",
     "tcp://127.0.0.1:0",

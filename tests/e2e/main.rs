@@ -17,6 +17,7 @@ mod kv_events;
 mod lab;
 mod models;
 mod protocols;
+mod reads;
 mod replicas;
 mod router;
 mod sidecar;

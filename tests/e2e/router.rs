@@ -760,6 +760,16 @@ pub(crate) async fn generating_decode(router: &RouterProcess) -> usize {
         + 1
 }
 
+/// The id of the engine generating the one stream in flight, of engines that serve whole
+/// requests.
+pub(crate) async fn generating_engine(router: &RouterProcess) -> usize {
+    router_in_flight(router)
+        .await
+        .iter()
+        .position(|&n| n > 0)
+        .expect("an engine generates the stream")
+}
+
 async fn router_in_flight(router: &RouterProcess) -> Vec<u64> {
     let endpoints = post_or_get(&router.endpoint("/admin/endpoints")).await;
     endpoints["endpoints"]

@@ -18,7 +18,7 @@
 //! Config (all optional): `{"prefix_tokens": 64, "max_waiting": 4}`.
 
 use switchyard_policy::select::candidates;
-use switchyard_policy::types::{Context, Endpoint, Request, Role, State};
+use switchyard_policy::types::{Context, Endpoint, Reads, Request, Role, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError, log_info};
 
 /// Most prompt tokens the affinity key can cover (what the policy asks the router for).
@@ -41,6 +41,8 @@ impl Policy for Affinity {
     // point, and it lets the router run a pool of instances in parallel.
     const STATE: State = State::Stateless;
     const PROMPT_TOKENS: u32 = MAX_PREFIX_TOKENS;
+    // The prefix tokens above are all it reads (asking for them has the prompt tokenized).
+    const READS: Reads = Reads::empty();
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;

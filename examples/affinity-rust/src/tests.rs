@@ -32,7 +32,7 @@ fn prompt(seed: u64, len: u32) -> Request {
 fn plan(policy: &mut Harness<Affinity>, req: &Request, cluster: &Cluster) -> Plan {
     let ctx = cluster.context();
     let plan = policy.translate(req, &ctx).expect("a plan");
-    check_plan(&plan, req.prompt_len, &ctx.endpoints).expect("plan passes the router's rules");
+    check_plan(&plan, req.prompt_length(), &ctx.endpoints).expect("plan passes the router's rules");
     plan
 }
 

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use switchyard_policy::select::{can_decode, can_prefill, candidates, least_loaded, serves_alone};
-use switchyard_policy::types::{Context, Endpoint, Protocol, Request, State};
+use switchyard_policy::types::{Context, Endpoint, Protocol, Reads, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -19,6 +19,8 @@ pub struct ModelRoute {
 
 impl Policy for ModelRoute {
     const STATE: State = State::Stateless;
+    // It routes on the model and the endpoints: the prompt is never tokenized for it.
+    const READS: Reads = Reads::empty();
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;

@@ -105,10 +105,13 @@ class WitWorld(wit_world.WitWorld):
         s = WitWorld.settings
         # STATEFUL: it remembers which decode endpoint holds which prefix, across calls (and
         # learns from `on_complete`), so the router must run one instance, one call at a time.
+        # It reads the prompt's first pages (`prompt_tokens`, which has the router tokenize every
+        # prompt for it) and OUTCOMES, without which `on_complete` is never called.
         return types.PolicyInfo(
             language="python",
             prompt_tokens=s["page_size"] * s["prefix_pages"],
             state=types.State.STATEFUL,
+            reads=types.Reads.OUTCOMES,
         )
 
     def translate_request(self, request: types.Request, context: types.Context) -> types.Plan:

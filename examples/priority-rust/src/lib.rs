@@ -10,7 +10,7 @@
 //! Config (all optional): `{"user_prefix": "priority-", "pd_balance_factor": 0.0}`.
 
 use switchyard_policy::select::{balance_end, candidates, least_loaded};
-use switchyard_policy::types::{Context, Request, State};
+use switchyard_policy::types::{Context, Reads, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError, log_info};
 
 /// The header that marks a request as priority, and the value that does.
@@ -31,6 +31,8 @@ impl Policy for PriorityRouter {
     // Each answer comes from the request, the endpoints and the config alone: the router may
     // run a pool of instances in parallel.
     const STATE: State = State::Stateless;
+    // `balance_end` places MLC's KV window by the prompt's length.
+    const READS: Reads = Reads::PROMPT_LENGTH;
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
@@ -93,7 +95,7 @@ impl PriorityRouter {
             Some(decode) => Plan::disagg(
                 prefill.id,
                 decode.id,
-                balance_end(request.prompt_len, self.pd_balance_factor),
+                balance_end(request.prompt_length(), self.pd_balance_factor),
             ),
             None => Plan::forward(prefill.id),
         })

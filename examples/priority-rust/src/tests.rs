@@ -37,7 +37,8 @@ fn plan(
     let ctx = cluster.context();
     let plan = policy.translate(req, &ctx);
     if let Ok(plan) = &plan {
-        check_plan(plan, req.prompt_len, &ctx.endpoints).expect("plan passes the router's rules");
+        check_plan(plan, req.prompt_length(), &ctx.endpoints)
+            .expect("plan passes the router's rules");
     }
     plan
 }

@@ -84,8 +84,14 @@ export function init(config) {
 
 export function describe() {
   // Stateless: every answer comes from the request, the endpoints and the config, so the router
-  // may run several instances in parallel.
-  return { language: 'javascript', promptTokens: 0, state: 'stateless' };
+  // may run several instances in parallel. It routes on the prompt's length, which the router
+  // then measures for it (`promptLength`); it has no use for outcomes.
+  return {
+    language: 'javascript',
+    promptTokens: 0,
+    state: 'stateless',
+    reads: { promptLength: true, outcomes: false },
+  };
 }
 
 export function translateRequest(request, context) {

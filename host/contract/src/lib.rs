@@ -2,7 +2,7 @@
 //! policy returns and its validation, the endpoint snapshot and request a policy sees, the
 //! outcome it hears, and the [`Planner`] trait the router plans through.
 //!
-//! This crate owns the *meaning* of a plan; the WIT world (`wit/policy.wit`) is its wire form,
+//! This crate owns the *meaning* of a plan; the WIT world (`wit/deps/policy@0.2.0/policy.wit`) is its wire form,
 //! converted to and from these types by `switchyard-policy-host` alone. It must never depend
 //! on wasmtime, on an HTTP stack or on any other switchyard crate: the router and the policy
 //! host both depend on it, and neither may reach the other through it.
@@ -35,7 +35,7 @@ pub use endpoint::{EndpointSnapshot, Health, Protocol, Role, address_hash};
 pub use plan::{EndpointId, Plan, SendBegin, Step};
 pub use planner::{Planner, PlanningError};
 pub use policy::{
-    Failure, FailureKind, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, RequestFlow,
+    Failure, FailureKind, Outcome, OutcomeStatus, PolicyContext, PolicyRequest, Reads, RequestFlow,
     TranslateError,
 };
 pub use validate::{PlanError, RemoteSend, ValidPlan, validate};

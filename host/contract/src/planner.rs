@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use crate::policy::{Outcome, PolicyContext, PolicyRequest, TranslateError};
+use crate::policy::{Outcome, PolicyContext, PolicyRequest, Reads, TranslateError};
 use crate::{Plan, PlanError};
 
 /// Asks for plans and hears how requests ended: a loaded policy, a policy registry's
@@ -15,7 +15,16 @@ pub trait Planner: Send + Sync {
         ctx: &PolicyContext,
     ) -> Result<Plan, TranslateError>;
 
+    /// Hears how a request ended; the router calls it only when [`Planner::reads`] has
+    /// `outcomes`.
     fn on_complete(&self, outcome: &Outcome);
+
+    /// What this planner reads (the fallback it names included): the router tokenizes a
+    /// request's prompt for it only when `prompt` is set, and reports outcomes only when
+    /// `outcomes` is. The default, everything, is always correct.
+    fn reads(&self) -> Reads {
+        Reads::ALL
+    }
 
     /// This planner's answer for an attempt could not be used (a fault:
     /// [`PlanningError::is_fault`]). Returns the planner that plans this attempt instead;

@@ -11,7 +11,8 @@ use crate::plan::EndpointId;
 #[derive(Debug, Clone, Copy)]
 pub struct PolicyRequest<'a> {
     pub id: u64,
-    pub prompt: &'a [u32],
+    /// The prompt's token ids; `None` when no reader needed it tokenized (see [`Reads`]).
+    pub prompt: Option<&'a [u32]>,
     pub max_tokens: u32,
     pub stream: bool,
     pub model: &'a str,
@@ -33,6 +34,37 @@ pub struct RequestFlow<'a> {
     pub tenant: Option<&'a str>,
     /// Milliseconds left before its deadline when the policy is called.
     pub deadline_ms: Option<u32>,
+}
+
+/// What a planner reads beyond a request's ids and small fields: the work the router does for
+/// it on every request (the contract's `policy-info.reads`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Reads {
+    /// The prompt's length or tokens: the router tokenizes the prompt before planning.
+    pub prompt: bool,
+    /// How each request ended: the router builds an [`Outcome`] and reports it.
+    pub outcomes: bool,
+}
+
+impl Reads {
+    /// Everything: what a planner that does not say reads (a 0.1.0 policy, a test fake).
+    pub const ALL: Reads = Reads {
+        prompt: true,
+        outcomes: true,
+    };
+    /// Nothing: a planner that routes on the endpoints and the request's small fields alone.
+    pub const NOTHING: Reads = Reads {
+        prompt: false,
+        outcomes: false,
+    };
+
+    /// Both planners' reads together.
+    pub fn union(self, other: Reads) -> Reads {
+        Reads {
+            prompt: self.prompt || other.prompt,
+            outcomes: self.outcomes || other.outcomes,
+        }
+    }
 }
 
 /// What the router knows when it plans one attempt.

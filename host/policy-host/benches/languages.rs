@@ -124,7 +124,7 @@ fn translate_latency(policy: &Policy) -> Percentiles {
         let prompt = &prompts[i % prompts.len()];
         let request = PolicyRequest {
             id: i as u64,
-            prompt,
+            prompt: Some(prompt),
             max_tokens: 64,
             stream: true,
             model: "bench",

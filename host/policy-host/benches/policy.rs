@@ -54,7 +54,7 @@ fn translate(c: &mut Criterion) {
             id += 1;
             let request = PolicyRequest {
                 id,
-                prompt: &prompt,
+                prompt: Some(&prompt),
                 max_tokens: 128,
                 stream: true,
                 model: "model",

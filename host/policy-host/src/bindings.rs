@@ -13,7 +13,7 @@ mod v0_2_0;
 
 use std::fmt;
 
-use switchyard_contract::{Outcome, Plan, PolicyContext, PolicyRequest};
+use switchyard_contract::{Outcome, Plan, PolicyContext, PolicyRequest, Reads};
 use wasmtime::Store;
 use wasmtime::component::{Instance, InstancePre, Linker};
 
@@ -56,6 +56,9 @@ pub(super) struct Described {
     /// The policy keeps no state between calls (0.2.0's `state: stateless`); a 0.1.0
     /// component never says so.
     pub(super) stateless: bool,
+    /// What it reads (0.2.0's `reads`, `prompt-tokens > 0` counting as the prompt); a 0.1.0
+    /// component reads everything.
+    pub(super) reads: Reads,
 }
 
 /// A policy's own error answer to `translate-request`.
@@ -177,8 +180,9 @@ impl Guest {
 
 /// The parts of a version module that are the same in every version so far: the conversions
 /// between the host's types and the version's generated ones (0.2.0's request, context, plan
-/// and outcome have 0.1.0's shape), the calls, and the `log` import; `stateless` reads a
-/// `policy-info`'s declaration. Expanded inside a version module whose generated `types`
+/// and outcome have 0.1.0's shape), the calls, and the `log` import; `stateless` and `reads`
+/// read a `policy-info`'s declarations, and `prompt_len` writes the request's `prompt-len` from
+/// the prompt the host has (`None`: not tokenized). Expanded inside a version module whose generated `types`
 /// interface is `wit`, whose world is `Guest` and whose world imports trait is `GuestImports`,
 /// and which converts an endpoint itself (`fn endpoint(&EndpointSnapshot) ->
 /// Option<wit::Endpoint>`: 0.2.0's says why an endpoint is down and leaves removed ones out).
@@ -188,6 +192,8 @@ impl Guest {
 macro_rules! shared_with_v0_1_0 {
     (
         stateless: $stateless:expr,
+        reads: $reads:expr,
+        prompt_len: $prompt_len:expr,
         steps_beyond_v0_1_0: { $($beyond:tt)* },
         request_beyond_v0_1_0: { $($field:ident: $read:expr),* $(,)? }
     ) => {
@@ -207,8 +213,10 @@ macro_rules! shared_with_v0_1_0 {
         ) -> wasmtime::Result<Described> {
             let info = guest.call_describe(store)?;
             let stateless: fn(&wit::PolicyInfo) -> bool = $stateless;
+            let reads: fn(&wit::PolicyInfo) -> switchyard_contract::Reads = $reads;
             Ok(Described {
                 stateless: stateless(&info),
+                reads: reads(&info),
                 language: info.language,
                 prompt_tokens: info.prompt_tokens,
             })
@@ -264,10 +272,14 @@ macro_rules! shared_with_v0_1_0 {
         /// every call would cost more than the policy itself.
         pub(super) fn request(req: &PolicyRequest<'_>, prompt_tokens: u32) -> wit::Request {
             let wanted = usize::try_from(prompt_tokens).unwrap_or(usize::MAX);
-            let prefix = &req.prompt[..req.prompt.len().min(wanted)];
+            let prompt = req.prompt.unwrap_or_default();
+            let prefix = &prompt[..prompt.len().min(wanted)];
+            let prompt_len: fn(Option<u32>) -> _ = $prompt_len;
             wit::Request {
                 id: req.id,
-                prompt_len: u32::try_from(req.prompt.len()).unwrap_or(u32::MAX),
+                prompt_len: prompt_len(
+                    req.prompt.map(|p| u32::try_from(p.len()).unwrap_or(u32::MAX)),
+                ),
                 prompt_prefix: prefix.to_vec(),
                 max_tokens: req.max_tokens,
                 stream: req.stream,

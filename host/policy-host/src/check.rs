@@ -153,7 +153,7 @@ fn run_case(
     let prompt = synthetic_prompt(case.prompt_len);
     let request = PolicyRequest {
         id,
-        prompt: &prompt,
+        prompt: Some(&prompt),
         max_tokens: 64,
         stream: true,
         model: "check",

@@ -1,5 +1,5 @@
 //! The policy host: routing policies are WebAssembly components implementing
-//! `wit/policy.wit`, loaded into a wasmtime sandbox and asked for a plan per request attempt.
+//! `wit/deps/policy@0.2.0/policy.wit`, loaded into a wasmtime sandbox and asked for a plan per request attempt.
 //!
 //! This crate owns everything wasmtime: the sandbox, loading and checks, the compile cache, the
 //! hot-swapping [`PolicyRegistry`] and its plugins [`watch`]er. It speaks to the router only
@@ -15,7 +15,7 @@
 //! let host = PolicyHost::new(PolicyLimits::default())?;
 //! let policy = host.load_file("plugins/disagg.wasm".as_ref(), None)?;
 //! let prompt = [1, 2, 3];
-//! let request = PolicyRequest { id: 1, prompt: &prompt, max_tokens: 16, stream: false,
+//! let request = PolicyRequest { id: 1, prompt: Some(&prompt), max_tokens: 16, stream: false,
 //!     model: "m", user: None, headers: &[], flow: Default::default(), base_model: None };
 //! let context = PolicyContext { attempt: 1, last_failure: None, endpoints: vec![] };
 //! let plan = policy.translate(&request, &context)?; // validate with `switchyard_contract::validate`
@@ -76,7 +76,9 @@ pub use sandbox::{
 };
 pub use watch::{DEFAULT_DEBOUNCE, PluginWatcher, WatchError, watch};
 
-use switchyard_contract::{Outcome, Plan, Planner, PolicyContext, PolicyRequest, TranslateError};
+use switchyard_contract::{
+    Outcome, Plan, Planner, PolicyContext, PolicyRequest, Reads, TranslateError,
+};
 
 use executor::Executor;
 use sandbox::Linkers;
@@ -150,6 +152,25 @@ pub struct PolicyInfo {
     /// The policy says it keeps no state between calls (0.2.0 `state: stateless`): it is
     /// served by a pool of instances.
     pub stateless: bool,
+    /// What the policy reads (0.2.0 `reads`; everything for 0.1.0).
+    #[serde(serialize_with = "serialize_reads")]
+    pub reads: Reads,
+}
+
+/// What a policy reads, as operators see it: the contract's flag names.
+pub fn reads_names(reads: Reads) -> Vec<&'static str> {
+    let mut names = Vec::new();
+    if reads.prompt {
+        names.push("prompt-length");
+    }
+    if reads.outcomes {
+        names.push("outcomes");
+    }
+    names
+}
+
+fn serialize_reads<S: serde::Serializer>(reads: &Reads, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(reads_names(*reads))
 }
 
 /// Why a policy could not be loaded.
@@ -321,9 +342,13 @@ impl Policy {
             .unwrap_or_else(|fault| Err(self.fault(fault)))
     }
 
-    /// Tell the policy how a request ended. A fault is returned, for the caller to count (the
-    /// request is over either way); the faulted instance is replaced.
+    /// Tell the policy how a request ended, when it reads outcomes (else nothing is called). A
+    /// fault is returned, for the caller to count (the request is over either way); the
+    /// faulted instance is replaced.
     pub fn on_complete(&self, outcome: &Outcome) -> Result<(), TranslateError> {
+        if !self.inner.info.reads.outcomes {
+            return Ok(());
+        }
         self.inner
             .executor
             .call(|factory, instance| factory.on_complete(instance, outcome))
@@ -414,5 +439,9 @@ impl Planner for Policy {
             tracing::warn!(policy = %self.inner.info.name, request_id = outcome.request_id,
                 %fault, "on-complete failed");
         }
+    }
+
+    fn reads(&self) -> Reads {
+        self.inner.info.reads
     }
 }

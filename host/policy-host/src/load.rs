@@ -63,9 +63,11 @@ pub(super) fn load(
         source,
         contract,
         stateless: described.stateless,
+        reads: described.reads,
     };
     tracing::info!(policy = %info.name, language = %info.language, sha256 = %info.sha256,
-        prompt_tokens = info.prompt_tokens, %contract, stateless = info.stateless, "policy loaded");
+        prompt_tokens = info.prompt_tokens, %contract, stateless = info.stateless,
+        reads = ?crate::reads_names(info.reads), "policy loaded");
     let pool_size = host.limits.pool_size;
     let executor = Executor::start(factory, first, info.stateless, pool_size);
     Ok(Policy::new(info, executor))

@@ -167,6 +167,9 @@ pub struct PolicyView {
     pub contract: Option<Contract>,
     /// The serving version says it keeps no state between calls: a pool of instances serves it.
     pub stateless: Option<bool>,
+    /// What the serving version reads (`prompt-length`, `outcomes`): the work the router does
+    /// for it on every request.
+    pub reads: Option<Vec<&'static str>>,
     /// The serving version's instances now, and the most calls they ran at once.
     #[serde(flatten)]
     pub executor: Option<ExecutorView>,
@@ -379,6 +382,7 @@ impl PolicyRegistry {
             language: info.map(|i| i.language.clone()),
             contract: info.map(|i| i.contract),
             stateless: info.map(|i| i.stateless),
+            reads: info.map(|i| crate::reads_names(i.reads)),
             executor: version.as_ref().map(|v| v.policy.executor()),
             calls: slot.stats.summary(),
             state,

@@ -98,7 +98,7 @@ pub(super) fn translate(
 pub(super) fn request<'a>(prompt: &'a [u32], headers: &'a [(String, String)]) -> PolicyRequest<'a> {
     PolicyRequest {
         id: 7,
-        prompt,
+        prompt: Some(prompt),
         max_tokens: 16,
         stream: false,
         model: "test",

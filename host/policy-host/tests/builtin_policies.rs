@@ -83,7 +83,7 @@ fn translate(
     let prompt: Vec<u32> = (0..prompt_len).collect();
     let request = PolicyRequest {
         id: u64::from(prompt_len),
-        prompt: &prompt,
+        prompt: Some(&prompt),
         max_tokens: 16,
         stream: false,
         model: "m",

@@ -90,7 +90,7 @@ fn translate(
     let ctx = first_attempt(loads);
     let request = PolicyRequest {
         id: req.id,
-        prompt: req.prompt,
+        prompt: Some(req.prompt),
         max_tokens: 16,
         stream: false,
         model: "m",

@@ -147,7 +147,7 @@ fn serve(
         .collect();
     let request = PolicyRequest {
         id,
-        prompt: &prompt,
+        prompt: Some(&prompt),
         max_tokens: 16,
         stream: true,
         model: "m",

@@ -210,7 +210,7 @@ impl AppState {
     /// The tokenizer and limits of the model `body` names: the default model's unless it
     /// names another configured one (the body's `model` is read ahead only when there are
     /// others).
-    fn prompts_for(&self, body: &[u8]) -> (&PromptTokenizer, RequestLimits) {
+    fn prompts_for(&self, body: &[u8]) -> (&Arc<PromptTokenizer>, RequestLimits) {
         #[derive(serde::Deserialize)]
         struct Named<'a> {
             #[serde(borrow)]
@@ -742,8 +742,8 @@ async fn admitted(
     collect(state, responder, first, routing, arrived).await
 }
 
-/// A generating request ready to be planned: parsed and tokenized, its model served, its
-/// policy selected. The router runs it (`admitted`); `switchyard epp` plans it and answers the
+/// A generating request ready to be planned: parsed (its prompt tokenized if a reader needs
+/// it), its model served, its policy selected. The router runs it (`admitted`); `switchyard epp` plans it and answers the
 /// gateway with the plan's endpoints instead.
 pub(crate) struct Prepared {
     pub route: RouteRequest,
@@ -773,15 +773,22 @@ pub(crate) async fn prepare(
     if !state.can_route(&parsed.model) {
         return Err(ApiError::ModelUnavailable(parsed.model));
     }
-    let span = crate::telemetry::request_span(
-        headers,
-        shape.operation(),
-        &parsed.model,
-        parsed.prompt.len(),
-    );
+    let span = crate::telemetry::request_span(headers, shape.operation(), &parsed.model);
     let planner = state
         .planning
         .select(policy_header(headers).as_deref(), &parsed.model, &span)?;
+    // The readers known now: the policy and the KV index. Others (an MLC engine, a
+    // continuation, the usage) ask the request's prompt when they need it.
+    if planner.reads().prompt || state.router.executor().cluster().indexes_kv() {
+        parsed
+            .prompt
+            .ids()
+            .await
+            .map_err(|e| ApiError::Tokenize(e.to_string()))?;
+    }
+    if let Some(tokens) = parsed.prompt.len() {
+        crate::telemetry::record_input_tokens(&span, tokens);
+    }
     let tokenizer = state
         .model_prompts
         .get(&parsed.model)
@@ -809,10 +816,9 @@ pub(crate) async fn prepare(
     })
 }
 
-/// Bodies above this are parsed (and their prompts tokenized) on the blocking pool: a
-/// megabyte of text takes the tokenizer hundreds of milliseconds, which must not hold up the
-/// async worker every other request on it shares.
-const PARSE_INLINE_BYTES: usize = 16 << 10;
+/// Bodies above this are parsed (and their prompts tokenized, when the limits need it) on the
+/// blocking pool, as a prompt tokenized later is ([`crate::router::RoutePrompt::ids`]).
+const PARSE_INLINE_BYTES: usize = crate::router::TOKENIZE_INLINE_BYTES;
 
 async fn parse(
     state: &Arc<AppState>,

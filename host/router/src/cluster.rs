@@ -983,6 +983,12 @@ impl Cluster {
         (snapshot, pins)
     }
 
+    /// Whether an endpoint publishes KV events, so that a snapshot's `cached-prefix` needs the
+    /// request's prompt ids (the router then tokenizes every prompt it plans).
+    pub fn indexes_kv(&self) -> bool {
+        self.kv.is_active()
+    }
+
     /// `endpoints` were sent a prompt of `prompt_len` tokens (an attempt's plan started),
     /// pinned to the DP ranks `pins` names: from then on their engines must publish what they
     /// stored.

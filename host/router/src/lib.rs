@@ -45,6 +45,7 @@ pub mod telemetry;
 
 pub use pem::PemError;
 pub use router::{
-    DEFAULT_REQUEST_TIMEOUT, Done, Event, Failed, Flow, RetryBudgetConfig, RetryPolicy,
-    RetryPolicyError, RouteError, RouteRequest, Router, RouterConfig, Routing, Summary,
+    DEFAULT_REQUEST_TIMEOUT, Done, Event, Failed, Flow, PromptError, RetryBudgetConfig,
+    RetryPolicy, RetryPolicyError, RouteError, RoutePrompt, RouteRequest, Router, RouterConfig,
+    Routing, Summary,
 };

@@ -47,8 +47,9 @@ use tokio::time::Instant;
 use tracing::Instrument as _;
 
 use switchyard_contract::{
-    EndpointId, Failure, FailureKind, Outcome, OutcomeStatus, PlanError, Planner, PlanningError,
-    PolicyContext, PolicyRequest, RequestFlow, TranslateError, ValidPlan, validate,
+    EndpointId, EndpointSnapshot, Failure, FailureKind, Health, Outcome, OutcomeStatus, PlanError,
+    Planner, PlanningError, PolicyContext, PolicyRequest, Protocol, RequestFlow, TranslateError,
+    ValidPlan, validate,
 };
 use switchyard_wire::client::ClientBody;
 use switchyard_wire::completion::{CompletionRequest, FinishReason, Prompt, Usage};
@@ -175,7 +176,9 @@ pub enum RouteError {
     Deadline(Duration),
     #[error(transparent)]
     Engine(ExecError),
-    #[error("cannot tokenize the delivered text to continue: {0}")]
+    /// The prompt or the text delivered so far could not be tokenized (the prompt is
+    /// tokenized when first needed, which may be after the request was admitted).
+    #[error("cannot tokenize {0}")]
     Tokenize(String),
 }
 
@@ -290,14 +293,15 @@ impl TextSink for mpsc::Sender<Event> {
     }
 }
 
-/// One client request, tokenized, as the router routes it.
+/// One client request as the router routes it.
 #[derive(Debug, Clone)]
 pub struct RouteRequest {
     /// Numeric id given to the policy.
     pub id: u64,
     /// The client-visible id (`cmpl-<32 hex>`); upstream ids derive from it.
     pub request_id: String,
-    pub prompt: Vec<u32>,
+    /// Its prompt, tokenized when something first needs the ids (see [`RoutePrompt`]).
+    pub prompt: RoutePrompt,
     pub max_tokens: u32,
     pub stream: bool,
     pub model: String,
@@ -609,25 +613,36 @@ impl<E: Execute> Router<E> {
         let remaining = req.max_tokens.saturating_sub(already);
         if remaining == 0 {
             // Preempted right after the last token: the response is complete.
-            let usage = final_usage(req, already, None, None);
+            let usage = final_usage(self.prompt_tokens(req, None).await?, already, None, None);
             self.finish(req, tx, st, FinishReason::Length, usage).await;
             return Ok(AttemptEnd::Over);
         }
-        let mut prompt = req.prompt.clone();
-        prompt.extend_from_slice(&continued);
+        let cluster = self.executor.cluster();
+        // The readers known before the snapshot: the policy, the KV index, a continuation.
+        if st.planner.reads().prompt || cluster.indexes_kv() || !continued.is_empty() {
+            self.prompt_ids(req).await?;
+        }
+        let mut prompt = req.prompt.known().map(|ids| [ids, &continued].concat());
         // The whole prompt, so each endpoint's cached prefix counts what a continuation
-        // re-sends too.
-        let (endpoints, pins) = self.executor.cluster().snapshot_pinned(&req.model, &prompt);
+        // re-sends too. Without ids no endpoint publishes KV events: there is nothing to look up.
+        let (endpoints, pins) =
+            cluster.snapshot_pinned(&req.model, prompt.as_deref().unwrap_or_default());
+        // MLC engines take token ids, and an MLC plan's positions are checked against the
+        // prompt's length: a snapshot with an MLC endpoint the policy may choose needs them.
+        if prompt.is_none() && endpoints.iter().any(takes_token_ids) {
+            prompt = Some(self.prompt_ids(req).await?.to_vec());
+        }
         let context = PolicyContext {
             attempt,
             last_failure,
             endpoints,
         };
-        let (plan, cached) = self.plan(req, &prompt, remaining, context, st)?;
+        let (plan, cached) = self.plan(req, prompt.as_deref(), remaining, context, st)?;
         let cached = cached.pinned(pins.clone());
-        let prompt_len = prompt.len();
+        let prompt_len = prompt.as_ref().map_or(0, Vec::len);
         let mut tokens = req.template.clone();
-        tokens.prompt = Prompt::Tokens(prompt);
+        // No ids: the plan forwards the client's own body, which is what such engines get.
+        tokens.prompt = Prompt::Tokens(prompt.unwrap_or_default());
         tokens.max_tokens = Some(remaining);
         let body = AttemptBody {
             tokens,
@@ -685,7 +700,10 @@ impl<E: Execute> Router<E> {
                 };
                 let cached = usage.and_then(|u| u.cached_tokens());
                 self.check_prediction(generation.generator, prompt_len, cached, st);
-                let usage = final_usage(req, already, Some(this_attempt), cached);
+                let prompt_tokens = self
+                    .prompt_tokens(req, usage.map(|u| u.prompt_tokens))
+                    .await?;
+                let usage = final_usage(prompt_tokens, already, Some(this_attempt), cached);
                 self.finish(req, tx, st, finish_reason, usage).await;
                 Ok(AttemptEnd::Over)
             }
@@ -723,8 +741,37 @@ impl<E: Execute> Router<E> {
         context: PolicyContext,
     ) -> Result<ValidPlan, RouteError> {
         let mut st = State::new(planner);
-        self.plan(req, &req.prompt, req.max_tokens, context, &mut st)
+        self.plan(req, req.prompt.known(), req.max_tokens, context, &mut st)
             .map(|(plan, _)| plan)
+    }
+
+    /// The request's prompt ids, tokenizing it now if nothing did before.
+    async fn prompt_ids<'r>(&self, req: &'r RouteRequest) -> Result<&'r [u32], RouteError> {
+        let ids = req
+            .prompt
+            .ids()
+            .await
+            .map_err(|e| RouteError::Tokenize(format!("the prompt: {e}")))?;
+        crate::telemetry::record_input_tokens(&req.span, ids.len());
+        Ok(ids)
+    }
+
+    /// The prompt's length in tokens for the client's usage: the router's count when it has
+    /// one, else the engine's (`engine`), else the router tokenizes the prompt now.
+    async fn prompt_tokens(
+        &self,
+        req: &RouteRequest,
+        engine: Option<u32>,
+    ) -> Result<u32, RouteError> {
+        let len = match (req.prompt.len(), engine) {
+            (Some(len), _) => len,
+            (None, Some(engine)) => {
+                crate::telemetry::record_input_tokens(&req.span, engine as usize);
+                return Ok(engine);
+            }
+            (None, None) => self.prompt_ids(req).await?.len(),
+        };
+        Ok(u32::try_from(len).unwrap_or(u32::MAX))
     }
 
     /// Ask the request's planner for a plan in `context` and validate it against the snapshot
@@ -733,7 +780,7 @@ impl<E: Execute> Router<E> {
     fn plan(
         &self,
         req: &RouteRequest,
-        prompt: &[u32],
+        prompt: Option<&[u32]>,
         max_tokens: u32,
         context: PolicyContext,
         st: &mut State,
@@ -767,7 +814,8 @@ impl<E: Execute> Router<E> {
             .iter()
             .find(|e| e.id == plan.generator())
             .and_then(|e| e.cached_prefix);
-        let prompt_len = u32::try_from(prompt.len()).unwrap_or(u32::MAX);
+        // Without ids the prompt counts nothing toward any endpoint's pending prefill.
+        let prompt_len = prompt.map_or(0, |p| u32::try_from(p.len()).unwrap_or(u32::MAX));
         Ok((plan, CachedPrefixes::new(prompt_len, &context.endpoints)))
     }
 
@@ -785,8 +833,9 @@ impl<E: Execute> Router<E> {
         let plan = planner.translate(request, context);
         st.summary.policy_calls.push(started.elapsed());
         let plan = plan.map_err(PlanningError::Translate)?;
-        validate(&plan, request.prompt.len() as u32, &context.endpoints)
-            .map_err(PlanningError::InvalidPlan)
+        // Only MLC plans read the length, and a snapshot with an MLC endpoint has the ids.
+        let prompt_len = request.prompt.map_or(0, |p| p.len() as u32);
+        validate(&plan, prompt_len, &context.endpoints).map_err(PlanningError::InvalidPlan)
     }
 
     /// Compares the index's prediction for the generating endpoint with what its engine
@@ -821,7 +870,7 @@ impl<E: Execute> Router<E> {
             .unwrap_or(&self.tokenizer)
             .encode(delivered, false)
             .map(|e| e.get_ids().to_vec())
-            .map_err(|e| RouteError::Tokenize(e.to_string()))
+            .map_err(|e| RouteError::Tokenize(format!("the delivered text to continue: {e}")))
     }
 
     fn count_tokens(&self, req: &RouteRequest, text: &str) -> Result<u32, RouteError> {
@@ -881,8 +930,11 @@ impl<E: Execute> Router<E> {
     }
 }
 
-/// Tell the request's planner how it ended.
+/// Tell the request's planner how it ended, when it reads outcomes.
 fn report(req: &RouteRequest, st: &State, status: OutcomeStatus) {
+    if !st.planner.reads().outcomes {
+        return;
+    }
     let summary = &st.summary;
     let outcome = Outcome {
         request_id: req.id,
@@ -909,17 +961,21 @@ fn failure_of(error: &ExecError) -> Failure {
     }
 }
 
-/// The usage the client sees: the original prompt, and every token delivered over all attempts.
-/// Saturating: an engine's count is not trusted to keep the sum in range. `cached`, the last
-/// attempt's engine's count, is bounded by the original prompt: a continuation's engine may
-/// hold more of its longer prompt than the client sent.
+/// Whether planning on `endpoint` needs the prompt's token ids: MLC engines take them.
+fn takes_token_ids(endpoint: &EndpointSnapshot) -> bool {
+    endpoint.protocol == Protocol::Mlc && endpoint.health != Health::Removed
+}
+
+/// The usage the client sees: the original prompt (`prompt_tokens`), and every token delivered
+/// over all attempts. Saturating: an engine's count is not trusted to keep the sum in range.
+/// `cached`, the last attempt's engine's count, is bounded by the original prompt: a
+/// continuation's engine may hold more of its longer prompt than the client sent.
 fn final_usage(
-    req: &RouteRequest,
+    prompt_tokens: u32,
     earlier: u32,
     this_attempt: Option<u32>,
     cached: Option<u32>,
 ) -> Usage {
-    let prompt_tokens = u32::try_from(req.prompt.len()).unwrap_or(u32::MAX);
     let usage = Usage::new(
         prompt_tokens,
         earlier.saturating_add(this_attempt.unwrap_or(0)),
@@ -929,6 +985,11 @@ fn final_usage(
         None => usage,
     }
 }
+
+mod prompt;
+
+pub use prompt::{PromptError, RoutePrompt, tokenizations};
+pub(crate) use prompt::{TOKENIZE_INLINE_BYTES, tokenize};
 
 #[cfg(test)]
 mod tests;

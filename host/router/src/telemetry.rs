@@ -253,7 +253,6 @@ pub(crate) fn request_span(
     headers: &http::HeaderMap,
     operation: &'static str,
     model: &str,
-    prompt_tokens: usize,
 ) -> Span {
     if !is_on() {
         return Span::none();
@@ -266,7 +265,7 @@ pub(crate) fn request_span(
         trace_id = Empty,
         gen_ai.operation.name = operation,
         gen_ai.request.model = %model,
-        gen_ai.usage.input_tokens = i64::try_from(prompt_tokens).unwrap_or(i64::MAX),
+        gen_ai.usage.input_tokens = Empty,
         gen_ai.usage.output_tokens = Empty,
         switchyard.policy = Empty,
         switchyard.attempts = Empty,
@@ -281,6 +280,14 @@ pub(crate) fn request_span(
     let trace_id = span.context().span().span_context().trace_id();
     span.record("trace_id", tracing::field::display(trace_id));
     span
+}
+
+/// The prompt's length in tokens, on the request's span, when the router tokenized it.
+pub(crate) fn record_input_tokens(span: &Span, tokens: usize) {
+    if !span.is_none() {
+        let tokens = i64::try_from(tokens).unwrap_or(i64::MAX);
+        span.record("gen_ai.usage.input_tokens", tokens);
+    }
 }
 
 /// The policy that plans the request, on its span (nothing with tracing off).

@@ -167,7 +167,7 @@ pub fn run_cli(command: PolicyCommand) -> Result<(), CliError> {
             let prompt = synthetic_prompt(prompt_len);
             let request = PolicyRequest {
                 id: 1,
-                prompt: &prompt,
+                prompt: Some(&prompt),
                 max_tokens: 64,
                 stream: true,
                 model: &model,

@@ -10,7 +10,7 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 
 /// The contract, copied into projects whose toolchain reads WIT itself.
-const POLICY_WIT: &str = include_str!("../../../wit/policy.wit");
+const POLICY_WIT: &str = include_str!("../../../wit/deps/policy@0.2.0/policy.wit");
 
 /// The SDK of the checkout this binary was built from; used when `--sdk` is not given.
 const CHECKOUT_SDK: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../sdk");

@@ -18,7 +18,7 @@
 use switchyard_policy::select::{
     balance_end, can_decode, can_prefill, candidates, healthy, least_loaded, serves_alone,
 };
-use switchyard_policy::types::{Context, Endpoint, Protocol, Request, Role, State};
+use switchyard_policy::types::{Context, Endpoint, Protocol, Reads, Request, Role, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Prefill on one endpoint, decode on the least-loaded other one.
@@ -32,6 +32,8 @@ impl Policy for Disagg {
     // Each answer comes from the request, the endpoint snapshot and the config alone, so the
     // router may call a pool of instances in parallel.
     const STATE: State = State::Stateless;
+    // `balance_end` places MLC's KV window by the prompt's length.
+    const READS: Reads = Reads::PROMPT_LENGTH;
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
@@ -72,7 +74,7 @@ impl Disagg {
         let decode = pick_decode(usable, prefill)?;
         if prefill.protocol == Protocol::Mlc {
             // MLC's own plan, window and all (with factor 0 it is what a handoff runs).
-            let end = balance_end(request.prompt_len, self.pd_balance_factor);
+            let end = balance_end(request.prompt_length(), self.pd_balance_factor);
             return Some(Plan::disagg(prefill.id, decode.id, end));
         }
         Some(Plan::handoff(prefill.id, decode.id))

@@ -41,7 +41,7 @@
 //! 50%, 70% and 85% load.
 
 use switchyard_policy::select::{can_decode, can_prefill, candidates, healthy, serves_alone};
-use switchyard_policy::types::{Context, Endpoint, Protocol, Request, Role, State};
+use switchyard_policy::types::{Context, Endpoint, Protocol, Reads, Request, Role, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// The cost of one uncached prompt token, unless configured.
@@ -63,6 +63,8 @@ impl Policy for KvAware {
     // Every answer comes from the request, the snapshot (cached prefixes included: the router
     // keeps the index) and the config, so the router may call a pool of instances in parallel.
     const STATE: State = State::Stateless;
+    // The prefill an endpoint would do is the prompt's length less its cached prefix.
+    const READS: Reads = Reads::PROMPT_LENGTH;
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
@@ -149,7 +151,8 @@ impl KvAware {
 /// Prompt tokens `e` would have to prefill: all but its cached prefix, all of them when it
 /// publishes no events or its index is stale.
 fn uncached(request: &Request, e: &Endpoint) -> u32 {
-    request.prompt_len - e.cached_prefix.unwrap_or(0).min(request.prompt_len)
+    let prompt_len = request.prompt_length();
+    prompt_len - e.cached_prefix.unwrap_or(0).min(prompt_len)
 }
 
 /// Requests ahead of a new one on `e`: this router's in-flight count (exact and current) or

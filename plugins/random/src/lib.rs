@@ -12,7 +12,7 @@
 //! Config: `{"seed": N}` (optional) seeds the generator instead, the same choices on every run.
 
 use switchyard_policy::select::{candidates, serves_alone};
-use switchyard_policy::types::{Context, Request, State};
+use switchyard_policy::types::{Context, Reads, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Forward each request to a healthy endpoint drawn at random.
@@ -43,6 +43,8 @@ impl Policy for Random {
     // Its choices depend on no request before: the router may call a pool of instances in
     // parallel, each with its own generator.
     const STATE: State = State::Stateless;
+    // It routes on the endpoints alone: the router need not tokenize the prompt for it.
+    const READS: Reads = Reads::empty();
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;

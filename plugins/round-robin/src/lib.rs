@@ -9,7 +9,7 @@
 //! Config: none (`{}`).
 
 use switchyard_policy::select::{candidates, least_loaded, serves_alone};
-use switchyard_policy::types::{Context, Request, State};
+use switchyard_policy::types::{Context, Reads, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Forward each request to the least-loaded healthy endpoint.
@@ -20,6 +20,8 @@ impl Policy for RoundRobin {
     // It keeps no turn: each answer comes from the endpoint snapshot alone, so the router may
     // call a pool of instances in parallel.
     const STATE: State = State::Stateless;
+    // It routes on the endpoints alone: the router need not tokenize the prompt for it.
+    const READS: Reads = Reads::empty();
 
     fn init(config: &str) -> Result<Self, String> {
         Config::parse(config)?.deny_unknown(&[])?;

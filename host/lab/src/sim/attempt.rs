@@ -135,7 +135,7 @@ impl Simulation<'_> {
     ) -> Result<(ValidPlan, Vec<Option<u32>>), String> {
         let request = PolicyRequest {
             id: r as u64,
-            prompt,
+            prompt: Some(prompt),
             max_tokens,
             stream: true,
             model: MODEL,
@@ -699,8 +699,12 @@ fn ask(
     let plan = planner
         .translate(request, context)
         .map_err(PlanningError::Translate)?;
-    validate(&plan, request.prompt.len() as u32, &context.endpoints)
-        .map_err(PlanningError::InvalidPlan)
+    validate(
+        &plan,
+        request.prompt.map_or(0, |p| p.len() as u32),
+        &context.endpoints,
+    )
+    .map_err(PlanningError::InvalidPlan)
 }
 
 /// Where a valid plan runs.

@@ -186,7 +186,7 @@ impl Planner for Sticky {
         self.seen
             .lock()
             .unwrap()
-            .push((request.prompt.len(), cached));
+            .push((request.prompt.map_or(0, <[u32]>::len), cached));
         Ok(Plan {
             steps: vec![Step::Forward { endpoint: 0 }],
         })
@@ -247,7 +247,7 @@ impl Planner for Loads {
             .collect();
         self.seen.lock().unwrap().push(loads);
         let mut longest = self.longest.lock().unwrap();
-        *longest = (*longest).max(request.prompt.len());
+        *longest = (*longest).max(request.prompt.map_or(0, <[u32]>::len));
         Ok(Plan {
             steps: vec![Step::Forward { endpoint: 0 }],
         })

@@ -13,10 +13,20 @@ fn only_the_requested_prompt_prefix_crosses_into_the_guest() {
     let prompt: Vec<u32> = (0..100).collect();
     let request = request(&prompt, &[]);
     let wit = v0_2_0::request(&request, 8);
-    assert_eq!(wit.prompt_len, 100);
+    assert_eq!(wit.prompt_len, Some(100));
     assert_eq!(wit.prompt_prefix, (0..8).collect::<Vec<u32>>());
     assert_eq!(v0_2_0::request(&request, u32::MAX).prompt_prefix.len(), 100);
     assert!(v0_2_0::request(&request, 0).prompt_prefix.is_empty());
+}
+
+#[test]
+fn a_prompt_the_router_did_not_tokenize_has_no_length() {
+    let untokenized = PolicyRequest {
+        prompt: None,
+        ..request(&[], &[])
+    };
+    let wit = v0_2_0::request(&untokenized, u32::MAX);
+    assert_eq!((wit.prompt_len, wit.prompt_prefix.len()), (None, 0));
 }
 
 #[test]
@@ -190,4 +200,69 @@ fn stateless_policies_take_no_part_in_state_carry_over() {
     assert_eq!(stateless.carry_state_from(&stateful), Ok(0));
     assert_eq!(stateful.carry_state_from(&stateless), Ok(0));
     let _: Plan = translate(&stateless, 17, 4).expect("plans");
+}
+
+/// Each contract the host binds, frozen: its file (the host's bindings are generated from it),
+/// and the sha256 it was frozen with. A match, so that a new version cannot be bound without
+/// its own entry.
+fn frozen(contract: Contract) -> (&'static str, &'static [u8], &'static str) {
+    match contract {
+        Contract::V0_1_0 => (
+            "wit/deps/policy@0.1.0/policy.wit",
+            include_bytes!("../../../../wit/deps/policy@0.1.0/policy.wit"),
+            "a211512d3376cb6884e12a552ca308ab3881efa6084fc7d91d2f2ad637f880cf",
+        ),
+        Contract::V0_2_0 => (
+            "wit/deps/policy@0.2.0/policy.wit",
+            include_bytes!("../../../../wit/deps/policy@0.2.0/policy.wit"),
+            "f57c252ce1e17e69860fe35fecccfc55a81cf0c18bdb770481e65b633ced1b2e",
+        ),
+    }
+}
+
+#[test]
+fn frozen_contracts_never_change() {
+    for contract in Contract::ALL {
+        let (path, text, pinned) = frozen(contract);
+        assert_eq!(
+            crate::load::sha256_hex(text),
+            pinned,
+            "{path} ({contract}) changed. A frozen contract never changes, not even a comment: \
+             components built against it rely on it as released, and the book shows it. Undo \
+             the edit; a change belongs in the next version, a copy beside it \
+             (wit/deps/policy@0.3.0/policy.wit) with bindings of its own."
+        );
+    }
+}
+
+#[test]
+fn a_0_2_0_policy_that_reads_nothing_hears_no_outcome() {
+    // The stateful guest reads nothing, and its `on-complete` traps: a call would be a fault.
+    let policy = load(Guest::STATEFUL, "stateful", None);
+    assert_eq!(policy.info().reads, switchyard_contract::Reads::NOTHING);
+    assert!(translate(&policy, 17, 3).is_ok());
+    assert_eq!(policy.on_complete(&outcome(1)), Ok(()));
+}
+
+#[test]
+fn what_each_policy_reads_is_what_it_declares() {
+    use switchyard_contract::Reads;
+    let reads = |guest: Guest| load(guest, "p", None).info().reads;
+    // A 0.1.0 component declares nothing: it reads everything, as it always did.
+    assert_eq!(reads(Guest::V0_1_0), Reads::ALL);
+    assert_eq!(
+        reads(Guest::MISBEHAVE),
+        Reads {
+            prompt: false,
+            outcomes: true
+        }
+    );
+    assert_eq!(
+        reads(Guest::DISAGG),
+        Reads {
+            prompt: true,
+            outcomes: false
+        }
+    );
+    assert_eq!(reads(Guest::ROUND_ROBIN), Reads::NOTHING);
 }

@@ -15,6 +15,10 @@ use generated::switchyard::policy::types as wit;
 
 super::shared_with_v0_1_0!(
     stateless: |_| false,
+    // A 0.1.0 policy says nothing of what it reads: it gets everything, as it always did (the
+    // router tokenizes every prompt it plans, so the length is there).
+    reads: |_| switchyard_contract::Reads::ALL,
+    prompt_len: |len| len.unwrap_or(0),
     steps_beyond_v0_1_0: {},
     request_beyond_v0_1_0: {}
 );

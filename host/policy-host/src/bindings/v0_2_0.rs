@@ -1,4 +1,4 @@
-//! `switchyard:policy@0.2.0` (`wit/policy.wit`), the newest contract: 0.1.0 plus a policy's
+//! `switchyard:policy@0.2.0` (`wit/deps/policy@0.2.0/policy.wit`), the newest contract: 0.1.0 plus a policy's
 //! declaration of whether it keeps state between calls (`policy-info.state`), why an endpoint
 //! is down (`endpoint.down-reason`), the load each engine reports (`endpoint.running`,
 //! `endpoint.waiting`), a key every router replica agrees on (`endpoint.address-hash`), the
@@ -6,11 +6,12 @@
 //! router has sent each endpoint and it has not prefilled yet (`endpoint.pending-prefill`),
 //! endpoint protocols (`endpoint.protocol`) with the `handoff` step that disaggregates on any,
 //! the request's flow control (`request.priority`, `request.tenant`, `request.deadline-ms`),
-//! and the base model of a LoRA adapter (`request.base-model`).
+//! the base model of a LoRA adapter (`request.base-model`), and what a policy reads
+//! (`policy-info.reads`), with `request.prompt-len` given only when the prompt was tokenized.
 
 mod generated {
     wasmtime::component::bindgen!({
-        path: "../../wit/policy.wit",
+        path: "../../wit/deps/policy@0.2.0/policy.wit",
         world: "policy",
     });
 }
@@ -21,6 +22,11 @@ use generated::switchyard::policy::types as wit;
 
 super::shared_with_v0_1_0!(
     stateless: |info| info.state == wit::State::Stateless,
+    reads: |info| switchyard_contract::Reads {
+        prompt: info.reads.contains(wit::Reads::PROMPT_LENGTH) || info.prompt_tokens > 0,
+        outcomes: info.reads.contains(wit::Reads::OUTCOMES),
+    },
+    prompt_len: |len| len,
     steps_beyond_v0_1_0: {
         wit::Step::Handoff(h) => Step::Handoff {
             prefill: h.prefill,

@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::Shared;
 use super::slot::{Slot, Version};
 use switchyard_contract::{
-    Outcome, Plan, Planner, PlanningError, PolicyContext, PolicyRequest, TranslateError,
+    Outcome, Plan, Planner, PlanningError, PolicyContext, PolicyRequest, Reads, TranslateError,
 };
 
 /// One version of one policy, as a planner: calls are counted and timed for its slot.
@@ -71,6 +71,10 @@ impl Planner for Served {
             self.slot.stats.error();
             self.fault(&fault);
         }
+    }
+
+    fn reads(&self) -> Reads {
+        self.version.policy.info().reads
     }
 }
 
@@ -144,6 +148,13 @@ impl Planner for Selection {
 
     fn on_complete(&self, outcome: &Outcome) {
         self.last_planner().on_complete(outcome);
+    }
+
+    /// The selected version's reads and the fallback's: the fallback may plan any attempt, and
+    /// the prompt is tokenized (or not) before the first.
+    fn reads(&self) -> Reads {
+        let fallback = self.fallback.as_ref().map_or(Reads::NOTHING, Served::reads);
+        self.first.reads().union(fallback)
     }
 
     /// Count the fault against the selected version (quarantining it at the threshold) and hand

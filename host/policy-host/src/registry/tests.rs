@@ -79,7 +79,7 @@ fn plan_with(
     let prompt: Vec<u32> = (0..17).collect();
     let request = PolicyRequest {
         id: 1,
-        prompt: &prompt,
+        prompt: Some(&prompt),
         max_tokens: 8,
         stream: false,
         model: "m",

@@ -51,6 +51,7 @@ pub struct Metrics {
     pending_prefill: Family<Labels, Gauge>,
     health: Family<Labels, Gauge>,
     ejections: Family<Labels, Counter>,
+    prompt_tokenizations: Counter,
     kv: KvMetrics,
     admission: AdmissionMetrics,
     connections: ConnectionMetrics,
@@ -135,6 +136,7 @@ impl Metrics {
         let pending_prefill = Family::<Labels, Gauge>::default();
         let health = Family::<Labels, Gauge>::default();
         let ejections = Family::<Labels, Counter>::default();
+        let prompt_tokenizations = Counter::default();
         let kv = KvMetrics::register(&mut registry);
         let admission = AdmissionMetrics::default();
         let connections = ConnectionMetrics::default();
@@ -201,6 +203,12 @@ impl Metrics {
             "Outlier ejections per endpoint",
             ejections.clone(),
         );
+        registry.register(
+            "prompt_tokenizations",
+            "Prompts tokenized: requests whose prompt length or tokens something read (the \
+             policy, the limits, the KV index, an MLC engine, a continuation, the usage)",
+            prompt_tokenizations.clone(),
+        );
         Metrics {
             registry,
             requests,
@@ -215,6 +223,7 @@ impl Metrics {
             pending_prefill,
             health,
             ejections,
+            prompt_tokenizations,
             kv,
             admission,
             connections,
@@ -307,6 +316,10 @@ impl Metrics {
                 .get_or_create(&labels)
                 .set(i64::from(demand.desired_replicas));
         }
+        // The prompts count their tokenizations themselves; this counter mirrors the count.
+        self.prompt_tokenizations
+            .inner()
+            .store(crate::router::tokenizations(), Ordering::Relaxed);
         self.kv
             .index_bytes
             .set(i64::try_from(cluster.kv_index_bytes()).unwrap_or(i64::MAX));

@@ -6,15 +6,21 @@
 //! `max_prompt_tokens`, prompt and completion within the model's context. A body's fields are
 //! read as raw JSON first, so a prompt of token ids is parsed straight into `Vec<u32>` (no
 //! `serde_json::Value` per id).
+//!
+//! A text prompt is tokenized here only when the limits need its length: when its bytes bound
+//! its tokens (see [`super::tokenize::tokens_at_most`]) and that bound fits, it is left to be
+//! tokenized when something reads it, if anything does ([`RoutePrompt`]).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use serde::Serialize;
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::respond::ApiError;
-use super::tokenize::{ChatMessage, PromptTokenizer};
+use super::tokenize::{ChatMessage, PromptTokenizer, tokens_at_most};
+use crate::router::{RoutePrompt, tokenize};
 use switchyard_wire::completion::{CompletionRequest, Stop, StreamOptions, Usage};
 use switchyard_wire::sse;
 
@@ -57,10 +63,11 @@ impl Shape {
     }
 }
 
-/// A validated client request, tokenized.
+/// A validated client request.
 #[derive(Debug, Clone)]
 pub struct ParsedRequest {
-    pub prompt: Vec<u32>,
+    /// Its prompt: ids, or text not tokenized yet when the limits did not need its length.
+    pub prompt: RoutePrompt,
     pub max_tokens: u32,
     pub stream: bool,
     pub include_usage: bool,
@@ -86,13 +93,13 @@ pub struct Defaults<'a> {
 /// Parse a `/v1/completions` body.
 pub fn parse_completion(
     body: &[u8],
-    tokenizer: &PromptTokenizer,
+    tokenizer: &Arc<PromptTokenizer>,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
     let (prompt, obj) = parse_object(body, "prompt")?;
     let prompt = match prompt {
         None => return Err(ApiError::invalid("prompt", "prompt is required")),
-        Some(raw) => prompt_tokens(raw, tokenizer)?,
+        Some(raw) => prompt_input(raw)?,
     };
     if get_bool(&obj, "echo")?.unwrap_or(false) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
@@ -101,13 +108,19 @@ pub fn parse_completion(
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
     let max_tokens = get_max_tokens(&obj, "max_tokens")?;
-    common(&obj, prompt, max_tokens, "prompt", tokenizer, defaults)
+    let measure = Measure {
+        param: "prompt",
+        empty: "prompt must not be empty",
+        tokenizer,
+        limits: defaults,
+    };
+    common(&obj, measure.prompt(prompt, max_tokens)?, defaults)
 }
 
 /// Parse a `/v1/chat/completions` body.
 pub fn parse_chat(
     body: &[u8],
-    tokenizer: &PromptTokenizer,
+    tokenizer: &Arc<PromptTokenizer>,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
     let (messages, obj) = parse_object(body, "messages")?;
@@ -120,18 +133,79 @@ pub fn parse_chat(
     let text = tokenizer.render_chat(&messages).map_err(|e| {
         ApiError::invalid("messages", format!("cannot render the chat template: {e}"))
     })?;
-    let prompt = tokenizer.encode(&text).map_err(ApiError::Tokenize)?;
-    if prompt.is_empty() {
-        return Err(ApiError::invalid(
-            "messages",
-            "the rendered prompt is empty",
-        ));
-    }
     let max_tokens = match get_max_tokens(&obj, "max_completion_tokens")? {
         Some(n) => Some(n),
         None => get_max_tokens(&obj, "max_tokens")?,
     };
-    common(&obj, prompt, max_tokens, "messages", tokenizer, defaults)
+    let measure = Measure {
+        param: "messages",
+        empty: "the rendered prompt is empty",
+        tokenizer,
+        limits: defaults,
+    };
+    common(
+        &obj,
+        measure.prompt(PromptInput::Text(text), max_tokens)?,
+        defaults,
+    )
+}
+
+/// A prompt as the client sent it: token ids, or text (a completion's, a chat's rendering).
+enum PromptInput {
+    Ids(Vec<u32>),
+    Text(String),
+}
+
+/// How a prompt is checked against the limits, and what a client's mistake in it is called.
+struct Measure<'a> {
+    /// The body field the prompt came from.
+    param: &'static str,
+    /// The error message for an empty prompt.
+    empty: &'static str,
+    tokenizer: &'a Arc<PromptTokenizer>,
+    limits: Defaults<'a>,
+}
+
+impl Measure<'_> {
+    /// The prompt and the request's `max_tokens` (or the default), after checking both against
+    /// the limits: a text prompt is tokenized only when its bound might not fit.
+    fn prompt(
+        &self,
+        input: PromptInput,
+        max_tokens: Option<u32>,
+    ) -> Result<(RoutePrompt, u32), ApiError> {
+        let ids = match input {
+            PromptInput::Text(text) if text.is_empty() => {
+                return Err(ApiError::invalid(self.param, self.empty));
+            }
+            PromptInput::Text(text) => {
+                if let Some(max_tokens) = self.fits_unmeasured(&text, max_tokens) {
+                    let tokenizer = Arc::clone(self.tokenizer);
+                    return Ok((RoutePrompt::from_text(text, tokenizer), max_tokens));
+                }
+                tokenize(self.tokenizer, &text).map_err(ApiError::Tokenize)?
+            }
+            PromptInput::Ids(ids) => ids,
+        };
+        if ids.is_empty() {
+            return Err(ApiError::invalid(self.param, self.empty));
+        }
+        check_vocabulary(&ids, self.tokenizer.vocab_size())?;
+        let max_tokens = check_length(ids.len(), max_tokens, self.param, self.limits)?;
+        Ok((RoutePrompt::from_ids(ids), max_tokens))
+    }
+
+    /// The `max_tokens` [`check_length`] would accept `text` with, when the most tokens `text`
+    /// can have passes every check: then its exact count cannot fail them, nor change the
+    /// default `max_tokens` (the context leaves at least the default after the bound).
+    fn fits_unmeasured(&self, text: &str, max_tokens: Option<u32>) -> Option<u32> {
+        let bound = tokens_at_most(self.tokenizer, text)?;
+        let limits = self.limits;
+        let max_tokens = max_tokens.unwrap_or(limits.max_tokens);
+        let fits = bound <= u64::from(limits.max_prompt_tokens)
+            && bound + u64::from(max_tokens) <= u64::from(limits.context_length);
+        fits.then_some(max_tokens)
+    }
 }
 
 /// A JSON object's field `big` as raw JSON (`None` when absent or null), and every other field
@@ -165,17 +239,12 @@ fn parse_object<'a>(
     Ok((found, rest))
 }
 
-/// The fields both APIs share.
+/// The fields both APIs share, beside the measured prompt and its `max_tokens`.
 fn common(
     obj: &Map<String, Value>,
-    prompt: Vec<u32>,
-    max_tokens: Option<u32>,
-    prompt_param: &'static str,
-    tokenizer: &PromptTokenizer,
+    (prompt, max_tokens): (RoutePrompt, u32),
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
-    check_vocabulary(&prompt, tokenizer.vocab_size())?;
-    let max_tokens = check_length(prompt.len(), max_tokens, prompt_param, defaults)?;
     let model = get_str(obj, "model")?.unwrap_or(defaults.model).to_owned();
     let stream = get_bool(obj, "stream")?.unwrap_or(false);
     let include_usage = match obj.get("stream_options") {
@@ -305,7 +374,7 @@ fn check_length(
 
 /// A string, a list of token ids, or a one-element list of either, parsed from raw JSON: ids
 /// go straight into a `Vec<u32>`.
-fn prompt_tokens(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
+fn prompt_input(raw: &RawValue) -> Result<PromptInput, ApiError> {
     // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`). One level only:
     // however deep the client nests, nothing here recurses. (A text prompt, the common case,
     // is not tried as a list: a failed parse builds an error message.)
@@ -315,20 +384,20 @@ fn prompt_tokens(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>
         None
     };
     match batch_of_one {
-        Some([one]) if one.get().starts_with(['"', '[']) => one_prompt(one, tokenizer),
-        _ => one_prompt(raw, tokenizer),
+        Some([one]) if one.get().starts_with(['"', '[']) => one_prompt(one),
+        _ => one_prompt(raw),
     }
 }
 
 /// A string or a list of token ids.
-fn one_prompt(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, ApiError> {
+fn one_prompt(raw: &RawValue) -> Result<PromptInput, ApiError> {
     let json = raw.get();
-    let tokens = if json.starts_with('"') {
+    if json.starts_with('"') {
         let text: String =
             serde_json::from_str(json).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
-        tokenizer.encode(&text).map_err(ApiError::Tokenize)?
+        Ok(PromptInput::Text(text))
     } else if let Ok(ids) = serde_json::from_str::<Vec<u32>>(json) {
-        ids
+        Ok(PromptInput::Ids(ids))
     } else {
         let why = match serde_json::from_str::<Value>(json) {
             Ok(Value::Array(items)) if items.iter().all(Value::is_number) => {
@@ -339,12 +408,8 @@ fn one_prompt(raw: &RawValue, tokenizer: &PromptTokenizer) -> Result<Vec<u32>, A
             }
             _ => "prompt must be a string or a list of token ids",
         };
-        return Err(ApiError::invalid("prompt", why));
-    };
-    if tokens.is_empty() {
-        return Err(ApiError::invalid("prompt", "prompt must not be empty"));
+        Err(ApiError::invalid("prompt", why))
     }
-    Ok(tokens)
 }
 
 fn chat_messages(messages: &Value) -> Result<Vec<ChatMessage>, ApiError> {
@@ -623,9 +688,17 @@ mod tests {
         }
     }
 
+    fn tokenizer() -> Arc<PromptTokenizer> {
+        Arc::new(PromptTokenizer::byte_level().expect("tokenizer"))
+    }
+
     fn parse(body: &str) -> Result<ParsedRequest, ApiError> {
-        let t = PromptTokenizer::byte_level().expect("tokenizer");
-        parse_completion(body.as_bytes(), &t, defaults())
+        parse_completion(body.as_bytes(), &tokenizer(), defaults())
+    }
+
+    /// The prompt's ids, tokenizing it if the parse did not.
+    fn ids(r: &ParsedRequest) -> Vec<u32> {
+        r.prompt.ids_now().expect("tokenizes").to_vec()
     }
 
     fn param_of(result: Result<ParsedRequest, ApiError>) -> String {
@@ -641,7 +714,7 @@ mod tests {
     #[test]
     fn accepts_strings_token_ids_and_defaults() {
         let r = parse(r#"{"prompt": "abc"}"#).expect("valid");
-        assert_eq!(r.prompt, [97, 98, 99]);
+        assert_eq!(ids(&r), [97, 98, 99]);
         assert_eq!(
             (r.max_tokens, r.stream, r.model.as_str()),
             (16, false, "served")
@@ -651,12 +724,26 @@ mod tests {
             "stream_options": {"include_usage": true}, "temperature": 0.5, "stop": ["x"]}"#,
         )
         .expect("valid");
-        assert_eq!(r.prompt, [5, 6]);
+        assert_eq!(ids(&r), [5, 6]);
         assert_eq!((r.max_tokens, r.stream, r.include_usage), (3, true, true));
         assert_eq!(r.template.temperature, Some(0.5));
         assert_eq!(r.template.model.as_deref(), Some("m"));
         let r = parse(r#"{"prompt": ["abc"]}"#).expect("one-element batch");
-        assert_eq!(r.prompt.len(), 3);
+        assert_eq!(ids(&r).len(), 3);
+    }
+
+    #[test]
+    fn a_text_prompt_is_tokenized_only_when_the_limits_need_its_count() {
+        // 40 bytes are at most 40 byte-level tokens: within 50, with the default 16 of 64.
+        let r = parse(&format!(r#"{{"prompt": "{}"}}"#, "x".repeat(40))).expect("valid");
+        assert_eq!((r.prompt.len(), r.max_tokens), (None, 16));
+        // 49 bytes might leave less than the default 16: counted, and the default shrinks.
+        let r = parse(&format!(r#"{{"prompt": "{}"}}"#, "x".repeat(49))).expect("valid");
+        assert_eq!((r.prompt.len(), r.max_tokens), (Some(49), 15));
+        // 56 bytes might be past 50 tokens; counted, they are 8 (`<|eos|>` is one token).
+        let eight = "<|eos|>".repeat(8);
+        let r = parse(&format!(r#"{{"prompt": "{eight}", "max_tokens": 4}}"#)).expect("valid");
+        assert_eq!((r.prompt.len(), r.max_tokens), (Some(8), 4));
     }
 
     #[test]
@@ -744,7 +831,7 @@ mod tests {
         let r = parse(&format!(r#"{{"prompt": "{}"}}"#, "x".repeat(50))).expect("valid");
         assert_eq!(r.max_tokens, 14);
         let r = parse(r#"{"prompt": [[7, 8]]}"#).expect("a batch of one");
-        assert_eq!(r.prompt, [7, 8]);
+        assert_eq!(ids(&r), [7, 8]);
     }
 
     /// The JSON of each `data:` frame in `out`.
@@ -863,11 +950,11 @@ mod tests {
 
     #[test]
     fn chat_uses_the_template_and_max_completion_tokens() {
-        let t = PromptTokenizer::byte_level().expect("tokenizer");
+        let t = tokenizer();
         let body =
             r#"{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}"#;
         let r = parse_chat(body.as_bytes(), &t, defaults()).expect("valid");
-        assert_eq!(r.prompt.len(), "<|user|>\nHi\n<|assistant|>\n".len());
+        assert_eq!(ids(&r).len(), "<|user|>\nHi\n<|assistant|>\n".len());
         assert_eq!(r.max_tokens, 4);
         let err = parse_chat(br#"{"messages": []}"#, &t, defaults());
         assert_eq!(param_of(err), "messages");

@@ -112,7 +112,14 @@ async fn plan(
     let Prepared { route, planner, .. } =
         api::prepare(state, shape, &req.head.headers, req.body, req.arrived, flow).await?;
     let cluster = state.router.executor().cluster();
-    let mut endpoints = cluster.snapshot_for(&route.model, &route.prompt);
+    // The picker tokenizes every prompt: its plans may name MLC endpoints, and it reports the
+    // prompt's length to the KV index for whatever the gateway sends.
+    let prompt = route
+        .prompt
+        .ids()
+        .await
+        .map_err(|e| ApiError::Tokenize(e.to_string()))?;
+    let mut endpoints = cluster.snapshot_for(&route.model, prompt);
     narrow(cluster, &mut endpoints, req.subset.as_deref());
     let first = PolicyContext {
         attempt: 1,
@@ -132,7 +139,7 @@ async fn plan(
     }
     let prefiller = prefill.map(|p| address_of(cluster, p)).transpose()?;
     let ids = std::iter::once(decode).chain(prefill);
-    cluster.note_served(ids.clone(), route.prompt.len(), &RankPins::default());
+    cluster.note_served(ids.clone(), prompt.len(), &RankPins::default());
     Ok(Pick {
         destinations,
         prefiller,

@@ -57,7 +57,7 @@ impl Planner for FakePlanner {
         self.asked.lock().push(Asked {
             attempt: ctx.attempt,
             last_failure: ctx.last_failure,
-            prompt: req.prompt.to_vec(),
+            prompt: req.prompt.unwrap_or_default().to_vec(),
             max_tokens: req.max_tokens,
         });
         Ok(Plan {
@@ -303,7 +303,7 @@ impl Harness {
         RouteRequest {
             id: 7,
             request_id: REQUEST_ID.into(),
-            prompt: prompt.bytes().map(u32::from).collect(),
+            prompt: RoutePrompt::from_ids(prompt.bytes().map(u32::from).collect()),
             max_tokens,
             stream: true,
             model: "m".into(),

@@ -7,7 +7,7 @@
 //! Config: `{"tenant": NAME, "deadline_ms": MS}`, both optional (no urgent tenant; 2000 ms).
 
 use switchyard_policy::select::candidates;
-use switchyard_policy::types::{Context, Request};
+use switchyard_policy::types::{Context, Reads, Request};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 const DEFAULT_DEADLINE_MS: u32 = 2000;
@@ -33,6 +33,9 @@ impl FlowRoute {
 }
 
 impl Policy for FlowRoute {
+    // It routes on the request's flow fields: the prompt is never tokenized for it.
+    const READS: Reads = Reads::empty();
+
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
         config.deny_unknown(&["tenant", "deadline_ms"])?;

@@ -1,7 +1,7 @@
 //! A well-formed policy component whose `init` always fails, whatever its config: the router
 //! must keep serving the version it replaces and show the error.
 
-use switchyard_policy::types::{Context, Request};
+use switchyard_policy::types::{Context, Reads, Request};
 use switchyard_policy::{Plan, Policy, PolicyError};
 
 /// Never starts.
@@ -9,6 +9,8 @@ use switchyard_policy::{Plan, Policy, PolicyError};
 pub struct InitFails;
 
 impl Policy for InitFails {
+    const READS: Reads = Reads::empty();
+
     fn init(_config: &str) -> Result<Self, String> {
         Err("init-fails: this policy never starts".into())
     }

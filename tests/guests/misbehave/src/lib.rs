@@ -30,7 +30,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use switchyard_policy::select::{candidates, least_loaded};
-use switchyard_policy::types::{Context, Outcome, PrepRecv, Request, State, Step};
+use switchyard_policy::types::{Context, Outcome, PrepRecv, Reads, Request, State, Step};
 use switchyard_policy::{Config, Plan, Policy, PolicyError, log_info};
 
 /// What `translate-request` does.
@@ -58,6 +58,8 @@ pub struct Misbehave {
 
 impl Policy for Misbehave {
     const STATE: State = State::Stateless;
+    // `spin-on-complete` needs its `on-complete` called.
+    const READS: Reads = Reads::OUTCOMES;
 
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;

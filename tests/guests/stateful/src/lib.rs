@@ -3,11 +3,14 @@
 //! version (`export-state` → `import-state`). Without the carry-over a new version would start
 //! again at the first endpoint, which is what the router's tests look for.
 //!
+//! It reads nothing (`reads` is empty), and its `on-complete` traps: a router that calls it
+//! anyway faults the policy, which is what the router's tests look for too.
+//!
 //! Config: `{"generation": N}` (optional, any number): lets a test load "a new version" of the
 //! same component, since the router skips a reload that changes neither bytes nor config.
 
 use switchyard_policy::select::candidates;
-use switchyard_policy::types::{Context, Request};
+use switchyard_policy::types::{Context, Outcome, Reads, Request};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 /// Round-robin over the healthy endpoints, by a counter that carries over.
@@ -17,6 +20,8 @@ pub struct Stateful {
 }
 
 impl Policy for Stateful {
+    const READS: Reads = Reads::empty();
+
     fn init(config: &str) -> Result<Self, String> {
         let config = Config::parse(config)?;
         config.deny_unknown(&["generation"])?;
@@ -32,6 +37,13 @@ impl Policy for Stateful {
         let turn = (self.planned % usable.len() as u64) as usize;
         self.planned += 1;
         Ok(Plan::forward(usable[turn].id))
+    }
+
+    fn on_complete(&mut self, outcome: &Outcome) {
+        panic!(
+            "stateful: on-complete was called for request {}, yet this policy does not read outcomes",
+            outcome.request_id
+        );
     }
 
     fn export_state(&self) -> Vec<u8> {

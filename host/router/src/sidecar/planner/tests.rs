@@ -43,7 +43,7 @@ fn plan(
         .collect();
     let req = PolicyRequest {
         id: 1,
-        prompt: &[1, 2, 3],
+        prompt: Some(&[1, 2, 3]),
         max_tokens: 4,
         stream: false,
         model: "m",

@@ -36,7 +36,15 @@ export function describe() {
   // state: 'stateless' while every answer comes from the request, the endpoints and the config
   // alone (the router then runs several instances in parallel); 'stateful' as soon as the
   // policy remembers anything between calls (module variables changed after `init`).
-  return { language: 'javascript', promptTokens: 0, state: 'stateless' };
+  // reads: what the router does for it on every request. Nothing here: the prompt is never
+  // tokenized for it (`request.promptLen` is undefined). `promptLength: true` to read
+  // `request.promptLen`, `outcomes: true` to have `onComplete` called.
+  return {
+    language: 'javascript',
+    promptTokens: 0,
+    state: 'stateless',
+    reads: { promptLength: false, outcomes: false },
+  };
 }
 
 export function translateRequest(request, context) {

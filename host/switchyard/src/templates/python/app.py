@@ -35,7 +35,15 @@ class WitWorld(wit_world.WitWorld):
         # state: STATELESS while every answer comes from the request, the endpoints and the
         # config alone (the router then runs several instances in parallel); STATEFUL as soon as
         # the policy remembers anything between calls (on the class, e.g. in `on_complete`).
-        return types.PolicyInfo(language="python", prompt_tokens=0, state=types.State.STATELESS)
+        # reads: what the router does for it on every request. Nothing here: the prompt is never
+        # tokenized for it (`request.prompt_len` is None). `types.Reads.PROMPT_LENGTH` to read
+        # `request.prompt_len`, `types.Reads.OUTCOMES` to have `on_complete` called (`|` both).
+        return types.PolicyInfo(
+            language="python",
+            prompt_tokens=0,
+            state=types.State.STATELESS,
+            reads=types.Reads(0),
+        )
 
     def translate_request(self, request: types.Request, context: types.Context) -> types.Plan:
         usable = [e for e in context.endpoints if e.healthy]

@@ -6,7 +6,7 @@
 //! Config: a JSON object given to `init` (`{}` when none); this policy takes no keys yet.
 
 use switchyard_policy::select::{candidates, least_loaded};
-use switchyard_policy::types::{Context, Request, State};
+use switchyard_policy::types::{Context, Reads, Request, State};
 use switchyard_policy::{Config, Plan, Policy, PolicyError};
 
 pub struct {{type_name}};
@@ -17,8 +17,14 @@ impl Policy for {{type_name}} {
     // policy keeps anything between calls, e.g. what `fn on_complete` taught it.
     const STATE: State = State::Stateless;
 
+    // What it reads beyond the endpoints and the request's small fields: nothing, so the router
+    // never tokenizes a prompt for it. Add `Reads::PROMPT_LENGTH` to read
+    // `request.prompt_length()`, `Reads::OUTCOMES` to have `fn on_complete` called with how each
+    // request ended (`Reads::PROMPT_LENGTH | Reads::OUTCOMES` for both).
+    const READS: Reads = Reads::empty();
+
     // Optional: `const PROMPT_TOKENS: u32 = 64;` to see the first prompt token ids in
-    // `request.prompt_prefix`, and `fn on_complete` to learn how each request ended.
+    // `request.prompt_prefix` (the router then tokenizes every prompt for it).
 
     fn init(config: &str) -> Result<Self, String> {
         // Refuse unknown keys: a typo in the config then fails the load instead of being ignored.
