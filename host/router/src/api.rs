@@ -786,7 +786,7 @@ pub(crate) async fn prepare(
             .await
             .map_err(|e| ApiError::Tokenize(e.to_string()))?;
     }
-    if let Some(tokens) = parsed.prompt.len() {
+    if let Some(tokens) = parsed.prompt.known_len() {
         crate::telemetry::record_input_tokens(&span, tokens);
     }
     let tokenizer = state

@@ -763,7 +763,7 @@ impl<E: Execute> Router<E> {
         req: &RouteRequest,
         engine: Option<u32>,
     ) -> Result<u32, RouteError> {
-        let len = match (req.prompt.len(), engine) {
+        let len = match (req.prompt.known_len(), engine) {
             (Some(len), _) => len,
             (None, Some(engine)) => {
                 crate::telemetry::record_input_tokens(&req.span, engine as usize);

@@ -736,14 +736,14 @@ mod tests {
     fn a_text_prompt_is_tokenized_only_when_the_limits_need_its_count() {
         // 40 bytes are at most 40 byte-level tokens: within 50, with the default 16 of 64.
         let r = parse(&format!(r#"{{"prompt": "{}"}}"#, "x".repeat(40))).expect("valid");
-        assert_eq!((r.prompt.len(), r.max_tokens), (None, 16));
+        assert_eq!((r.prompt.known_len(), r.max_tokens), (None, 16));
         // 49 bytes might leave less than the default 16: counted, and the default shrinks.
         let r = parse(&format!(r#"{{"prompt": "{}"}}"#, "x".repeat(49))).expect("valid");
-        assert_eq!((r.prompt.len(), r.max_tokens), (Some(49), 15));
+        assert_eq!((r.prompt.known_len(), r.max_tokens), (Some(49), 15));
         // 56 bytes might be past 50 tokens; counted, they are 8 (`<|eos|>` is one token).
         let eight = "<|eos|>".repeat(8);
         let r = parse(&format!(r#"{{"prompt": "{eight}", "max_tokens": 4}}"#)).expect("valid");
-        assert_eq!((r.prompt.len(), r.max_tokens), (Some(8), 4));
+        assert_eq!((r.prompt.known_len(), r.max_tokens), (Some(8), 4));
     }
 
     #[test]

@@ -78,7 +78,7 @@ impl RoutePrompt {
     }
 
     /// Its length in tokens, if known already.
-    pub fn len(&self) -> Option<usize> {
+    pub fn known_len(&self) -> Option<usize> {
         self.known().map(<[u32]>::len)
     }
 
@@ -136,12 +136,16 @@ mod tests {
     #[test]
     fn a_text_prompt_is_tokenized_once_when_first_needed() {
         let prompt = RoutePrompt::from_text("hello".to_owned(), tokenizer());
-        assert_eq!(prompt.len(), None, "nothing tokenized before a reader asks");
+        assert_eq!(
+            prompt.known_len(),
+            None,
+            "nothing tokenized before a reader asks"
+        );
         let copy = prompt.clone();
         assert_eq!(prompt.ids_now(), Ok(&b"hello".map(u32::from)[..]));
-        assert_eq!(prompt.len(), Some(5));
+        assert_eq!(prompt.known_len(), Some(5));
         // A clone made before shares the text, not the ids: each request has one prompt.
-        assert_eq!(copy.len(), None);
+        assert_eq!(copy.known_len(), None);
     }
 
     #[tokio::test]
