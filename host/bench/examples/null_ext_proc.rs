@@ -50,16 +50,13 @@ impl ExternalProcessor for NullPicker {
         let destination = self.destination.clone();
         // The request's body chunks until the last one: the headers' answer comes first.
         let mut held: Vec<Vec<u8>> = Vec::new();
-        let answers = request
-            .into_inner()
-            .map(move |message| {
-                let message = message?;
-                Ok(stream::iter(answer(message, &destination, &mut held)).map(Ok))
-            })
-            .flat_map(|answers: Result<_, Status>| match answers {
-                Ok(answers) => answers.left_stream(),
-                Err(status) => stream::once(async { Err(status) }).right_stream(),
-            });
+        let answers = request.into_inner().flat_map(move |message| match message {
+            Ok(message) => stream::iter(answer(message, &destination, &mut held))
+                .map(Ok)
+                .left_stream(),
+            // Envoy went away: the stream ends with it.
+            Err(status) => stream::iter([Err(status)]).right_stream(),
+        });
         Ok(tonic::Response::new(Box::pin(answers)))
     }
 }
