@@ -48,6 +48,7 @@ bench-flow: plugins release venv
 ## bench-epp: Envoy with switchyard's Endpoint Picker against Envoy's round-robin alone, in front
 ## of one nginx static responder, wrk interleaved -> target/bench-epp/summary.md
 bench-epp: plugins release venv
+	$(CARGO) build --release -p switchyard-bench --example null_ext_proc
 	SWITCHYARD_VENV=$(CURDIR)/$(VENV) scripts/bench-epp.sh
 
 .PHONY: bench-streams

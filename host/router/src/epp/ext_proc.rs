@@ -14,9 +14,15 @@
 //!
 //! A pick that fails answers the client at once (an OpenAI error body): 400 for the client's
 //! mistake or a policy's `rejected`, 429 when admission control sheds it, 503 when no endpoint
-//! can take it. The stream is one task; when Envoy goes away mid-request, the task ends and
-//! the request counts as cancelled.
+//! can take it.
+//!
+//! The exchange runs inside the gRPC response stream: Envoy's next message is read and handled
+//! when the connection polls for the next answer, in the stream's own task, with no task and
+//! channel of its own between them (one wake-up less per message each way). When Envoy goes
+//! away mid-request, the stream is dropped and the request counts as cancelled.
 
+use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -26,10 +32,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request a
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
+use futures::{Stream, stream};
 use http_body_util::BodyExt;
-use tokio::sync::mpsc;
 use tokio::time::Instant;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Status, Streaming};
 
 use super::pick::{self, Pick, Served};
@@ -50,40 +55,45 @@ impl ExtProc {
     }
 }
 
-/// Answers a stream may queue before its task waits for Envoy to read them.
-const ANSWERS: usize = 16;
+type Answers = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl ExternalProcessor for ExtProc {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = Answers;
 
     async fn process(
         &self,
         request: tonic::Request<Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, Status> {
-        let (answers, stream) = mpsc::channel(ANSWERS);
         let exchange = Exchange {
             state: Arc::clone(&self.state),
             fallbacks: self.fallbacks,
-            answers,
+            inbound: request.into_inner(),
+            answers: VecDeque::new(),
+            over: false,
             request: None,
             served: None,
             status: None,
             served_by: None,
         };
-        tokio::spawn(exchange.run(request.into_inner()));
-        Ok(tonic::Response::new(ReceiverStream::new(stream)))
+        Ok(tonic::Response::new(Box::pin(exchange.answers())))
     }
 }
 
-/// The exchange is over: Envoy went away, or the EPP answered the request itself.
+/// The exchange is over: the EPP answered the request itself, or Envoy broke the protocol.
 struct Over;
 
 /// One request's stream.
 struct Exchange {
     state: Arc<AppState>,
     fallbacks: usize,
-    answers: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    /// Envoy's messages.
+    inbound: Streaming<ProcessingRequest>,
+    /// Answers made and not yet taken by the response stream: a message may have several (the
+    /// destination, then the request's body chunks) or none (a body chunk before the last).
+    answers: VecDeque<Result<ProcessingResponse, Status>>,
+    /// The EPP has answered its last: the stream ends once `answers` is empty.
+    over: bool,
     /// The request until it is picked: its head and the body chunks so far.
     request: Option<Buffered>,
     /// The request once picked, until its response ends.
@@ -103,21 +113,36 @@ struct Buffered {
 }
 
 impl Exchange {
-    async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
+    /// The gRPC response stream: each answer in turn, Envoy's next message read and handled
+    /// when none is left. A response still open when the stream ends or is dropped counts as
+    /// cancelled.
+    fn answers(self) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send {
+        stream::unfold(self, |mut exchange| async move {
+            let answer = exchange.next_answer().await?;
+            Some((answer, exchange))
+        })
+    }
+
+    async fn next_answer(&mut self) -> Option<Result<ProcessingResponse, Status>> {
         loop {
-            let message = match inbound.message().await {
+            if let Some(answer) = self.answers.pop_front() {
+                return Some(answer);
+            }
+            if self.over {
+                return None;
+            }
+            let message = match self.inbound.message().await {
                 Ok(Some(message)) => message,
-                Ok(None) => break,
+                Ok(None) => return None,
                 Err(status) => {
                     tracing::debug!(%status, "ext_proc stream ended by the gateway");
-                    break;
+                    return None;
                 }
             };
             if self.handle(message).await.is_err() {
-                break;
+                self.over = true;
             }
         }
-        // A response still open is dropped here: the request counts as cancelled.
     }
 
     async fn handle(&mut self, message: ProcessingRequest) -> Result<(), Over> {
@@ -127,7 +152,7 @@ impl Exchange {
             && config.request_body_mode != BodySendMode::FullDuplexStreamed as i32
         {
             let what = "the EPP needs the ext_proc filter's request_body_mode FULL_DUPLEX_STREAMED";
-            return Err(self.protocol_error(what).await);
+            return Err(self.protocol_error(what));
         }
         let Some(request) = message.request else {
             // Flow-control updates alone: nothing to answer.
@@ -143,15 +168,19 @@ impl Exchange {
                 if self.request.is_some() {
                     self.pick_and_pass(false).await?;
                 }
-                self.answer(wire::continue_trailers(true)).await
+                self.answer(wire::continue_trailers(true));
+                Ok(())
             }
             Message::ResponseHeaders(headers) => {
-                self.response_headers(headers, &message.metadata_context)
-                    .await
+                self.response_headers(headers, &message.metadata_context);
+                Ok(())
             }
-            Message::ResponseBody(body) => self.response_body(body).await,
+            Message::ResponseBody(body) => {
+                self.response_body(body);
+                Ok(())
+            }
             Message::ResponseTrailers(_) => {
-                self.answer(wire::continue_trailers(false)).await?;
+                self.answer(wire::continue_trailers(false));
                 self.finish();
                 Ok(())
             }
@@ -179,9 +208,7 @@ impl Exchange {
     async fn request_body(&mut self, body: HttpBody) -> Result<(), Over> {
         let limit = self.state.max_body_bytes;
         let Some(request) = self.request.as_mut() else {
-            return Err(self
-                .protocol_error("a request body before its headers")
-                .await);
+            return Err(self.protocol_error("a request body before its headers"));
         };
         request.size += body.body.len();
         if request.size > limit {
@@ -224,44 +251,39 @@ impl Exchange {
         };
         tracing::debug!(?destinations, ?prefiller, "picked");
         self.served = Some(served);
-        self.answer(wire::destination(&destinations, prefiller.as_deref()))
-            .await?;
+        self.answer(wire::destination(&destinations, prefiller.as_deref()));
         if headers_only {
             return Ok(());
         }
         let last = chunks.len() - 1;
         for (i, chunk) in chunks.into_iter().enumerate() {
-            self.answer(wire::body_chunk(true, chunk, ends && i == last))
-                .await?;
+            self.answer(wire::body_chunk(true, chunk, ends && i == last));
         }
         Ok(())
     }
 
-    async fn response_headers(
+    fn response_headers(
         &mut self,
         headers: HttpHeaders,
         metadata: &Option<envoy_types::pb::envoy::config::core::v3::Metadata>,
-    ) -> Result<(), Over> {
-        self.status = wire::head(headers.headers.as_ref()).status;
+    ) {
+        self.status = wire::status(headers.headers.as_ref());
         self.served_by = wire::served(metadata.as_ref());
-        self.answer(wire::continue_headers(false)).await?;
+        self.answer(wire::continue_headers(false));
         if headers.end_of_stream {
             self.finish();
         }
-        Ok(())
     }
 
-    async fn response_body(&mut self, body: HttpBody) -> Result<(), Over> {
+    fn response_body(&mut self, body: HttpBody) {
         if let Some(served) = self.served.as_mut() {
             served.first_byte();
         }
         let ends = body.end_of_stream;
-        self.answer(wire::body_chunk(false, body.body, ends))
-            .await?;
+        self.answer(wire::body_chunk(false, body.body, ends));
         if ends {
             self.finish();
         }
-        Ok(())
     }
 
     /// The response is over: its policy hears how it went.
@@ -282,22 +304,19 @@ impl Exchange {
             Err(never) => match never {},
         };
         let code = error.body().error.code.unwrap_or("error");
-        let answer = wire::immediate(parts.status, &parts.headers, body, code);
-        let _ = self.answer(answer).await;
+        self.answer(wire::immediate(parts.status, &parts.headers, body, code));
         Over
     }
 
     /// Envoy broke the protocol: end the stream with an error status.
-    async fn protocol_error(&mut self, what: &str) -> Over {
+    fn protocol_error(&mut self, what: &str) -> Over {
         tracing::warn!(what, "ext_proc protocol error");
-        let _ = self
-            .answers
-            .send(Err(Status::failed_precondition(what.to_owned())))
-            .await;
+        self.answers
+            .push_back(Err(Status::failed_precondition(what.to_owned())));
         Over
     }
 
-    async fn answer(&self, answer: ProcessingResponse) -> Result<(), Over> {
-        self.answers.send(Ok(answer)).await.map_err(|_| Over)
+    fn answer(&mut self, answer: ProcessingResponse) {
+        self.answers.push_back(Ok(answer));
     }
 }

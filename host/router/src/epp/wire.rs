@@ -29,28 +29,20 @@ pub const SERVED: &str = "x-gateway-destination-endpoint-served";
 /// sidecar (llm-d's routing sidecar reads it).
 pub const PREFILLER: &str = "x-prefiller-host-port";
 
-/// A request's or response's head as Envoy sends it: its pseudo-headers apart (`http` has no
-/// names with a colon), the rest as an [`http::HeaderMap`].
+/// A request's head as Envoy sends it: its pseudo-headers apart (`http` has no names with a
+/// colon), the rest as an [`http::HeaderMap`].
 #[derive(Debug, Default)]
 pub struct Head {
-    /// `:method` and `:path` of a request.
     pub method: String,
     pub path: String,
-    /// `:status` of a response.
-    pub status: Option<u16>,
     pub headers: http::HeaderMap,
 }
 
-/// Envoy's headers: values come in `raw_value`, or `value` from older Envoys. Headers that are
-/// not valid HTTP are skipped.
+/// A request's headers. Headers that are not valid HTTP are skipped.
 pub fn head(map: Option<&HeaderMap>) -> Head {
     let mut head = Head::default();
-    for h in map.map_or(&[][..], |m| &m.headers) {
-        let raw = if h.raw_value.is_empty() {
-            h.value.as_bytes()
-        } else {
-            &h.raw_value
-        };
+    for h in headers(map) {
+        let raw = raw(h);
         match h.key.as_str() {
             ":method" => head.method = String::from_utf8_lossy(raw).into_owned(),
             // The path without its query: routes match on it.
@@ -58,7 +50,6 @@ pub fn head(map: Option<&HeaderMap>) -> Head {
                 let path = String::from_utf8_lossy(raw);
                 head.path = path.split('?').next().unwrap_or_default().to_owned();
             }
-            ":status" => head.status = std::str::from_utf8(raw).ok().and_then(|s| s.parse().ok()),
             _ => {
                 if let (Ok(name), Ok(value)) = (
                     http::HeaderName::from_bytes(h.key.as_bytes()),
@@ -70,6 +61,25 @@ pub fn head(map: Option<&HeaderMap>) -> Head {
         }
     }
     head
+}
+
+/// A response's `:status`; its other headers are not read (the gateway passes them on).
+pub fn status(map: Option<&HeaderMap>) -> Option<u16> {
+    let h = headers(map).iter().find(|h| h.key == ":status")?;
+    std::str::from_utf8(raw(h)).ok()?.parse().ok()
+}
+
+fn headers(map: Option<&HeaderMap>) -> &[HeaderValue] {
+    map.map_or(&[][..], |m| &m.headers)
+}
+
+/// A header's value: Envoy sends it in `raw_value`, older Envoys in `value`.
+fn raw(h: &HeaderValue) -> &[u8] {
+    if h.raw_value.is_empty() {
+        h.value.as_bytes()
+    } else {
+        &h.raw_value
+    }
 }
 
 /// The endpoints (`ip:port`) the request's metadata restricts the pick to: `None` without a
@@ -373,7 +383,7 @@ mod tests {
     }
 
     #[test]
-    fn heads_read_pseudo_headers_raw_values_and_plain_ones() {
+    fn heads_read_pseudo_headers_raw_values_and_plain_ones_and_a_response_its_status() {
         let header = |key: &str, raw: &[u8], value: &str| HeaderValue {
             key: key.into(),
             raw_value: raw.to_vec(),
@@ -397,9 +407,13 @@ mod tests {
             Some(&b"high"[..])
         );
         assert_eq!(h.headers.len(), 1, "an invalid name is skipped");
-        let response = head(Some(&HeaderMap {
-            headers: vec![header(":status", b"503", "")],
-        }));
-        assert_eq!(response.status, Some(503));
+        let response = HeaderMap {
+            headers: vec![
+                header("content-type", b"text/plain", ""),
+                header(":status", b"503", ""),
+            ],
+        };
+        assert_eq!(status(Some(&response)), Some(503));
+        assert_eq!(status(Some(&map)), None, "a request has none");
     }
 }
