@@ -8,8 +8,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
-use bytes::Bytes;
-use eventsource_stream::{Event, EventStreamError, Eventsource};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use futures::stream::FusedStream;
 use futures::{Stream, StreamExt};
 
@@ -57,8 +56,7 @@ pub enum SseError {
 }
 
 /// The largest event a reader buffers: an engine's chunks carry a few tokens of text (a few
-/// KiB with logprobs). Kept small because the event parser rescans an unfinished event as
-/// bytes arrive: the cost of a trickled event grows with the square of its size.
+/// KiB with logprobs); an unfinished event is held until its end comes.
 pub const MAX_EVENT_BYTES: usize = 256 << 10;
 
 /// A stream of engine chunks, ending after `[DONE]`. Every one this module returns is fused.
@@ -74,7 +72,8 @@ where
     E: std::fmt::Display + Send + 'static,
 {
     DataEvents {
-        events: Box::pin(capped(bytes, MAX_EVENT_BYTES).eventsource()),
+        body: Box::pin(bytes.map(|item| item.map_err(|e| e.to_string()))),
+        framer: Framer::default(),
         state: Reading::Events,
         on_done: None,
     }
@@ -82,13 +81,14 @@ where
 
 /// The data of an SSE stream's events; see [`data_events`].
 pub struct DataEvents {
-    events: Events,
+    body: Body,
+    framer: Framer,
     state: Reading,
     on_done: Option<Box<dyn FnOnce(BodyRest) + Send>>,
 }
 
-/// The parsed events of a body.
-type Events = Pin<Box<dyn Stream<Item = Result<Event, EventStreamError<CappedError>>> + Send>>;
+/// A body's bytes, its transport's errors as text.
+type Body = Pin<Box<dyn Stream<Item = Result<Bytes, String>> + Send>>;
 
 /// Where a [`DataEvents`] is in its stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,7 +105,7 @@ impl DataEvents {
     /// `[DONE]` ended the stream, or if [`DataEvents::on_done`] took the rest.
     pub async fn finish(self) {
         if self.state == Reading::Done {
-            BodyRest(self.events).read_to_end().await;
+            BodyRest(self.body).read_to_end().await;
         }
     }
 
@@ -119,9 +119,40 @@ impl DataEvents {
     fn done(&mut self) {
         self.state = Reading::Done;
         if let Some(rest) = self.on_done.take() {
-            let events = std::mem::replace(&mut self.events, Box::pin(futures::stream::empty()));
-            rest(BodyRest(events));
+            let body = std::mem::replace(&mut self.body, Box::pin(futures::stream::empty()));
+            rest(BodyRest(body));
         }
+    }
+
+    /// The next event's data, trimmed and checked to be UTF-8, as a slice of the body's bytes:
+    /// no copy when the event came in one read.
+    fn poll_data(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, SseError>>> {
+        while self.state == Reading::Events {
+            let failure = match self.framer.next_data() {
+                Ok(Some(data)) if data.as_ref() == b"[DONE]" => {
+                    self.done();
+                    break;
+                }
+                Ok(Some(data)) => return Poll::Ready(Some(Ok(data))),
+                Err(e) => e,
+                Ok(None) => match ready!(self.body.poll_next_unpin(cx)) {
+                    Some(Ok(bytes)) => {
+                        self.framer.unread = bytes;
+                        continue;
+                    }
+                    Some(Err(e)) => SseError::Transport(e),
+                    None => SseError::Truncated,
+                },
+            };
+            self.state = Reading::Failed;
+            return Poll::Ready(Some(Err(failure)));
+        }
+        Poll::Ready(None)
+    }
+
+    /// The events' data as the body's bytes; see [`DataEvents::poll_data`].
+    fn data(mut self) -> impl Stream<Item = Result<Bytes, SseError>> + Send {
+        futures::stream::poll_fn(move |cx| self.poll_data(cx))
     }
 }
 
@@ -129,7 +160,7 @@ impl DataEvents {
 /// body read to its end leaves its connection reusable; one dropped before it is closed by the
 /// HTTP client unless its end came in the same read as `[DONE]` (uvicorn, which serves vLLM and
 /// SGLang, writes it apart), and the next request opens a new connection.
-pub struct BodyRest(Events);
+pub struct BodyRest(Body);
 
 impl BodyRest {
     /// Reads the body to its end and drops what it holds. Waits as long as the sender keeps
@@ -143,30 +174,12 @@ impl Stream for DataEvents {
     type Item = Result<String, SseError>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let this = &mut *self;
-        while this.state == Reading::Events {
-            let failure = match ready!(this.events.poll_next_unpin(cx)) {
-                None => SseError::Truncated,
-                Some(Err(EventStreamError::Transport(CappedError::TooLarge))) => {
-                    SseError::EventTooLarge
-                }
-                Some(Err(e)) => SseError::Transport(e.to_string()),
-                Some(Ok(event)) => {
-                    let data = event.data.trim();
-                    if data.is_empty() {
-                        continue;
-                    }
-                    if data == "[DONE]" {
-                        this.done();
-                        break;
-                    }
-                    return Poll::Ready(Some(Ok(data.to_owned())));
-                }
-            };
-            this.state = Reading::Failed;
-            return Poll::Ready(Some(Err(failure)));
-        }
-        Poll::Ready(None)
+        let data = ready!(self.poll_data(cx));
+        Poll::Ready(data.map(|data| {
+            data.map(|text| {
+                String::from_utf8(Vec::from(text)).expect("an event's data was checked as UTF-8")
+            })
+        }))
     }
 }
 
@@ -176,47 +189,137 @@ impl FusedStream for DataEvents {
     }
 }
 
-/// `bytes`, ending with [`SseError::EventTooLarge`] once more than `max` bytes pass without a
-/// blank line (the end of an event: `\n\n`, with or without `\r`).
-fn capped<S, E>(bytes: S, max: usize) -> impl Stream<Item = Result<Bytes, CappedError>> + Send
-where
-    S: Stream<Item = Result<Bytes, E>> + Send + 'static,
-    E: std::fmt::Display + Send + 'static,
-{
-    let mut since_blank_line = 0usize;
-    let mut after_newline = false;
-    bytes.map(move |item| {
-        let chunk = item.map_err(|e| CappedError::Transport(e.to_string()))?;
-        for &b in chunk.iter() {
-            match b {
-                b'\n' if after_newline => since_blank_line = 0,
-                b'\n' => after_newline = true,
-                b'\r' => {}
-                _ => after_newline = false,
+/// Splits a body's bytes into SSE events and keeps each one's data, as the SSE spec reads
+/// them: lines end with `\n`, `\r\n` or `\r`; a blank line ends an event; `data:` lines are
+/// joined with `\n`; comments (`:`) and other fields (`event:`, `id:`, `retry:`) are skipped.
+/// A line is found with `memchr`, and an event that came in one read is a slice of it.
+#[derive(Default)]
+struct Framer {
+    /// Read bytes not yet split into lines.
+    unread: Bytes,
+    /// The start of a line whose end has not been read yet.
+    partial: BytesMut,
+    /// The current event's data so far.
+    data: EventData,
+    /// Bytes of the current event so far, for [`MAX_EVENT_BYTES`].
+    event_bytes: usize,
+    /// The last line ended with a `\r` that ended its read: a `\n` opening the next read is
+    /// that line's end, not a blank line.
+    after_cr: bool,
+    /// A line has been read: only the first may start with a byte-order mark.
+    started: bool,
+}
+
+impl Framer {
+    /// The data of the next event the unread bytes complete, if they complete one.
+    fn next_data(&mut self) -> Result<Option<Bytes>, SseError> {
+        while let Some(line) = self.next_line()? {
+            if line.is_empty() {
+                self.event_bytes = 0;
+                let data = std::mem::take(&mut self.data).into_bytes();
+                let text = std::str::from_utf8(&data)
+                    .map_err(|e| SseError::Transport(format!("an event is not UTF-8: {e}")))?
+                    .trim();
+                if !text.is_empty() {
+                    return Ok(Some(data.slice_ref(text.as_bytes())));
+                }
+            } else if let Some(value) = data_value(&line) {
+                self.data.push(line.slice_ref(value));
             }
-            since_blank_line += 1;
         }
-        if since_blank_line > max {
-            return Err(CappedError::TooLarge);
+        Ok(None)
+    }
+
+    /// The next whole line of the unread bytes, without its end; an error once the current
+    /// event is over [`MAX_EVENT_BYTES`].
+    fn next_line(&mut self) -> Result<Option<Bytes>, SseError> {
+        if self.after_cr && !self.unread.is_empty() {
+            self.after_cr = false;
+            if self.unread[0] == b'\n' {
+                self.unread.advance(1);
+            }
         }
-        Ok(chunk)
-    })
+        let Some(end) = memchr::memchr2(b'\n', b'\r', &self.unread) else {
+            self.event_bytes += self.unread.len();
+            self.partial
+                .extend_from_slice(&std::mem::take(&mut self.unread));
+            return self.within_cap().map(|()| None);
+        };
+        let mut line = self.unread.split_to(end);
+        let cr = self.unread[0] == b'\r';
+        self.unread.advance(1);
+        self.event_bytes += end + 1;
+        if cr {
+            match self.unread.first() {
+                Some(b'\n') => self.unread.advance(1),
+                Some(_) => {}
+                None => self.after_cr = true,
+            }
+        }
+        if !self.partial.is_empty() {
+            self.partial.extend_from_slice(&line);
+            line = self.partial.split().freeze();
+        }
+        if !std::mem::replace(&mut self.started, true) && line.starts_with(BOM) {
+            line.advance(BOM.len());
+        }
+        self.within_cap().map(|()| Some(line))
+    }
+
+    fn within_cap(&self) -> Result<(), SseError> {
+        if self.event_bytes > MAX_EVENT_BYTES {
+            return Err(SseError::EventTooLarge);
+        }
+        Ok(())
+    }
 }
 
-/// Why [`capped`] ended a stream; becomes an [`SseError`].
-#[derive(Debug)]
-enum CappedError {
-    Transport(String),
-    TooLarge,
+/// The UTF-8 byte-order mark a stream may start with.
+const BOM: &[u8] = "\u{feff}".as_bytes();
+
+/// The value of a `data` field's line (after `data:` and one space), `None` for a comment or
+/// another field.
+fn data_value(line: &[u8]) -> Option<&[u8]> {
+    let value = match line.strip_prefix(b"data")? {
+        [] => &[][..],
+        [b':', value @ ..] => value,
+        _ => return None,
+    };
+    Some(value.strip_prefix(b" ").unwrap_or(value))
 }
 
-impl std::fmt::Display for CappedError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+/// An event's `data` lines so far: one line (the usual event) stays a slice of what was read.
+#[derive(Default)]
+enum EventData {
+    #[default]
+    None,
+    One(Bytes),
+    Many(BytesMut),
+}
+
+impl EventData {
+    fn push(&mut self, line: Bytes) {
+        *self = match std::mem::take(self) {
+            EventData::None => EventData::One(line),
+            EventData::One(first) => EventData::Many(joined(BytesMut::from(&first[..]), &line)),
+            EventData::Many(data) => EventData::Many(joined(data, &line)),
+        };
+    }
+
+    fn into_bytes(self) -> Bytes {
         match self {
-            CappedError::Transport(e) => f.write_str(e),
-            CappedError::TooLarge => write!(f, "{}", SseError::EventTooLarge),
+            EventData::None => Bytes::new(),
+            EventData::One(data) => data,
+            EventData::Many(data) => data.freeze(),
         }
     }
+}
+
+/// `data`, then a line feed and `line`: the SSE spec joins an event's data lines so.
+fn joined(mut data: BytesMut, line: &[u8]) -> BytesMut {
+    data.put_u8(b'\n');
+    data.extend_from_slice(line);
+    data
 }
 
 /// Parse an SSE byte stream into completion chunks; see [`chunks`].
@@ -235,9 +338,10 @@ where
 pub fn chunks(events: DataEvents) -> ChunkStream {
     Box::pin(
         events
+            .data()
             .map(|item| {
                 item.and_then(|data| {
-                    let mut chunk = serde_json::from_str::<CompletionResponse>(&data)
+                    let mut chunk = serde_json::from_slice::<CompletionResponse>(&data)
                         .map_err(|e| SseError::BadChunk(e.to_string()))?;
                     if let Some(message) = chunk.error_message() {
                         return Err(SseError::Engine(message));
@@ -406,6 +510,78 @@ mod tests {
             "the body stays open"
         );
         drop(tx);
+    }
+
+    /// The data of every event of `parts`, each part one read.
+    async fn data_of(parts: &[&'static [u8]]) -> Vec<Result<String, SseError>> {
+        let parts: Vec<_> = parts
+            .iter()
+            .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p)))
+            .collect();
+        data_events(futures::stream::iter(parts)).collect().await
+    }
+
+    fn texts(data: Vec<Result<String, SseError>>) -> Vec<String> {
+        data.into_iter().map(|d| d.expect("data")).collect()
+    }
+
+    #[tokio::test]
+    async fn every_line_end_the_spec_allows_ends_a_line_even_split_between_reads() {
+        let data = data_of(&[
+            b"data: crlf\r\n\r",
+            b"\ndata: cr\r\r",
+            b"data: lf\n",
+            b"\n",
+            b"data: [DONE]\r",
+            b"\r",
+        ])
+        .await;
+        assert_eq!(texts(data), ["crlf", "cr", "lf"]);
+    }
+
+    #[tokio::test]
+    async fn comments_and_other_fields_are_skipped_and_data_lines_joined() {
+        let data = data_of(&[
+            "\u{feff}: a comment\nevent: completion\nid: 7\nretry: 10\ndata:{\"a\":\ndata\ndata: 1}\n\n"
+                .as_bytes(),
+            b": keep-alive\n\nevent: ping\n\ndata:  [DONE]\n\n",
+        ])
+        .await;
+        assert_eq!(texts(data), ["{\"a\":\n\n1}"]);
+    }
+
+    #[tokio::test]
+    async fn an_event_read_in_one_piece_is_not_copied() {
+        let read = Bytes::from_static(b"data: {\"id\":\"a\"}\n\n");
+        let mut events = data_events(futures::stream::iter([Ok::<_, std::io::Error>(
+            read.clone(),
+        )]));
+        let data = futures::future::poll_fn(|cx| events.poll_data(cx))
+            .await
+            .expect("an event")
+            .expect("data");
+        assert_eq!(data, b"{\"id\":\"a\"}"[..]);
+        assert!(
+            read.as_ptr_range().contains(&data.as_ptr()),
+            "a slice of the read"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_error_event_ends_the_stream_and_bad_utf8_is_refused() {
+        let chunks: Vec<_> =
+            stream_of(&["data: {\"error\":{\"message\":\"out of pages\"}}\n\ndata: [DONE]\n\n"])
+                .collect()
+                .await;
+        assert!(
+            matches!(chunks.as_slice(), [Err(SseError::Engine(m))] if m.contains("out of pages")),
+            "{chunks:?}"
+        );
+        let data = data_of(&[b"data: \xff\n\n", b"data: [DONE]\n\n"]).await;
+        assert!(
+            matches!(data.as_slice(), [Err(SseError::Transport(_))]),
+            "{data:?}"
+        );
     }
 
     #[tokio::test]
