@@ -562,7 +562,9 @@ async fn sequential_streams_keep_their_connection() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_client_keeps_a_connection_of_its_own() {
     for stream in ["--stream", "--no-stream"] {
-        let server = mock::MockServer::start().await;
+        // Held until each of the 4 clients has a request in flight: otherwise a client that
+        // starts first may serve all 40 before the others connect (seen on a busy box).
+        let server = mock::MockServer::holding_first(4).await;
         let report = run_against(
             &server,
             &[

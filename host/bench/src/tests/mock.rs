@@ -22,6 +22,7 @@ use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::Barrier;
 
 /// Gap between two streamed chunks.
 pub const CHUNK_GAP: Duration = Duration::from_millis(1);
@@ -99,6 +100,21 @@ impl Drop for MockServer {
 
 impl MockServer {
     pub async fn start() -> Self {
+        Self::start_gated(None).await
+    }
+
+    /// A server that holds its first `n` completions until all `n` have arrived: a closed-loop
+    /// client of concurrency `n` must then have one request in flight from each of its clients
+    /// at once, however its tasks are scheduled.
+    pub async fn holding_first(n: usize) -> Self {
+        Self::start_gated(Some(Gate {
+            first: n,
+            barrier: Arc::new(Barrier::new(n)),
+        }))
+        .await
+    }
+
+    async fn start_gated(gate: Option<Gate>) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind loopback");
@@ -117,10 +133,10 @@ impl MockServer {
                 };
                 // Without it Nagle holds small SSE chunks back until the client's delayed ACK.
                 let _ = stream.set_nodelay(true);
-                let (base, calls) = (base.clone(), shared.clone());
+                let (base, calls, gate) = (base.clone(), shared.clone(), gate.clone());
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
-                        handle(req, connection, base.clone(), calls.clone())
+                        handle(req, connection, base.clone(), calls.clone(), gate.clone())
                     });
                     let _ = hyper::server::conn::http1::Builder::new()
                         .serve_connection(TokioIo::new(stream), service)
@@ -132,11 +148,19 @@ impl MockServer {
     }
 }
 
+/// Completions held until a number of them have arrived (see [`MockServer::holding_first`]).
+#[derive(Clone)]
+struct Gate {
+    first: usize,
+    barrier: Arc<Barrier>,
+}
+
 async fn handle(
     req: Request<Incoming>,
     connection: usize,
     base: String,
     calls: Arc<Mutex<Calls>>,
+    gate: Option<Gate>,
 ) -> Result<Response<Body>, Infallible> {
     let path = req.uri().path().to_owned();
     let bytes = req
@@ -173,11 +197,14 @@ async fn handle(
         })),
         "/microserving/remote_send" => json_response(json!({})),
         "/v1/completions" | "/microserving/start_generate" => {
-            *calls
-                .lock()
-                .completions_by_connection
-                .entry(connection)
-                .or_default() += 1;
+            let arrived = {
+                let mut c = calls.lock();
+                *c.completions_by_connection.entry(connection).or_default() += 1;
+                c.completions_by_connection.values().sum::<usize>()
+            };
+            if let Some(gate) = gate.filter(|g| arrived <= g.first) {
+                gate.barrier.wait().await;
+            }
             let cached = calls.lock().cache(&prompt_bytes(&body["prompt"]));
             completion(&body, cached, Generating::start(calls))
         }
