@@ -20,6 +20,19 @@ const BLOCK: u32 = 16;
 /// The longest wait for a subscriber to apply what an engine published.
 const WITHIN: Duration = Duration::from_secs(20);
 
+/// The addresses of `engine`'s KV-event publisher and its replay socket, from its ready line.
+pub(crate) fn kv_sockets(engine: &EngineProcess) -> (String, String) {
+    let events = engine
+        .kv_events
+        .clone()
+        .expect("the ready line names the socket");
+    let replay = engine
+        .kv_events_replay
+        .clone()
+        .expect("and the replay socket");
+    (events, replay)
+}
+
 pub(crate) const PUBLISHING: [&str; 5] = [
     "--prefix-cache",
     "--kv-events",
@@ -66,14 +79,7 @@ async fn streamed_usage(url: &str, prompt: &[u32]) -> Value {
 #[tokio::test]
 async fn a_prompt_the_engine_cached_is_predicted_and_its_cached_tokens_confirm_it() {
     let engine = EngineProcess::spawn(&PUBLISHING);
-    let events = engine
-        .kv_events
-        .clone()
-        .expect("the ready line names the socket");
-    let replay = engine
-        .kv_events_replay
-        .clone()
-        .expect("and the replay socket");
+    let (events, replay) = kv_sockets(&engine);
     let endpoint = format!(
         "{},kv_events={events},kv_events_replay={replay}",
         engine.url

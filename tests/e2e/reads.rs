@@ -11,7 +11,7 @@ use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
 
 use crate::http::client;
-use crate::kv_events::PUBLISHING;
+use crate::kv_events::{PUBLISHING, kv_sockets};
 use crate::router::metric;
 
 const TOKENIZATIONS: &str = "switchyard_prompt_tokenizations";
@@ -75,14 +75,7 @@ async fn an_engine_publishing_kv_events_has_every_prompt_tokenized() {
     let mut args = vec!["--protocol", "vllm"];
     args.extend(PUBLISHING);
     let engine = EngineProcess::spawn(&args);
-    let events = engine
-        .kv_events
-        .clone()
-        .expect("the ready line names the socket");
-    let replay = engine
-        .kv_events_replay
-        .clone()
-        .expect("and the replay socket");
+    let (events, replay) = kv_sockets(&engine);
     let endpoint = format!(
         "vllm+{},kv_events={events},kv_events_replay={replay}",
         engine.url
