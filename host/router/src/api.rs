@@ -777,9 +777,10 @@ pub(crate) async fn prepare(
     let planner = state
         .planning
         .select(policy_header(headers).as_deref(), &parsed.model, &span)?;
-    // The readers known now: the policy and the KV index. Others (an MLC engine, a
-    // continuation, the usage) ask the request's prompt when they need it.
-    if planner.reads().prompt || state.router.executor().cluster().indexes_kv() {
+    // Tokenized here when the policy or the KV index reads it, so that a prompt that cannot
+    // be tokenized is the client's 400 (`invalid_prompt`), not a routing failure; the
+    // router's attempts then find the ids made.
+    if state.router.reads_prompt_up_front(planner.as_ref()) {
         parsed
             .prompt
             .ids()

@@ -60,8 +60,11 @@ use crate::plan::{
 };
 
 mod budget;
+mod prompt;
 
 pub use budget::{RetryBudget, RetryBudgetConfig};
+pub use prompt::{PromptError, RoutePrompt, tokenizations};
+pub(crate) use prompt::{TOKENIZE_INLINE_BYTES, tokenize};
 
 /// How requests are retried and bounded, router-wide.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -618,8 +621,8 @@ impl<E: Execute> Router<E> {
             return Ok(AttemptEnd::Over);
         }
         let cluster = self.executor.cluster();
-        // The readers known before the snapshot: the policy, the KV index, a continuation.
-        if st.planner.reads().prompt || cluster.indexes_kv() || !continued.is_empty() {
+        // The readers known before the snapshot, a continuation among them.
+        if self.reads_prompt_up_front(st.planner.as_ref()) || !continued.is_empty() {
             self.prompt_ids(req).await?;
         }
         let mut prompt = req.prompt.known().map(|ids| [ids, &continued].concat());
@@ -743,6 +746,14 @@ impl<E: Execute> Router<E> {
         let mut st = State::new(planner);
         self.plan(req, req.prompt.known(), req.max_tokens, context, &mut st)
             .map(|(plan, _)| plan)
+    }
+
+    /// Whether `planner`'s requests need their prompt ids before the policy is asked: the
+    /// policy reads them, or an endpoint publishes KV events (`cached-prefix` is computed from
+    /// them). The later readers (an MLC endpoint in the snapshot, a continuation, the usage)
+    /// ask for the ids when they need them.
+    pub(crate) fn reads_prompt_up_front(&self, planner: &dyn Planner) -> bool {
+        planner.reads().prompt || self.executor.cluster().indexes_kv()
     }
 
     /// The request's prompt ids, tokenizing it now if nothing did before.
@@ -985,11 +996,6 @@ fn final_usage(
         None => usage,
     }
 }
-
-mod prompt;
-
-pub use prompt::{PromptError, RoutePrompt, tokenizations};
-pub(crate) use prompt::{TOKENIZE_INLINE_BYTES, tokenize};
 
 #[cfg(test)]
 mod tests;
