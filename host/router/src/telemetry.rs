@@ -12,6 +12,10 @@
 //! each engine call carries a `traceparent` naming its leg span, so the engines' own spans join
 //! the trace. A client's `traceparent` makes the request span its child; sampling is
 //! parent-based (a sampled client trace is always kept), else `OTEL_TRACES_SAMPLER_ARG`'s ratio.
+//! A request whose trace is not sampled keeps its own span (its `trace_id` for the logs, and the
+//! unsampled `traceparent` its engine calls carry) and nothing under it is made for the
+//! exporter ([`SampledRequests`]): at a ratio of 1% the other 99% do not pay for spans no one
+//! will see.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -23,11 +27,14 @@ use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpClient, HttpError}
 use opentelemetry_otlp::{WithExportConfig as _, WithHttpConfig as _};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::{Sampler, SdkTracerProvider};
-use tracing::Span;
 use tracing::field::Empty;
+use tracing::subscriber::Interest;
+use tracing::{Metadata, Span};
 use tracing_opentelemetry::OpenTelemetrySpanExt as _;
-use tracing_subscriber::Layer;
+use tracing_subscriber::filter::{FilterExt as _, LevelFilter, Targets};
+use tracing_subscriber::layer::{Context, Filter};
 use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::{Layer, Registry};
 
 use crate::Summary;
 
@@ -166,9 +173,7 @@ impl Tracing {
             .build();
         let provider = SdkTracerProvider::builder()
             .with_batch_exporter(exporter)
-            .with_sampler(Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(
-                settings.ratio,
-            ))))
+            .with_sampler(sampler(settings.ratio))
             .with_resource(resource)
             .build();
         ON.store(true, Ordering::Relaxed);
@@ -177,8 +182,9 @@ impl Tracing {
 
     /// The subscriber layer that turns the router's spans into OpenTelemetry spans, from
     /// `debug` up (the attempt, policy and leg spans are `debug`), and its events into span
-    /// events. Nothing else: dependencies' spans stay out of the trace, and their callsites
-    /// are judged once (a target filter), not at every hit. A streamed answer's spans are
+    /// events; none under a request whose trace is not sampled ([`SampledRequests`]). Nothing
+    /// else: dependencies' spans stay out of the trace, and their callsites are judged once (a
+    /// target filter), not at every hit. A streamed answer's spans are
     /// entered at every poll, so entering one does no work: no busy/idle clock reads (two
     /// attributes nobody asked for) and no OpenTelemetry context attached (engine calls read
     /// their leg span's context from the span itself, [`inject`]).
@@ -186,17 +192,7 @@ impl Tracing {
     where
         S: tracing::Subscriber + for<'a> LookupSpan<'a>,
     {
-        let tracer = self.provider.tracer("switchyard");
-        tracing_opentelemetry::layer()
-            .with_tracer(tracer)
-            .with_location(false)
-            .with_threads(false)
-            .with_tracked_inactivity(false)
-            .with_context_activation(false)
-            .with_filter(
-                tracing_subscriber::filter::Targets::new()
-                    .with_target("switchyard_router", tracing::Level::DEBUG),
-            )
+        export_layer(&self.provider)
     }
 
     /// Export what is still batched, then stop: on the way out, after the drain.
@@ -205,6 +201,96 @@ impl Tracing {
             tracing::warn!(error = %e, "traces not all exported");
         }
     }
+}
+
+/// Parent-based: a client's sampled trace is kept and its unsampled one is not; a new trace is
+/// kept at `ratio`.
+fn sampler(ratio: f64) -> Sampler {
+    Sampler::ParentBased(Box::new(Sampler::TraceIdRatioBased(ratio)))
+}
+
+/// [`Tracing::layer`]: `provider`'s spans from the router's.
+fn export_layer<S>(provider: &SdkTracerProvider) -> impl Layer<S> + use<S>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
+    tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("switchyard"))
+        .with_location(false)
+        .with_threads(false)
+        .with_tracked_inactivity(false)
+        .with_context_activation(false)
+        .with_filter(
+            Targets::new()
+                .with_target("switchyard_router", tracing::Level::DEBUG)
+                .and(SampledRequests),
+        )
+}
+
+/// On a request span whose trace is not sampled, its OpenTelemetry context: what the engine
+/// calls under it carry, as none of the spans under it has one of its own
+/// ([`SampledRequests`]).
+struct Unsampled(opentelemetry::Context);
+
+/// The exporter's filter for what happens under a request span: nothing under one marked
+/// [`Unsampled`]. The sampler would drop those spans at their start anyway (parent-based), but
+/// only after each was given an OpenTelemetry builder, its attributes and its events.
+struct SampledRequests;
+
+impl<S> Filter<S> for SampledRequests
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn enabled(&self, meta: &Metadata<'_>, cx: &Context<'_, S>) -> bool {
+        meta.is_event()
+            || cx.lookup_current().is_none_or(|current| {
+                current
+                    .scope()
+                    .all(|span| span.extensions().get::<Unsampled>().is_none())
+            })
+    }
+
+    /// Spans are judged where they are made; events, as the target filter judges them. A
+    /// callsite judged at every hit is judged by every layer's filter at every hit (the log's
+    /// too): events, many more than spans, keep their interest cached.
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
+        if meta.is_span() {
+            Interest::sometimes()
+        } else {
+            Interest::always()
+        }
+    }
+
+    /// No level is left out: the target filter's hint stands (and `log` records below it are
+    /// not turned into events only to be dropped).
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        Some(LevelFilter::TRACE)
+    }
+}
+
+/// Marks `span` [`Unsampled`] with its `context`, in the registry that holds it (none in a
+/// process whose subscriber has no registry: then nothing is marked, and every span is made).
+fn mark_unsampled(span: &Span, context: opentelemetry::Context) {
+    span.with_subscriber(|(id, dispatch)| {
+        if let Some(span) = dispatch
+            .downcast_ref::<Registry>()
+            .and_then(|registry| registry.span(id))
+        {
+            span.extensions_mut().insert(Unsampled(context));
+        }
+    });
+}
+
+/// The context of the unsampled request `span` is part of, if it is part of one.
+fn unsampled_context(span: &Span) -> Option<opentelemetry::Context> {
+    span.with_subscriber(|(id, dispatch)| {
+        let registry = dispatch.downcast_ref::<Registry>()?;
+        registry.span(id)?.scope().find_map(|span| {
+            let extensions = span.extensions();
+            extensions.get::<Unsampled>().map(|u| u.0.clone())
+        })
+    })
+    .flatten()
 }
 
 /// The OTLP/HTTP client: hyper's, over rustls with the system's roots for `https://`
@@ -257,6 +343,11 @@ pub(crate) fn request_span(
     if !is_on() {
         return Span::none();
     }
+    traced_request_span(headers, operation, model)
+}
+
+/// [`request_span`] with tracing on.
+fn traced_request_span(headers: &http::HeaderMap, operation: &'static str, model: &str) -> Span {
     let span = tracing::info_span!(
         "request",
         otel.name = %format_args!("{operation} {model}"),
@@ -277,8 +368,13 @@ pub(crate) fn request_span(
         // The only error is a span that has started already; this one has not.
         let _ = span.set_parent(parent);
     }
-    let trace_id = span.context().span().span_context().trace_id();
-    span.record("trace_id", tracing::field::display(trace_id));
+    // Starting the span's context runs the sampler: its decision is known from here on.
+    let context = span.context();
+    let trace = context.span().span_context().clone();
+    span.record("trace_id", tracing::field::display(trace.trace_id()));
+    if !trace.is_sampled() {
+        mark_unsampled(&span, context);
+    }
     span
 }
 
@@ -319,9 +415,17 @@ pub(crate) fn record_outcome(span: &Span, summary: &Summary, error: Option<&'sta
 }
 
 /// The current span's context as a `traceparent` (and `tracestate`) on an engine call's
-/// `headers`. Called only with tracing on; the current span is the call's leg span.
+/// `headers`. Called only with tracing on; the current span is the call's leg span, or, under a
+/// request whose trace is not sampled, a span with no context of its own: then the request's
+/// (unsampled) context, so the engine does not start a trace of its own either.
 pub(crate) fn inject(headers: &mut http::HeaderMap) {
-    let context = Span::current().context();
+    let current = Span::current();
+    let mut context = current.context();
+    if !context.span().span_context().is_valid()
+        && let Some(request) = unsampled_context(&current)
+    {
+        context = request;
+    }
     TraceContextPropagator::new().inject_context(&context, &mut HeaderInjector(headers));
 }
 
@@ -388,6 +492,57 @@ mod tests {
         for arg in ["1.5", "-0.1", "half"] {
             let bad_ratio = settings(Some("http://c"), &[(SAMPLER_ARG, arg)]);
             assert!(matches!(bad_ratio, Err(TelemetryError::Ratio(a)) if a == arg));
+        }
+    }
+
+    /// Under a request whose trace is not sampled nothing is made for the exporter (a span
+    /// under it has no OpenTelemetry span of its own), and its engine calls still carry its
+    /// unsampled trace; under a sampled one, each span is made and a call names its own.
+    #[test]
+    fn nothing_is_made_under_a_request_whose_trace_is_not_sampled() {
+        use tracing_subscriber::layer::SubscriberExt as _;
+
+        let client = |flags: &str| {
+            let mut headers = http::HeaderMap::new();
+            let traceparent =
+                format!("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-{flags}");
+            headers.insert("traceparent", traceparent.parse().unwrap());
+            headers
+        };
+        // (ratio, the client's headers, sampled)
+        let cases = [
+            (0.0, http::HeaderMap::new(), false),
+            (1.0, http::HeaderMap::new(), true),
+            (1.0, client("00"), false),
+            (0.0, client("01"), true),
+        ];
+        for (ratio, headers, sampled) in cases {
+            let provider = SdkTracerProvider::builder()
+                .with_sampler(sampler(ratio))
+                .build();
+            let subscriber = tracing_subscriber::registry().with(export_layer(&provider));
+            tracing::subscriber::with_default(subscriber, || {
+                let request = traced_request_span(&headers, "text_completion", "m");
+                let request_id = request.context().span().span_context().span_id();
+                let _in_request = request.enter();
+                let leg = tracing::debug_span!("forward");
+                let _in_leg = leg.enter();
+                let mut call = http::HeaderMap::new();
+                inject(&mut call);
+                let traceparent = call["traceparent"].to_str().unwrap();
+                let (trace, rest) = traceparent[3..].split_once('-').unwrap();
+                let (parent, flags) = rest.split_once('-').unwrap();
+                let case = format!("ratio {ratio}, client {headers:?}: {traceparent}");
+                assert_eq!(
+                    parent != request_id.to_string(),
+                    sampled,
+                    "{case}: the leg's own span made"
+                );
+                assert_eq!(flags, if sampled { "01" } else { "00" }, "{case}");
+                if headers.contains_key("traceparent") {
+                    assert_eq!(trace, "4bf92f3577b34da6a3ce929d0e0e4736", "{case}");
+                }
+            });
         }
     }
 }
