@@ -177,7 +177,7 @@ fn sse_relay(c: &mut Criterion) {
                 .block_on(chunks.next())
                 .expect("one chunk")
                 .expect("parses");
-            let text = &parsed.choices[0].text;
+            let text = &parsed.choice.expect("a choice").text;
             let mut frame = Vec::new();
             responder.text_frame(&mut frame, text);
             black_box(frame)
