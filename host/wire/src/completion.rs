@@ -528,14 +528,6 @@ pub struct EngineChunk {
 }
 
 impl EngineChunk {
-    /// A chunk of one choice.
-    pub fn of(choice: Choice) -> Self {
-        EngineChunk {
-            choice: Some(choice),
-            ..EngineChunk::default()
-        }
-    }
-
     /// Read a chat chunk or answer as a completion one: the choice's `delta.content` or
     /// `message.content` becomes its `text` (moved, not copied). A completion chunk is left as
     /// it is.

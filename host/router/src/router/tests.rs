@@ -171,15 +171,18 @@ fn hanging_stream(dropped: oneshot::Sender<()>) -> ChunkStream {
 // === chunks ===
 
 fn chunk(text: &str, finish_reason: Option<&str>) -> Result<EngineChunk, SseError> {
-    Ok(EngineChunk::of(Choice {
-        index: 0,
-        text: text.into(),
-        finish_reason: finish_reason.map(FinishReason::from),
-        logprobs: None,
-        token_ids: None,
-        delta: None,
-        message: None,
-    }))
+    Ok(EngineChunk {
+        choice: Some(Choice {
+            index: 0,
+            text: text.into(),
+            finish_reason: finish_reason.map(FinishReason::from),
+            logprobs: None,
+            token_ids: None,
+            delta: None,
+            message: None,
+        }),
+        ..EngineChunk::default()
+    })
 }
 
 fn text(t: &str) -> Result<EngineChunk, SseError> {
