@@ -169,6 +169,7 @@ fn sse_relay(c: &mut Criterion) {
         model: "m".to_owned(),
         include_usage: false,
     };
+    let text_frames = responder.text_frames();
     c.bench_function("sse relay/one chunk engine -> client", |b| {
         b.iter(|| {
             let bytes = futures::stream::iter([Ok::<_, std::io::Error>(chunk.clone())]);
@@ -177,9 +178,9 @@ fn sse_relay(c: &mut Criterion) {
                 .block_on(chunks.next())
                 .expect("one chunk")
                 .expect("parses");
-            let text = &parsed.choices[0].text;
+            let text = &parsed.choice.expect("a choice").text;
             let mut frame = Vec::new();
-            responder.text_frame(&mut frame, text);
+            text_frames.write(&mut frame, text);
             black_box(frame)
         })
     });

@@ -51,7 +51,7 @@ use hyper_util::client::legacy::{Client, ResponseFuture};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use switchyard_wire::completion::CompletionResponse;
+use switchyard_wire::completion::EngineChunk;
 use switchyard_wire::error_chain;
 use switchyard_wire::microserving::DEFAULT_CALL_TIMEOUT;
 use switchyard_wire::sse::{self, ChunkStream, SseError, single_chunk};
@@ -613,7 +613,7 @@ impl EngineClient {
         if !is_sse {
             let deadline = self.call_deadline();
             let bytes = read_capped(response, deadline, MAX_ANSWER_BYTES).await?;
-            let mut one: CompletionResponse =
+            let mut one: EngineChunk =
                 serde_json::from_slice(&bytes).map_err(|e| CallError::Decode {
                     reason: e.to_string(),
                 })?;
@@ -818,7 +818,7 @@ struct IdleTimeout {
 }
 
 impl futures::Stream for IdleTimeout {
-    type Item = Result<CompletionResponse, SseError>;
+    type Item = Result<EngineChunk, SseError>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = self.get_mut();

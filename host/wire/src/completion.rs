@@ -4,7 +4,9 @@
 //! Requests are written whole (every field, `null` where unset: MLC's router sends the whole
 //! pydantic model and its engines were only ever tested against that shape) and read leniently
 //! (every field but `prompt` may be missing; unknown fields are ignored), so one type serves the
-//! router that sends it and the reference engine that receives it.
+//! router that sends it and the reference engine that receives it. Answers are written as a
+//! [`CompletionResponse`] and read by a router as an [`EngineChunk`], which keeps only what a
+//! router uses of each chunk.
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
@@ -356,8 +358,7 @@ pub struct Choice {
         skip_serializing_if = "Option::is_none"
     )]
     pub token_ids: Option<Vec<u32>>,
-    /// A chat chunk's text (`delta.content`); [`CompletionResponse::fold_chat`] moves it to
-    /// `text`.
+    /// A chat chunk's text (`delta.content`); [`EngineChunk::fold_chat`] moves it to `text`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub delta: Option<ChatContent>,
     /// A whole chat answer's text (`message.content`), likewise.
@@ -486,7 +487,8 @@ pub struct ChatContent {
     pub content: Option<String>,
 }
 
-/// A `CompletionResponse`: one JSON answer, or one SSE chunk of a stream.
+/// A `CompletionResponse` as an engine writes it: one JSON answer, or one SSE chunk of a
+/// stream. A router reads it as an [`EngineChunk`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CompletionResponse {
     #[serde(default)]
@@ -507,19 +509,41 @@ pub struct CompletionResponse {
     pub error: Option<serde_json::Value>,
 }
 
-impl CompletionResponse {
-    /// Read a chat answer or chunk as a completion one: each choice's `delta.content` or
-    /// `message.content` becomes its `text`. A completion answer is left as it is.
+/// One chunk of a generation as a router reads it (or a whole answer, read as one chunk): the
+/// first choice's text, ids, finish reason and `logprobs` count, the usage, an error event.
+/// The rest of what an engine writes (`id`, `object`, `created`, `model`, a usage's `extra`,
+/// further choices) is skipped unread: the router writes the client's chunk itself, and each
+/// declared `String` or `Vec` cost an allocation per token (a router asks for one choice, `n` = 1).
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+pub struct EngineChunk {
+    /// The first of the chunk's `choices`; `None` for a usage-only chunk.
+    #[serde(default, rename = "choices", deserialize_with = "first_choice")]
+    pub choice: Option<Choice>,
+    #[serde(default)]
+    pub usage: Option<Usage>,
+    /// An engine that fails after its stream started says so in an event of its own
+    /// (`data: {"error": {...}}`, vLLM and SGLang alike).
+    #[serde(default)]
+    pub error: Option<serde_json::Value>,
+}
+
+impl EngineChunk {
+    /// Read a chat chunk or answer as a completion one: the choice's `delta.content` or
+    /// `message.content` becomes its `text` (moved, not copied). A completion chunk is left as
+    /// it is.
     pub fn fold_chat(&mut self) {
-        for choice in &mut self.choices {
-            let content = choice
-                .delta
-                .take()
-                .or_else(|| choice.message.take())
-                .and_then(|c| c.content);
-            if let Some(content) = content {
-                choice.text.push_str(&content);
-            }
+        let Some(choice) = &mut self.choice else {
+            return;
+        };
+        let content = choice
+            .delta
+            .take()
+            .or_else(|| choice.message.take())
+            .and_then(|c| c.content);
+        match content {
+            Some(content) if choice.text.is_empty() => choice.text = content,
+            Some(content) => choice.text.push_str(&content),
+            None => {}
         }
     }
 
@@ -533,6 +557,23 @@ impl CompletionResponse {
                 .map_or_else(|| error.to_string(), str::to_owned),
         )
     }
+}
+
+/// A `choices` list's first choice; the others are skipped unread.
+fn first_choice<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Choice>, D::Error> {
+    struct FirstVisitor;
+    impl<'de> Visitor<'de> for FirstVisitor {
+        type Value = Option<Choice>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of choices")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Option<Choice>, A::Error> {
+            let first = seq.next_element::<Choice>()?;
+            while seq.next_element::<de::IgnoredAny>()?.is_some() {}
+            Ok(first)
+        }
+    }
+    deserializer.deserialize_seq(FirstVisitor)
 }
 
 #[cfg(test)]
@@ -573,20 +614,84 @@ mod tests {
         }
     }
 
+    /// A router reads the first choice, the usage and an error; the rest of the chunk (its ids,
+    /// model, a usage's `extra`, fields it has never heard of, further choices) is skipped.
     #[test]
-    fn engine_chunks_parse_with_missing_optional_fields() {
-        let chunk: CompletionResponse = serde_json::from_str(
-            r#"{"id":"c","object":"text_completion","created":1,"model":"m",
-                "choices":[{"index":0,"text":"","finish_reason":"preempt","logprobs":null}],
+    fn engine_chunks_read_what_a_router_uses_and_skip_the_rest() {
+        let chunk: EngineChunk = serde_json::from_str(
+            r#"{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",
+                "system_fingerprint":{"new":[1,"x"]},
+                "choices":[{"index":0,"text":"he\"y","finish_reason":null,"logprobs":null,
+                    "token_ids":[7,8],"stop_reason":null},
+                    {"index":1,"text":"other","finish_reason":"stop"}],
                 "usage":null}"#,
         )
         .expect("parses");
-        assert_eq!(chunk.choices[0].finish_reason, Some(FinishReason::Preempt));
-        let usage_only: CompletionResponse = serde_json::from_str(
-            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5,"extra":null}}"#,
+        let choice = chunk.choice.as_ref().expect("the first choice");
+        assert_eq!(
+            (choice.text.as_str(), choice.token_ids.as_deref()),
+            ("he\"y", Some(&[7, 8][..]))
+        );
+        assert_eq!((choice.finish_reason.as_ref(), chunk.usage), (None, None));
+        let preempt: EngineChunk = serde_json::from_str(
+            r#"{"choices":[{"index":0,"text":"","finish_reason":"preempt","logprobs":null}]}"#,
         )
         .expect("parses");
-        assert_eq!(usage_only.usage.map(|u| u.counts.total_tokens), Some(5));
+        let reason = preempt.choice.and_then(|c| c.finish_reason);
+        assert_eq!(reason, Some(FinishReason::Preempt));
+        let usage_only: EngineChunk = serde_json::from_str(
+            r#"{"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,
+                "total_tokens":5,"extra":{"debug":[1,2]},
+                "prompt_tokens_details":{"cached_tokens":1}}}"#,
+        )
+        .expect("parses");
+        assert_eq!(usage_only.choice, None);
+        assert_eq!(
+            usage_only.usage,
+            Some(Usage::new(3, 2).with_cached_tokens(1))
+        );
+        assert_eq!(
+            serde_json::from_str::<EngineChunk>("{}").expect("parses"),
+            EngineChunk::default()
+        );
+        for bad in [
+            r#"{"choices":{"text":"a"}}"#,
+            r#"{"choices":[{"text":5}]}"#,
+            r#"{"usage":{"prompt_tokens":3}}"#,
+        ] {
+            assert!(serde_json::from_str::<EngineChunk>(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// What the reference engine writes reads back as what it meant: the writer's type and the
+    /// reader's agree on every field a router uses.
+    #[test]
+    fn a_written_completion_response_reads_as_its_engine_chunk() {
+        let written = CompletionResponse {
+            id: "cmpl-9".into(),
+            object: "text_completion".into(),
+            created: 3,
+            model: Some("m".into()),
+            choices: vec![Choice {
+                index: 0,
+                text: "Hi".into(),
+                finish_reason: Some(FinishReason::Length),
+                logprobs: Some(Logprobs::Entries(Vec::new())),
+                token_ids: Some(vec![1, 2]),
+                delta: None,
+                message: None,
+            }],
+            usage: Some(Usage::new(4, 2).into()),
+            error: None,
+        };
+        let json = serde_json::to_vec(&written).expect("serializes");
+        let read: EngineChunk = serde_json::from_slice(&json).expect("parses");
+        let choice = read.choice.expect("a choice");
+        assert_eq!(choice.text, "Hi");
+        assert_eq!(choice.finish_reason, Some(FinishReason::Length));
+        assert_eq!(choice.token_ids, Some(vec![1, 2]));
+        assert_eq!(choice.logprobs, Some(Logprobs::Counted(Some(0))));
+        assert_eq!(read.usage, Some(Usage::new(4, 2)));
     }
 
     /// Every reason reads as its variant and writes back as the same string; one this crate
@@ -653,26 +758,48 @@ mod tests {
 
     #[test]
     fn chat_chunks_and_answers_read_as_completion_ones() {
-        let mut chunk: CompletionResponse = serde_json::from_str(
+        let read = |json: &str| -> Choice {
+            let mut chunk: EngineChunk = serde_json::from_str(json).expect(json);
+            chunk.fold_chat();
+            chunk.choice.expect("a choice")
+        };
+        let chunk = read(
             r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,
                 "delta":{"content":"Hel"},"finish_reason":null,"token_ids":[5,6]}]}"#,
-        )
-        .expect("parses");
-        chunk.fold_chat();
-        assert_eq!(chunk.choices[0].text, "Hel");
-        assert_eq!(chunk.choices[0].token_ids, Some(vec![5, 6]));
-        let mut answer: CompletionResponse = serde_json::from_str(
+        );
+        assert_eq!(chunk.text, "Hel");
+        assert_eq!(chunk.token_ids, Some(vec![5, 6]));
+        assert_eq!((chunk.delta, chunk.message), (None, None));
+        let answer = read(
             r#"{"choices":[{"message":{"role":"assistant","content":"Hi"},
                 "finish_reason":"stop","response_token_ids":[7]}]}"#,
-        )
-        .expect("parses");
-        answer.fold_chat();
-        assert_eq!(answer.choices[0].text, "Hi");
-        assert_eq!(answer.choices[0].token_ids, Some(vec![7]));
-        let error: CompletionResponse =
-            serde_json::from_str(r#"{"error":{"message":"KV load failed","code":500}}"#)
-                .expect("parses");
-        assert_eq!(error.error_message().as_deref(), Some("KV load failed"));
+        );
+        assert_eq!(answer.text, "Hi");
+        assert_eq!(answer.token_ids, Some(vec![7]));
+        // A role-only opening chunk has no text; a completion chunk keeps its own.
+        assert_eq!(
+            read(r#"{"choices":[{"delta":{"role":"assistant"}}]}"#).text,
+            ""
+        );
+        assert_eq!(read(r#"{"choices":[{"text":"as is"}]}"#).text, "as is");
+    }
+
+    /// An `{"error": …}` event says its message, or the whole error when it has none.
+    #[test]
+    fn error_events_say_their_message() {
+        let message = |json: &str| {
+            let chunk: EngineChunk = serde_json::from_str(json).expect(json);
+            chunk.error_message()
+        };
+        assert_eq!(
+            message(r#"{"error":{"message":"KV load failed","code":500}}"#).as_deref(),
+            Some("KV load failed")
+        );
+        assert_eq!(
+            message(r#"{"error":{"code":500}}"#).as_deref(),
+            Some(r#"{"code":500}"#)
+        );
+        assert_eq!(message(r#"{"choices":[{"text":"a"}]}"#), None);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use futures::{Stream, StreamExt};
 
 use serde::Serialize;
 
-use crate::completion::CompletionResponse;
+use crate::completion::EngineChunk;
 
 /// The event that ends every stream.
 pub const DONE_EVENT: &[u8] = b"data: [DONE]\n\n";
@@ -60,7 +60,7 @@ pub enum SseError {
 pub const MAX_EVENT_BYTES: usize = 256 << 10;
 
 /// A stream of engine chunks, ending after `[DONE]`. Every one this module returns is fused.
-pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<CompletionResponse, SseError>> + Send>>;
+pub type ChunkStream = Pin<Box<dyn Stream<Item = Result<EngineChunk, SseError>> + Send>>;
 
 /// The data of each event of an SSE byte stream, ending after `data: [DONE]`. Events with no
 /// data are skipped. A stream that ends without `[DONE]` yields [`SseError::Truncated`], and the
@@ -332,7 +332,7 @@ where
 }
 
 /// Parse events into completion chunks (chat chunks read as completion ones, see
-/// [`CompletionResponse::fold_chat`]); see [`data_events`]. A chunk that is not a completion
+/// [`EngineChunk::fold_chat`]); see [`data_events`]. A chunk that is not a completion
 /// response ends the stream with [`SseError::BadChunk`], an error event with
 /// [`SseError::Engine`].
 pub fn chunks(events: DataEvents) -> ChunkStream {
@@ -341,7 +341,7 @@ pub fn chunks(events: DataEvents) -> ChunkStream {
             .data()
             .map(|item| {
                 item.and_then(|data| {
-                    let mut chunk = serde_json::from_slice::<CompletionResponse>(&data)
+                    let mut chunk = serde_json::from_slice::<EngineChunk>(&data)
                         .map_err(|e| SseError::BadChunk(e.to_string()))?;
                     if let Some(message) = chunk.error_message() {
                         return Err(SseError::Engine(message));
@@ -363,7 +363,7 @@ pub fn chunks(events: DataEvents) -> ChunkStream {
 }
 
 /// A complete (non-streaming) answer presented as a one-chunk stream.
-pub fn single_chunk(response: CompletionResponse) -> ChunkStream {
+pub fn single_chunk(response: EngineChunk) -> ChunkStream {
     Box::pin(futures::stream::once(async move { Ok(response) }).fuse())
 }
 
@@ -392,7 +392,7 @@ mod tests {
         .await;
         let texts: Vec<_> = chunks
             .into_iter()
-            .map(|c| c.expect("chunk").choices[0].text.clone())
+            .map(|c| c.expect("chunk").choice.expect("a choice").text)
             .collect();
         assert_eq!(texts, ["he", "llo"]);
     }

@@ -486,9 +486,23 @@ impl Responder {
         }
     }
 
-    /// One frame of generated text.
-    pub fn text_frame(&self, out: &mut Vec<u8>, text: &str) {
-        self.write_choice(out, None, Some(text), None);
+    /// The frames of a stream's generated text, with what every one of them repeats
+    /// rendered once (see [`TextFrames`]).
+    pub fn text_frames(&self) -> TextFrames {
+        // A text no id or model can end with: the frame's last string is its text.
+        const MARK: &str = "\u{0}";
+        let mut frame = Vec::new();
+        self.write_choice(&mut frame, None, Some(MARK), None);
+        let mark = serde_json::to_vec(MARK).expect("a string serialises");
+        let at = frame
+            .windows(mark.len())
+            .rposition(|w| w == mark)
+            .expect("the frame holds its text");
+        frame.drain(at..at + mark.len());
+        TextFrames {
+            around: frame.into_boxed_slice(),
+            text_at: at,
+        }
     }
 
     /// The frame that ends the choice with its finish reason.
@@ -576,6 +590,32 @@ impl Responder {
             object,
             usage: FullUsage::from(usage),
         }
+    }
+}
+
+/// The frames of one stream's text, each `data: <chunk>\n\n` as [`Responder`] writes it: the
+/// bytes before and after the text (the id, object, created, model, the choice's other fields,
+/// a null usage) are the same on every token of a stream and are rendered once, so a token
+/// costs its text's escaping and two copies. Through serde, each token wrote the id, object
+/// and model again, escaping each.
+#[derive(Debug)]
+pub struct TextFrames {
+    /// A frame without its text: `data: {"id":…,"choices":[{"index":0,"text":` (chat:
+    /// `…"delta":{"content":`), then `,"finish_reason":null,"logprobs":null}]…}` and the
+    /// event's end. One buffer: it lives as long as the stream.
+    around: Box<[u8]>,
+    /// Where the text goes.
+    text_at: usize,
+}
+
+impl TextFrames {
+    /// Append the frame of `text`.
+    pub fn write(&self, out: &mut Vec<u8>, text: &str) {
+        let (head, tail) = self.around.split_at(self.text_at);
+        out.extend_from_slice(head);
+        // Escaped and quoted exactly as the chunk's other strings are.
+        serde_json::to_writer(&mut *out, text).expect("a string serialises");
+        out.extend_from_slice(tail);
     }
 }
 
@@ -862,7 +902,7 @@ mod tests {
         let mut out = Vec::new();
         r.opening_frame(&mut out);
         assert!(out.is_empty(), "completions have no role chunk");
-        r.text_frame(&mut out, "he said \"hi\"\n");
+        r.text_frames().write(&mut out, "he said \"hi\"\n");
         r.finish_frame(&mut out, "stop");
         let usage = Usage::new(3, 2);
         r.usage_frame(&mut out, &usage);
@@ -891,6 +931,40 @@ mod tests {
                 ),
             ]
         );
+    }
+
+    /// A text frame rendered around its text is, byte for byte, the chunk serde writes, in
+    /// either shape, with or without usage, whatever the text, id and model hold.
+    #[test]
+    fn text_frames_are_the_chunks_serde_writes() {
+        let texts = [
+            "",
+            "hi",
+            "he said \"hi\"\n",
+            "\u{0}\\\u{1f}é🙂",
+            "\",\"finish_reason\":",
+        ];
+        let ids = ["id-1", "\u{0}", "id \"\u{0}\" x"];
+        for shape in [Shape::Completion, Shape::Chat] {
+            for include_usage in [false, true] {
+                for id in ids {
+                    let mut r = responder(shape, include_usage);
+                    r.id = id.into();
+                    r.model = format!("m\u{0}{id}");
+                    let frames = r.text_frames();
+                    for text in texts {
+                        let (mut rendered, mut serialised) = (Vec::new(), Vec::new());
+                        frames.write(&mut rendered, text);
+                        r.write_choice(&mut serialised, None, Some(text), None);
+                        assert_eq!(
+                            String::from_utf8(rendered).expect("utf-8"),
+                            String::from_utf8(serialised).expect("utf-8"),
+                            "{shape:?}, usage {include_usage}, id {id:?}, text {text:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]
@@ -927,7 +1001,7 @@ mod tests {
         let r = responder(Shape::Chat, false);
         let mut out = Vec::new();
         r.opening_frame(&mut out);
-        r.text_frame(&mut out, "hi");
+        r.text_frames().write(&mut out, "hi");
         r.finish_frame(&mut out, "length");
         r.usage_frame(&mut out, &Usage::default());
         let envelope =

@@ -22,7 +22,7 @@ use hyper::body::Frame;
 use tokio::time::Instant;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use super::openai::Responder;
+use super::openai::{Responder, TextFrames};
 use super::respond::ApiError;
 use super::{AppState, Body};
 use crate::{Done, Event, Failed, Routing};
@@ -38,6 +38,7 @@ pub fn stream_response(
     let mut opening = Vec::new();
     responder.opening_frame(&mut opening);
     let relay = StreamRelay {
+        text_frames: responder.text_frames(),
         grace_over: Box::pin(state.drain.grace_over()),
         state,
         responder,
@@ -65,6 +66,8 @@ pub fn stream_response(
 struct StreamRelay {
     state: Arc<AppState>,
     responder: Responder,
+    /// Each token's frame, rendered around its text.
+    text_frames: TextFrames,
     routing: Routing,
     /// Bytes framed but not yet handed to hyper (at first, the chat role chunk).
     unsent: Vec<u8>,
@@ -188,7 +191,7 @@ impl StreamRelay {
                 if let Some(last) = self.last_text.replace(now) {
                     self.state.metrics.inter_token(now - last);
                 }
-                self.responder.text_frame(out, &text);
+                self.text_frames.write(out, &text);
             }
             Event::Done(done) => {
                 let Done {

@@ -351,7 +351,7 @@ async fn the_idle_limit_counts_each_wait_for_a_chunk_not_the_stream() {
     let gap = Duration::from_secs(6);
     let (tx, rx) = futures::channel::mpsc::unbounded();
     let mut chunks = with_idle_timeout(Box::pin(rx), idle);
-    let chunk = || Ok(serde_json::from_str::<CompletionResponse>("{}").expect("a chunk"));
+    let chunk = || Ok(EngineChunk::default());
     let engine = tokio::spawn(async move {
         for _ in 0..4 {
             tokio::time::sleep(gap).await;

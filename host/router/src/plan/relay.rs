@@ -8,7 +8,7 @@
 use futures::StreamExt;
 use tokio::time::Instant;
 
-use switchyard_wire::completion::{CompletionResponse, FinishReason, Usage};
+use switchyard_wire::completion::{EngineChunk, FinishReason, Usage};
 use switchyard_wire::sse::SseError;
 
 use super::attempt::Generation;
@@ -93,10 +93,10 @@ pub async fn relay(
         };
         // Whatever the engine sends first comes after the prompt's prefill.
         generation.started();
-        if let Some(u) = chunk.usage {
-            usage = Some(u.counts);
+        if chunk.usage.is_some() {
+            usage = chunk.usage;
         }
-        let Some(choice) = chunk.choices.into_iter().next() else {
+        let Some(choice) = chunk.choice else {
             continue;
         };
         if choice.finish_reason == Some(FinishReason::Preempt) {
@@ -143,7 +143,7 @@ pub async fn relay(
 async fn next_chunk(
     generation: &mut Generation,
     attempt: u32,
-) -> Option<Result<CompletionResponse, ExecError>> {
+) -> Option<Result<EngineChunk, ExecError>> {
     let generator = generation.generator;
     let broken =
         |e: SseError| ExecError::new(CallError::Stream(e), generator, StepKind::Relay, attempt);

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 
 use switchyard_contract::{Plan, Step};
-use switchyard_wire::completion::{Choice, CompletionResponse, Logprobs};
+use switchyard_wire::completion::{Choice, EngineChunk, Logprobs};
 use switchyard_wire::sse::{ChunkStream, SseError};
 
 use super::*;
@@ -79,7 +79,7 @@ enum Script {
     /// The plan fails before a stream exists.
     Fail(CallError),
     /// The generating engine answers with these chunks.
-    Stream(Vec<Result<CompletionResponse, SseError>>),
+    Stream(Vec<Result<EngineChunk, SseError>>),
     /// One text chunk, then nothing until dropped; dropping answers on the sender.
     Hang(oneshot::Sender<()>),
 }
@@ -170,13 +170,9 @@ fn hanging_stream(dropped: oneshot::Sender<()>) -> ChunkStream {
 
 // === chunks ===
 
-fn chunk(text: &str, finish_reason: Option<&str>) -> Result<CompletionResponse, SseError> {
-    Ok(CompletionResponse {
-        id: String::new(),
-        object: "text_completion".into(),
-        created: 0,
-        model: None,
-        choices: vec![Choice {
+fn chunk(text: &str, finish_reason: Option<&str>) -> Result<EngineChunk, SseError> {
+    Ok(EngineChunk {
+        choice: Some(Choice {
             index: 0,
             text: text.into(),
             finish_reason: finish_reason.map(FinishReason::from),
@@ -184,13 +180,12 @@ fn chunk(text: &str, finish_reason: Option<&str>) -> Result<CompletionResponse, 
             token_ids: None,
             delta: None,
             message: None,
-        }],
-        usage: None,
-        error: None,
+        }),
+        ..EngineChunk::default()
     })
 }
 
-fn text(t: &str) -> Result<CompletionResponse, SseError> {
+fn text(t: &str) -> Result<EngineChunk, SseError> {
     chunk(t, None)
 }
 
@@ -199,9 +194,9 @@ fn text_with_ids(
     t: &str,
     ids: &[u32],
     finish_reason: Option<&str>,
-) -> Result<CompletionResponse, SseError> {
+) -> Result<EngineChunk, SseError> {
     let mut c = chunk(t, finish_reason)?;
-    c.choices[0].token_ids = Some(ids.to_vec());
+    c.choice.as_mut().expect("a choice").token_ids = Some(ids.to_vec());
     Ok(c)
 }
 
@@ -211,28 +206,20 @@ fn text_with_logprobs(
     t: &str,
     tokens: usize,
     finish_reason: Option<&str>,
-) -> Result<CompletionResponse, SseError> {
+) -> Result<EngineChunk, SseError> {
     let mut c = chunk(t, finish_reason)?;
-    c.choices[0].logprobs = Some(Logprobs::Counted(Some(tokens)));
+    c.choice.as_mut().expect("a choice").logprobs = Some(Logprobs::Counted(Some(tokens)));
     Ok(c)
 }
 
-fn finish(reason: &str) -> Result<CompletionResponse, SseError> {
+fn finish(reason: &str) -> Result<EngineChunk, SseError> {
     chunk("", Some(reason))
 }
 
-fn engine_usage(
-    prompt_tokens: u32,
-    completion_tokens: u32,
-) -> Result<CompletionResponse, SseError> {
-    Ok(CompletionResponse {
-        id: String::new(),
-        object: "text_completion".into(),
-        created: 0,
-        model: None,
-        choices: Vec::new(),
-        usage: Some(Usage::new(prompt_tokens, completion_tokens).into()),
-        error: None,
+fn engine_usage(prompt_tokens: u32, completion_tokens: u32) -> Result<EngineChunk, SseError> {
+    Ok(EngineChunk {
+        usage: Some(Usage::new(prompt_tokens, completion_tokens)),
+        ..EngineChunk::default()
     })
 }
 
@@ -594,9 +581,7 @@ async fn preemption_continues_from_the_delivered_text_with_one_usage() {
 async fn the_client_sees_the_last_engines_cached_tokens_within_its_prompt() {
     let cached = |prompt_tokens, completion_tokens, cached| {
         engine_usage(prompt_tokens, completion_tokens).map(|mut chunk| {
-            chunk.usage = chunk
-                .usage
-                .map(|u| u.counts.with_cached_tokens(cached).into());
+            chunk.usage = chunk.usage.map(|u| u.with_cached_tokens(cached));
             chunk
         })
     };
