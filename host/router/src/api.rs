@@ -463,9 +463,18 @@ async fn serve_with<H, F>(
                     () = state.drain.accepting_stopped() => return Ok(()),
                 };
                 let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
-                watcher
-                    .watch(server.serve_connection(io, service).into_owned())
-                    .await
+                match server {
+                    connection::Server::Http1(http1) => watcher
+                        .watch(http1.serve_connection(io, service))
+                        .await
+                        .map_err(Into::into),
+                    // Boxed: its room for an HTTP/2 connection would be in every connection's
+                    // task.
+                    connection::Server::Auto(auto) => {
+                        Box::pin(watcher.watch(auto.serve_connection(io, service).into_owned()))
+                            .await
+                    }
+                }
             };
             tokio::select! {
                 result = served => if let Err(e) = result {
