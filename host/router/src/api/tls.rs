@@ -26,8 +26,9 @@ use tokio_util::either::Either;
 
 use crate::pem::{self, PemError};
 
-/// A client connection's bytes: plain, or TLS. The TLS side is boxed: its state (~1 KiB of
-/// rustls') would otherwise be room in every connection, plain ones included.
+/// A client connection's bytes: plain, or TLS. The TLS side is boxed: inline, rustls' state
+/// was room in every connection's task, plain ones included (with the handshake's, also boxed:
+/// 0.6 KiB of each open stream, heaptrack at 1,024).
 pub(super) type ClientIo = Either<TcpStream, Box<tokio_rustls::server::TlsStream<TcpStream>>>;
 
 /// The longest a changed certificate file goes unnoticed while clients connect.
