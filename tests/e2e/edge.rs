@@ -491,6 +491,64 @@ async fn read_response(stream: &mut tokio::net::TcpStream) -> (u16, String) {
     (status, text[head_len..head_len + length].to_owned())
 }
 
+/// Plain connections are served however their first bytes come (the router peeks at them to
+/// serve HTTP/1 alone, and leaves the rest to the server that reads HTTP/2's preface): a
+/// completion with 10 KiB of headers, one whose first byte arrives alone (`P`: the preface's
+/// start, as far as it shows), and an HTTP/2 client with prior knowledge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_connections_are_served_however_their_first_bytes_come() {
+    let engine = EngineProcess::spawn(&[]);
+    let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
+
+    let padding = "p".repeat(10 * 1024);
+    let response = crate::http::client()
+        .post(router.endpoint("/v1/completions"))
+        .header("x-padding", &padding)
+        .json(&json!({"prompt": "large headers", "max_tokens": 4}))
+        .send()
+        .await
+        .expect("an answer");
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("body");
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("\"choices\""), "{text}");
+
+    let mut trickled = tokio::net::TcpStream::connect(router.addr)
+        .await
+        .expect("connect");
+    trickled.set_nodelay(true).expect("nodelay");
+    trickled.write_all(b"P").await.expect("write");
+    // Not synchronisation: the first byte goes out in a segment of its own.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let body = json!({"prompt": "trickled", "max_tokens": 4}).to_string();
+    let rest = format!(
+        "OST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    trickled.write_all(rest.as_bytes()).await.expect("write");
+    let (status, body) = read_response(&mut trickled).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"choices\""), "{body}");
+
+    let tcp = tokio::net::TcpStream::connect(router.addr)
+        .await
+        .expect("connect");
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("h2 handshake");
+    tokio::spawn(conn);
+    let request = hyper::Request::get(router.endpoint("/v1/models"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .expect("request");
+    let response = sender.send_request(request).await.expect("h2 response");
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.version(), hyper::Version::HTTP_2);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_file_descriptors_the_listener_pauses_instead_of_spinning_and_recovers() {
     let engine = EngineProcess::spawn(&[]);

@@ -49,8 +49,7 @@ use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
@@ -383,7 +382,7 @@ async fn serve_with<H, F>(
     F: Future<Output = Response<Body>> + Send + 'static,
 {
     let graceful = GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let servers = connection::Servers::new();
     // A place per open connection: at the cap the loop stops accepting, and new connections
     // wait in the kernel's backlog.
     let places = Arc::new(Semaphore::new(state.connections.max_connections as usize));
@@ -418,15 +417,17 @@ async fn serve_with<H, F>(
         };
         backoff.accepted();
         let _ = stream.set_nodelay(true);
-        let (state, builder, watcher) = (state.clone(), builder.clone(), graceful.watcher());
+        let (state, servers, watcher) = (state.clone(), servers.clone(), graceful.watcher());
         let (limits, metrics, cut) = (state.connections, metrics.clone(), cut.clone());
         let tls = tls.clone();
         let serve = move |stream| async move {
             let stream = match tls {
                 None => Either::Left(stream),
                 Some(tls) => {
-                    match tokio::time::timeout(limits.header_read_timeout, tls.accept(stream)).await
-                    {
+                    // Boxed: inline, the handshake's state would be room in every connection's
+                    // task, plain ones included, for as long as it is open.
+                    let handshake = Box::pin(tls.accept(stream));
+                    match tokio::time::timeout(limits.header_read_timeout, handshake).await {
                         Ok(Ok(stream)) => stream,
                         Ok(Err(e)) => {
                             tracing::debug!(%peer, error = %e, "TLS handshake failed");
@@ -441,22 +442,42 @@ async fn serve_with<H, F>(
             };
             metrics.open.inc();
             let activity = connection::Activity::new();
-            let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
             let service = {
                 let activity = Arc::clone(&activity);
+                let state = state.clone();
                 hyper::service::service_fn(move |mut req: Request<Incoming>| {
                     req.extensions_mut().insert(Peer(peer));
                     let in_request = activity.request_started();
-                    let state = state.clone();
-                    async move {
-                        Ok::<_, Infallible>(guarded::hold(handler(state, req).await, in_request))
-                    }
+                    // Boxed: hyper keeps room for its service's future as long as the
+                    // connection is open, and a handler's is the request's whole parse and
+                    // plan (~3 KiB); boxed, that room is freed once the response has started.
+                    let handled = Box::pin(handler(state.clone(), req));
+                    async move { Ok::<_, Infallible>(guarded::hold(handled.await, in_request)) }
                 })
             };
-            let conn = builder.serve_connection_with_upgrades(io, service);
-            let conn = watcher.watch(conn.into_owned());
+            let served = async {
+                let server = tokio::select! {
+                    server = servers.for_connection(&stream) => server,
+                    // As a connection still reading its first bytes is closed at a graceful
+                    // shutdown.
+                    () = state.drain.accepting_stopped() => return Ok(()),
+                };
+                let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
+                match server {
+                    connection::Server::Http1(http1) => watcher
+                        .watch(http1.serve_connection(io, service))
+                        .await
+                        .map_err(Into::into),
+                    // Boxed: its room for an HTTP/2 connection would be in every connection's
+                    // task.
+                    connection::Server::Auto(auto) => {
+                        Box::pin(watcher.watch(auto.serve_connection(io, service).into_owned()))
+                            .await
+                    }
+                }
+            };
             tokio::select! {
-                result = conn => if let Err(e) = result {
+                result = served => if let Err(e) = result {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
                 },
                 expired = activity.expired(&limits) => {

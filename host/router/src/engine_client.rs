@@ -682,25 +682,27 @@ impl Delivery {
 
 /// A call's body: its JSON in one frame, sent with its length, and the [`Delivery`] to signal
 /// when the client takes that frame to write (its last byte).
+///
+/// One pointer: each engine connection's request channel is made with a block of 32 request
+/// slots (hyper's unbounded channel), every slot a whole `Request<CallBody>`, for the
+/// connection's life; the body's 40 bytes inline were 1.2 KiB of every open stream.
 #[derive(Debug)]
-pub struct CallBody {
-    json: Option<Bytes>,
+pub struct CallBody(Option<Box<Unsent>>);
+
+/// What a call's body has still to hand over.
+#[derive(Debug)]
+struct Unsent {
+    json: Bytes,
     delivery: Option<Delivery>,
 }
 
 impl CallBody {
     fn new(json: Bytes, delivery: Option<Delivery>) -> CallBody {
-        CallBody {
-            json: Some(json),
-            delivery,
-        }
+        CallBody(Some(Box::new(Unsent { json, delivery })))
     }
 
     fn empty() -> CallBody {
-        CallBody {
-            json: None,
-            delivery: None,
-        }
+        CallBody(None)
     }
 }
 
@@ -712,20 +714,21 @@ impl hyper::body::Body for CallBody {
         self: Pin<&mut Self>,
         _: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        let this = self.get_mut();
-        let frame = this.json.take().map(|json| Ok(Frame::data(json)));
-        if let Some(delivery) = this.delivery.take() {
-            delivery.delivered();
-        }
-        Poll::Ready(frame)
+        Poll::Ready(self.get_mut().0.take().map(|unsent| {
+            let Unsent { json, delivery } = *unsent;
+            if let Some(delivery) = delivery {
+                delivery.delivered();
+            }
+            Ok(Frame::data(json))
+        }))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.json.is_none()
+        self.0.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.json.as_ref().map_or(0, |json| json.len() as u64))
+        SizeHint::with_exact(self.0.as_ref().map_or(0, |unsent| unsent.json.len() as u64))
     }
 }
 

@@ -15,7 +15,9 @@ use clap::{Parser, Subcommand};
 use switchyard_router::telemetry::{TraceSettings, Tracing};
 
 /// mimalloc rather than glibc's malloc: the router allocates per request and per streamed chunk,
-/// and glibc's malloc was ~10% of its CPU under load (perf, `make bench-overhead`).
+/// and glibc's malloc was ~10% of its CPU under load (perf, `make bench-overhead`). The
+/// `system-allocator` feature keeps glibc's, for heaptrack, which sees no mimalloc allocation.
+#[cfg(not(feature = "system-allocator"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -98,3 +98,45 @@ fn accept_pauses_double_up_to_a_bound_and_reset_on_success() {
     backoff.accepted();
     assert_eq!(backoff.failed(&emfile), Some(Duration::from_millis(5)));
 }
+
+/// A connected pair on loopback: the client's end and the accepted one.
+async fn pair() -> (TcpStream, TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let client = TcpStream::connect(listener.local_addr().unwrap())
+        .await
+        .unwrap();
+    let (accepted, _) = listener.accept().await.unwrap();
+    (client, accepted)
+}
+
+/// HTTP/1 only when the first bytes cannot be HTTP/2's preface; the preface, its start, and a
+/// connection closed before any byte are left to the automatic server; and nothing is taken:
+/// the server reads every byte the client sent.
+#[tokio::test]
+async fn a_connection_is_http1_when_its_first_bytes_are_no_http2_preface_and_keeps_them() {
+    let cases: [(&[u8], bool); 5] = [
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n\r\n", true),
+        (b"GET /health HTTP/1.1\r\n", true),
+        (b"P", false),
+        (b"PRI * HTTP/2.0\r\n", false),
+        (H2_PREFACE, false),
+    ];
+    for (first, http1) in cases {
+        let (mut client, accepted) = pair().await;
+        client.write_all(first).await.unwrap();
+        assert_eq!(
+            starts_http1(&accepted).await,
+            http1,
+            "{:?}",
+            String::from_utf8_lossy(first)
+        );
+        drop(client);
+        let mut read = Vec::new();
+        let mut accepted = accepted;
+        accepted.read_to_end(&mut read).await.unwrap();
+        assert_eq!(read, first);
+    }
+    let (client, accepted) = pair().await;
+    drop(client);
+    assert!(!starts_http1(&accepted).await, "closed before a byte");
+}
