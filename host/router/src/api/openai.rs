@@ -767,6 +767,20 @@ mod tests {
         r.prompt.ids_now().expect("tokenizes").to_vec()
     }
 
+    /// The prompt is read back from where the object read found it in the body, wherever it
+    /// lies among the fields and however its text is escaped.
+    #[test]
+    fn the_prompt_is_read_from_where_it_lies_in_the_body() {
+        let plain = parse(r#"{"prompt": "é \"x\""}"#).expect("valid");
+        for body in [
+            r#"{"model": "m", "prompt": "\u00e9 \"x\"", "user": "u"}"#,
+            r#"{"user": "u","prompt":"é \"x\""}"#,
+        ] {
+            let parsed = parse(body).expect("valid");
+            assert_eq!(ids(&parsed), ids(&plain), "{body}");
+        }
+    }
+
     fn param_of(result: Result<ParsedRequest, ApiError>) -> String {
         match result {
             Err(e) => {

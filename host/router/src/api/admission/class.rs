@@ -183,6 +183,14 @@ mod tests {
         }
     }
 
+    /// A field given twice reads as its last, as the parse reads it: the claim's model is the
+    /// one the request is parsed with.
+    #[test]
+    fn a_field_given_twice_reads_as_its_last() {
+        let claim = claim(&[], r#"{"model": "a", "user": "x", "model": "b"}"#).unwrap();
+        assert_eq!((claim.model.as_str(), &*claim.tenant), ("b", "x"));
+    }
+
     /// The prompt is the one field left unread: a `model` or `user` inside it is not the
     /// request's.
     #[test]
