@@ -51,6 +51,9 @@ VENV_SMG = os.environ.get("VENV_SMG", "target/bench-peers/venv-smg")
 # Another switchyard binary to run beside BIN as target "switchyard-base" (a before/after
 # comparison in one run), e.g. a copy of main's build.
 BASE_BIN = os.environ.get("BASE_BIN")
+# The plugins directory BASE_BIN loads: a build older than a contract change needs the
+# plugins of its own time (built in its checkout with `make plugins`).
+BASE_PLUGINS = os.environ.get("BASE_PLUGINS", "plugins")
 # Targets to leave out, comma-separated names (e.g. SKIP=sglang-router).
 SKIP = set(filter(None, os.environ.get("SKIP", "").split(",")))
 # Loads to run, comma-separated name prefixes (e.g. LOADS=wrk); all when unset.
@@ -124,8 +127,8 @@ def router_argv(target: str, kind: str, tls: Path) -> list[str]:
     upstream = url("null-" + kind)
     listen = port(f"{target}-{kind}")
     if target in ("switchyard", "switchyard-base"):
-        binary = BIN if target == "switchyard" else BASE_BIN
-        return [binary, "serve", "--port", str(listen), "--plugins", "plugins",
+        binary, plugins = (BIN, "plugins") if target == "switchyard" else (BASE_BIN, BASE_PLUGINS)
+        return [binary, "serve", "--port", str(listen), "--plugins", plugins,
                 "--policy", "round-robin", "--endpoint", upstream]
     if target == "switchyard-tls":
         return [BIN, "serve", "--port", str(listen), "--plugins", "plugins",

@@ -65,6 +65,7 @@ pub use admission::{
 pub use connection::ConnectionLimits;
 pub use drain::{Drain, DrainConfig};
 pub use metrics::{AdmissionMetrics, Metrics};
+use openai::BodyObject;
 pub use openai::Shape;
 pub use respond::ApiError;
 pub(crate) use sse::CLIENT_CLOSED_REQUEST;
@@ -206,19 +207,13 @@ impl AppState {
         self
     }
 
-    /// The tokenizer and limits of the model `body` names: the default model's unless it
-    /// names another configured one (the body's `model` is read ahead only when there are
-    /// others).
-    fn prompts_for(&self, body: &[u8]) -> (&Arc<PromptTokenizer>, RequestLimits) {
-        #[derive(serde::Deserialize)]
-        struct Named<'a> {
-            #[serde(borrow)]
-            model: Option<std::borrow::Cow<'a, str>>,
-        }
+    /// The tokenizer and limits of the model `object` names: the default model's unless it
+    /// names another configured one.
+    fn prompts_for(&self, object: &BodyObject) -> (&Arc<PromptTokenizer>, RequestLimits) {
         let other = (!self.model_prompts.is_empty())
-            .then(|| serde_json::from_slice::<Named<'_>>(body).ok()?.model)
+            .then(|| object.fields().get("model")?.as_str())
             .flatten()
-            .and_then(|model| self.model_prompts.get(model.as_ref()));
+            .and_then(|model| self.model_prompts.get(model));
         match other {
             Some(prompts) => (&prompts.tokenizer, prompts.limits),
             None => (&self.tokenizer, self.limits),
@@ -626,16 +621,33 @@ async fn generate(
         Ok(bytes) => bytes,
         Err(e) => return reject(&state, shape, &e),
     };
-    // Admitted once the body is in and before any work on it: a slow client holds a
-    // connection, never a place; the place is held until the response ends.
-    let (permit, flow) = match admit(&state, headers, &bytes, arrived).await {
+    let body = RequestBody::read(shape, bytes);
+    // Admitted once the body is in and read, before any other work on it: a slow client holds
+    // a connection, never a place; the place is held until the response ends.
+    let (permit, flow) = match admit(&state, headers, &body, arrived).await {
         Ok(admitted) => admitted,
         Err(error) => return reject(&state, shape, &error),
     };
     guarded::hold(
-        admitted(state, shape, headers, bytes, arrived, flow).await,
+        admitted(state, shape, headers, body, arrived, flow).await,
         permit,
     )
+}
+
+/// A generating request's body: its bytes and its JSON object, read once ([`BodyObject`]).
+/// Admission reads the object's small fields (priority, tenant, cost, model); the parse reads
+/// the rest once the request has a place. A body that is no JSON object claims nothing and is
+/// answered 400 by the parse, once admitted, as before the object was read ahead.
+pub(crate) struct RequestBody {
+    bytes: Bytes,
+    object: Result<BodyObject, ApiError>,
+}
+
+impl RequestBody {
+    pub(crate) fn read(shape: Shape, bytes: Bytes) -> RequestBody {
+        let object = BodyObject::read(&bytes, shape);
+        RequestBody { bytes, object }
+    }
 }
 
 /// A place among the requests served at once, granted in flow-control order (priority band,
@@ -644,7 +656,7 @@ async fn generate(
 pub(crate) async fn admit(
     state: &AppState,
     headers: &HeaderMap,
-    body: &[u8],
+    body: &RequestBody,
     arrived: Instant,
 ) -> Result<(admission::Permit, Flow), ApiError> {
     let mut claim = claim(state, headers, body, arrived)?;
@@ -690,14 +702,15 @@ async fn hold_until_ready(state: &AppState, model: &str) -> Result<Duration, Api
 fn claim(
     state: &AppState,
     headers: &HeaderMap,
-    body: &[u8],
+    body: &RequestBody,
     arrived: Instant,
 ) -> Result<Claim, ApiError> {
     let flow = &state.admission.config().flow;
     let mut claim = Claim::read(
         flow,
         headers,
-        body,
+        body.object.as_ref().ok().map(BodyObject::fields),
+        body.bytes.len(),
         state.default_max_tokens,
         arrived.elapsed(),
     )
@@ -713,7 +726,7 @@ async fn admitted(
     state: Arc<AppState>,
     shape: Shape,
     headers: &HeaderMap,
-    body: Bytes,
+    body: RequestBody,
     arrived: Instant,
     flow: Flow,
 ) -> Response<Body> {
@@ -779,11 +792,11 @@ pub(crate) async fn prepare(
     state: &Arc<AppState>,
     shape: Shape,
     headers: &HeaderMap,
-    body: Bytes,
+    body: RequestBody,
     arrived: Instant,
     flow: Flow,
 ) -> Result<Prepared, ApiError> {
-    let raw = body.clone();
+    let raw = body.bytes.clone();
     let parsed = parse(state, shape, body).await?;
     if !state.serves(&parsed.model) {
         return Err(ApiError::ModelNotFound(parsed.model));
@@ -838,36 +851,42 @@ pub(crate) async fn prepare(
     })
 }
 
-/// Bodies above this are parsed (and their prompts tokenized, when the limits need it) on the
-/// blocking pool, as a prompt tokenized later is ([`crate::router::RoutePrompt::ids`]).
+/// Bodies above this have their prompt or messages parsed (and tokenized, when the limits need
+/// it) on the blocking pool, as a prompt tokenized later is
+/// ([`crate::router::RoutePrompt::ids`]). The object around them was read on the worker, before
+/// admission ([`RequestBody`]).
 const PARSE_INLINE_BYTES: usize = crate::router::TOKENIZE_INLINE_BYTES;
 
 async fn parse(
     state: &Arc<AppState>,
     shape: Shape,
-    body: Bytes,
+    body: RequestBody,
 ) -> Result<ParsedRequest, ApiError> {
-    if body.len() <= PARSE_INLINE_BYTES {
-        return parse_now(state, shape, &body);
+    let RequestBody { bytes, object } = body;
+    let object = object?;
+    if bytes.len() <= PARSE_INLINE_BYTES {
+        return parse_now(state, shape, &bytes, &object);
     }
     let state = Arc::clone(state);
-    tokio::task::spawn_blocking(move || parse_now(&state, shape, &body))
+    tokio::task::spawn_blocking(move || parse_now(&state, shape, &bytes, &object))
         .await
         .unwrap_or_else(|e| Err(ApiError::Tokenize(format!("the parse was cancelled: {e}"))))
 }
 
-fn parse_now(state: &AppState, shape: Shape, body: &[u8]) -> Result<ParsedRequest, ApiError> {
-    let (tokenizer, limits) = state.prompts_for(body);
+fn parse_now(
+    state: &AppState,
+    shape: Shape,
+    body: &[u8],
+    object: &BodyObject,
+) -> Result<ParsedRequest, ApiError> {
+    let (tokenizer, limits) = state.prompts_for(object);
     let defaults = Defaults {
         model: &state.model,
         max_tokens: state.default_max_tokens,
         context_length: limits.context_length,
         max_prompt_tokens: limits.max_prompt_tokens,
     };
-    match shape {
-        Shape::Completion => openai::parse_completion(body, tokenizer, defaults),
-        Shape::Chat => openai::parse_chat(body, tokenizer, defaults),
-    }
+    openai::parse_read(shape, body, object, tokenizer, defaults)
 }
 
 /// A non-streaming response: concatenate the text, answer with the real usage.

@@ -12,6 +12,7 @@
 //! tokenized when something reads it, if anything does ([`RoutePrompt`]).
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::sync::Arc;
 
 use serde::Serialize;
@@ -96,36 +97,59 @@ pub fn parse_completion(
     tokenizer: &Arc<PromptTokenizer>,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
-    let (prompt, obj) = parse_object(body, "prompt")?;
-    let prompt = match prompt {
+    let object = BodyObject::read(body, Shape::Completion)?;
+    completion(body, &object, tokenizer, defaults)
+}
+
+/// Parse a `shape` request whose `body` was read as `object` already ([`BodyObject::read`]).
+pub fn parse_read(
+    shape: Shape,
+    body: &[u8],
+    object: &BodyObject,
+    tokenizer: &Arc<PromptTokenizer>,
+    defaults: Defaults<'_>,
+) -> Result<ParsedRequest, ApiError> {
+    match shape {
+        Shape::Completion => completion(body, object, tokenizer, defaults),
+        Shape::Chat => chat(body, object, tokenizer, defaults),
+    }
+}
+
+fn completion(
+    body: &[u8],
+    object: &BodyObject,
+    tokenizer: &Arc<PromptTokenizer>,
+    defaults: Defaults<'_>,
+) -> Result<ParsedRequest, ApiError> {
+    let prompt = match object.big(body)? {
         None => return Err(ApiError::invalid("prompt", "prompt is required")),
-        Some(raw) => prompt_input(raw)?,
+        Some(json) => prompt_input(json)?,
     };
-    if get_bool(&obj, "echo")?.unwrap_or(false) {
+    let obj = object.fields();
+    if get_bool(obj, "echo")?.unwrap_or(false) {
         return Err(ApiError::invalid("echo", "echo is not supported"));
     }
     if !matches!(obj.get("suffix"), None | Some(Value::Null)) {
         return Err(ApiError::invalid("suffix", "suffix is not supported"));
     }
-    let max_tokens = get_max_tokens(&obj, "max_tokens")?;
+    let max_tokens = get_max_tokens(obj, "max_tokens")?;
     let measure = Measure {
         param: "prompt",
         empty: "prompt must not be empty",
         tokenizer,
         limits: defaults,
     };
-    common(&obj, measure.prompt(prompt, max_tokens)?, defaults)
+    common(obj, measure.prompt(prompt, max_tokens)?, defaults)
 }
 
-/// Parse a `/v1/chat/completions` body.
-pub fn parse_chat(
+fn chat(
     body: &[u8],
+    object: &BodyObject,
     tokenizer: &Arc<PromptTokenizer>,
     defaults: Defaults<'_>,
 ) -> Result<ParsedRequest, ApiError> {
-    let (messages, obj) = parse_object(body, "messages")?;
-    let messages = match messages {
-        Some(raw) => serde_json::from_str::<Value>(raw.get())
+    let messages = match object.big(body)? {
+        Some(json) => serde_json::from_str::<Value>(json)
             .map_err(|e| ApiError::MalformedJson(e.to_string()))?,
         None => Value::Null,
     };
@@ -133,9 +157,10 @@ pub fn parse_chat(
     let text = tokenizer.render_chat(&messages).map_err(|e| {
         ApiError::invalid("messages", format!("cannot render the chat template: {e}"))
     })?;
-    let max_tokens = match get_max_tokens(&obj, "max_completion_tokens")? {
+    let obj = object.fields();
+    let max_tokens = match get_max_tokens(obj, "max_completion_tokens")? {
         Some(n) => Some(n),
-        None => get_max_tokens(&obj, "max_tokens")?,
+        None => get_max_tokens(obj, "max_tokens")?,
     };
     let measure = Measure {
         param: "messages",
@@ -144,7 +169,7 @@ pub fn parse_chat(
         limits: defaults,
     };
     common(
-        &obj,
+        obj,
         measure.prompt(PromptInput::Text(text), max_tokens)?,
         defaults,
     )
@@ -208,35 +233,69 @@ impl Measure<'_> {
     }
 }
 
-/// A JSON object's field `big` as raw JSON (`None` when absent or null), and every other field
-/// as a value: the big one (the prompt, the messages) is parsed only by what reads it.
-fn parse_object<'a>(
-    body: &'a [u8],
-    big: &str,
-) -> Result<(Option<&'a RawValue>, Map<String, Value>), ApiError> {
-    let fields: BTreeMap<String, &RawValue> = match serde_json::from_slice(body) {
-        Ok(fields) => fields,
-        // Valid JSON that is no object is the client's shape mistake, not a syntax error.
-        Err(e) if e.is_data() => {
-            return Err(ApiError::invalid(
-                "body",
-                "the request body must be a JSON object",
-            ));
+/// A request body read as a JSON object, once: its big field (the prompt, the messages) kept
+/// as where its raw JSON lies in the body, parsed only by what reads it, and every other field
+/// as a value. Admission reads the small fields before the request has a place
+/// (`admission::Claim`); the parse reads the rest once it has one, without reading the body
+/// again.
+#[derive(Debug)]
+pub struct BodyObject {
+    big: Option<Range<usize>>,
+    fields: Map<String, Value>,
+}
+
+impl BodyObject {
+    /// `body` read as the object of a `shape` request.
+    pub fn read(body: &[u8], shape: Shape) -> Result<BodyObject, ApiError> {
+        let big = match shape {
+            Shape::Completion => "prompt",
+            Shape::Chat => "messages",
+        };
+        let read: BTreeMap<String, &RawValue> = match serde_json::from_slice(body) {
+            Ok(read) => read,
+            // Valid JSON that is no object is the client's shape mistake, not a syntax error.
+            Err(e) if e.is_data() => {
+                return Err(ApiError::invalid(
+                    "body",
+                    "the request body must be a JSON object",
+                ));
+            }
+            Err(e) => return Err(ApiError::MalformedJson(e.to_string())),
+        };
+        let mut object = BodyObject {
+            big: None,
+            fields: Map::new(),
+        };
+        for (name, raw) in read {
+            if name == big {
+                // The raw value borrows from `body`: its place there, to find it again.
+                let start = raw.get().as_ptr().addr() - body.as_ptr().addr();
+                object.big = (raw.get() != "null").then(|| start..start + raw.get().len());
+                continue;
+            }
+            let value = serde_json::from_str(raw.get())
+                .map_err(|e| ApiError::MalformedJson(e.to_string()))?;
+            object.fields.insert(name, value);
         }
-        Err(e) => return Err(ApiError::MalformedJson(e.to_string())),
-    };
-    let mut rest = Map::new();
-    let mut found = None;
-    for (name, raw) in fields {
-        if name == big {
-            found = (raw.get() != "null").then_some(raw);
-            continue;
-        }
-        let value =
-            serde_json::from_str(raw.get()).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
-        rest.insert(name, value);
+        Ok(object)
     }
-    Ok((found, rest))
+
+    /// Every field but the big one.
+    pub fn fields(&self) -> &Map<String, Value> {
+        &self.fields
+    }
+
+    /// The big field's raw JSON in `body`, the body this was read from; `None` when it is
+    /// absent or null.
+    fn big<'a>(&self, body: &'a [u8]) -> Result<Option<&'a str>, ApiError> {
+        let Some(range) = self.big.clone() else {
+            return Ok(None);
+        };
+        body.get(range)
+            .and_then(|json| std::str::from_utf8(json).ok())
+            .map(Some)
+            .ok_or_else(|| ApiError::MalformedJson("the body is not the one read".to_owned()))
+    }
 }
 
 /// The fields both APIs share, beside the measured prompt and its `max_tokens`.
@@ -374,24 +433,23 @@ fn check_length(
 
 /// A string, a list of token ids, or a one-element list of either, parsed from raw JSON: ids
 /// go straight into a `Vec<u32>`.
-fn prompt_input(raw: &RawValue) -> Result<PromptInput, ApiError> {
+fn prompt_input(json: &str) -> Result<PromptInput, ApiError> {
     // A batch of one prompt (as the OpenAI client sends `[[1, 2, 3]]`). One level only:
     // however deep the client nests, nothing here recurses. (A text prompt, the common case,
     // is not tried as a list: a failed parse builds an error message.)
-    let batch_of_one = if raw.get().starts_with('[') {
-        serde_json::from_str::<[&RawValue; 1]>(raw.get()).ok()
+    let batch_of_one = if json.starts_with('[') {
+        serde_json::from_str::<[&RawValue; 1]>(json).ok()
     } else {
         None
     };
     match batch_of_one {
-        Some([one]) if one.get().starts_with(['"', '[']) => one_prompt(one),
-        _ => one_prompt(raw),
+        Some([one]) if one.get().starts_with(['"', '[']) => one_prompt(one.get()),
+        _ => one_prompt(json),
     }
 }
 
 /// A string or a list of token ids.
-fn one_prompt(raw: &RawValue) -> Result<PromptInput, ApiError> {
-    let json = raw.get();
+fn one_prompt(json: &str) -> Result<PromptInput, ApiError> {
     if json.starts_with('"') {
         let text: String =
             serde_json::from_str(json).map_err(|e| ApiError::MalformedJson(e.to_string()))?;
@@ -736,9 +794,31 @@ mod tests {
         parse_completion(body.as_bytes(), &tokenizer(), defaults())
     }
 
+    fn parse_chat(
+        body: &[u8],
+        tokenizer: &Arc<PromptTokenizer>,
+    ) -> Result<ParsedRequest, ApiError> {
+        let object = BodyObject::read(body, Shape::Chat)?;
+        parse_read(Shape::Chat, body, &object, tokenizer, defaults())
+    }
+
     /// The prompt's ids, tokenizing it if the parse did not.
     fn ids(r: &ParsedRequest) -> Vec<u32> {
         r.prompt.ids_now().expect("tokenizes").to_vec()
+    }
+
+    /// The prompt is read back from where the object read found it in the body, wherever it
+    /// lies among the fields and however its text is escaped.
+    #[test]
+    fn the_prompt_is_read_from_where_it_lies_in_the_body() {
+        let plain = parse(r#"{"prompt": "é \"x\""}"#).expect("valid");
+        for body in [
+            r#"{"model": "m", "prompt": "\u00e9 \"x\"", "user": "u"}"#,
+            r#"{"user": "u","prompt":"é \"x\""}"#,
+        ] {
+            let parsed = parse(body).expect("valid");
+            assert_eq!(ids(&parsed), ids(&plain), "{body}");
+        }
     }
 
     fn param_of(result: Result<ParsedRequest, ApiError>) -> String {
@@ -1027,10 +1107,10 @@ mod tests {
         let t = tokenizer();
         let body =
             r#"{"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}"#;
-        let r = parse_chat(body.as_bytes(), &t, defaults()).expect("valid");
+        let r = parse_chat(body.as_bytes(), &t).expect("valid");
         assert_eq!(ids(&r).len(), "<|user|>\nHi\n<|assistant|>\n".len());
         assert_eq!(r.max_tokens, 4);
-        let err = parse_chat(br#"{"messages": []}"#, &t, defaults());
+        let err = parse_chat(br#"{"messages": []}"#, &t);
         assert_eq!(param_of(err), "messages");
     }
 }

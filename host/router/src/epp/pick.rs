@@ -108,9 +108,10 @@ async fn plan(
     fallbacks: usize,
 ) -> Result<Pick, ApiError> {
     // Admitted as the router admits: once the body is in, before any work on it.
-    let (place, flow) = api::admit(state, &req.head.headers, &req.body, req.arrived).await?;
+    let body = api::RequestBody::read(shape, req.body);
+    let (place, flow) = api::admit(state, &req.head.headers, &body, req.arrived).await?;
     let Prepared { route, planner, .. } =
-        api::prepare(state, shape, &req.head.headers, req.body, req.arrived, flow).await?;
+        api::prepare(state, shape, &req.head.headers, body, req.arrived, flow).await?;
     let cluster = state.router.executor().cluster();
     // The picker tokenizes every prompt: its plans may name MLC endpoints, and it reports the
     // prompt's length to the KV index for whatever the gateway sends.

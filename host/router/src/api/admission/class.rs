@@ -14,8 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName};
-use serde::Deserialize;
-use serde_json::value::RawValue;
+use serde_json::{Map, Value};
 
 use super::FlowControl;
 
@@ -47,41 +46,28 @@ pub struct Claim {
 #[error("x-request-deadline-ms must be a whole number of milliseconds, not {0:?}")]
 pub struct BadDeadline(pub String);
 
-/// The body's fields admission reads; a body that is not a JSON object reads as none of them
-/// (its parse answers 400 once admitted).
-#[derive(Debug, Default, Deserialize)]
-struct Fields<'a> {
-    #[serde(borrow)]
-    model: Option<&'a RawValue>,
-    #[serde(borrow)]
-    user: Option<&'a RawValue>,
-    #[serde(borrow)]
-    priority: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_tokens: Option<&'a RawValue>,
-    #[serde(borrow)]
-    max_completion_tokens: Option<&'a RawValue>,
-}
-
 impl Claim {
-    /// The claim of a request with `headers` and `body`, which arrived `elapsed` ago. With flow
-    /// control off, every request has priority 0, the shared tenant and no deadline.
+    /// The claim of a request with `headers` and a body of `body_len` bytes whose JSON object
+    /// has `fields` (`None`: the body is no JSON object, and claims none of them), which
+    /// arrived `elapsed` ago. With flow control off, every request has priority 0, the shared
+    /// tenant and no deadline.
     pub fn read(
         flow: &FlowControl,
         headers: &HeaderMap,
-        body: &[u8],
+        fields: Option<&Map<String, Value>>,
+        body_len: usize,
         default_max_tokens: u32,
         elapsed: Duration,
     ) -> Result<Claim, BadDeadline> {
-        let fields: Fields<'_> = serde_json::from_slice(body).unwrap_or_default();
-        let max_tokens = fields
-            .max_tokens
-            .or(fields.max_completion_tokens)
-            .and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok())
+        // A field set to null counts as absent.
+        let field = |name| fields?.get(name).filter(|value| !value.is_null());
+        let max_tokens = field("max_tokens")
+            .or_else(|| field("max_completion_tokens"))
+            .and_then(Value::as_u64)
             .unwrap_or(u64::from(default_max_tokens));
         let mut claim = Claim {
-            cost: max_tokens.saturating_add(body.len() as u64 / BYTES_PER_TOKEN),
-            model: text(fields.model).unwrap_or_default(),
+            cost: max_tokens.saturating_add(body_len as u64 / BYTES_PER_TOKEN),
+            model: text(field("model")).unwrap_or_default(),
             ..Claim::default()
         };
         if !flow.enabled {
@@ -93,16 +79,15 @@ impl Claim {
                 .ok()
                 .and_then(|v| v.trim().parse::<i64>().ok())
                 .map_or(0, saturate),
-            None => fields
-                .priority
-                .and_then(|raw| serde_json::from_str::<i64>(raw.get()).ok())
+            None => field("priority")
+                .and_then(Value::as_i64)
                 .map_or(0, |vllm| saturate(vllm.saturating_neg())),
         };
         claim.tenant = headers
             .get(&TENANT_HEADER)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned)
-            .or_else(|| text(fields.user))
+            .or_else(|| text(field("user")))
             .unwrap_or_default()
             .into();
         claim.deadline = deadline(headers)?.map(|d| d.saturating_sub(elapsed));
@@ -121,8 +106,8 @@ fn deadline(headers: &HeaderMap) -> Result<Option<Duration>, BadDeadline> {
         .map_err(|_| BadDeadline(text.into_owned()))
 }
 
-fn text(raw: Option<&RawValue>) -> Option<String> {
-    raw.and_then(|raw| serde_json::from_str(raw.get()).ok())
+fn text(value: Option<&Value>) -> Option<String> {
+    value.and_then(Value::as_str).map(str::to_owned)
 }
 
 fn saturate(priority: i64) -> i32 {
@@ -132,6 +117,7 @@ fn saturate(priority: i64) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::openai::{BodyObject, Shape};
 
     fn claim(headers: &[(&str, &str)], body: &str) -> Result<Claim, BadDeadline> {
         let mut map = HeaderMap::new();
@@ -141,13 +127,78 @@ mod tests {
                 value.parse().expect("value"),
             );
         }
+        // The body read as the router reads it, once, before admission.
+        let object = BodyObject::read(body.as_bytes(), Shape::Completion).ok();
         Claim::read(
             &FlowControl::default(),
             &map,
-            body.as_bytes(),
+            object.as_ref().map(BodyObject::fields),
+            body.len(),
             100,
             Duration::from_millis(30),
         )
+    }
+
+    #[test]
+    fn a_null_field_counts_as_absent() {
+        let body = r#"{"max_tokens": null, "max_completion_tokens": 7, "model": null, "user": null, "priority": null}"#;
+        let claim = claim(&[], body).unwrap();
+        assert_eq!(claim.cost, 7 + body.len() as u64 / 4);
+        assert_eq!(claim.model, "");
+        assert_eq!(&*claim.tenant, "");
+        assert_eq!(claim.priority, 0);
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_reads_as_its_default() {
+        for body in [
+            r#"{"max_tokens": "5", "priority": 3.0, "model": 1, "user": ["bob"]}"#,
+            r#"{"max_tokens": -1, "priority": 1e300, "model": {}, "user": 2}"#,
+            r#"{"max_tokens": 100000000000000000000, "priority": 9223372036854775808}"#,
+        ] {
+            let claim = claim(&[], body).unwrap();
+            assert_eq!(claim.cost, 100 + body.len() as u64 / 4, "{body}");
+            assert_eq!((claim.priority, claim.model.as_str()), (0, ""), "{body}");
+            assert_eq!(&*claim.tenant, "", "{body}");
+        }
+    }
+
+    /// A body that is no JSON object claims nothing of itself (its parse answers 400 once
+    /// admitted); the headers still say its priority and tenant.
+    #[test]
+    fn a_body_that_is_no_object_claims_only_its_headers() {
+        let headers = [("x-priority", "4"), ("x-tenant", "acme")];
+        for body in [
+            "not json",
+            r#"["prompt"]"#,
+            r#""text""#,
+            r#"{"priority": 3"#,
+            "",
+        ] {
+            let claim = claim(&headers, body).unwrap();
+            assert_eq!(claim.priority, 4, "{body}");
+            assert_eq!(&*claim.tenant, "acme", "{body}");
+            assert_eq!(claim.model, "", "{body}");
+            assert_eq!(claim.cost, 100 + body.len() as u64 / 4, "{body}");
+        }
+    }
+
+    /// A field given twice reads as its last, as the parse reads it: the claim's model is the
+    /// one the request is parsed with.
+    #[test]
+    fn a_field_given_twice_reads_as_its_last() {
+        let claim = claim(&[], r#"{"model": "a", "user": "x", "model": "b"}"#).unwrap();
+        assert_eq!((claim.model.as_str(), &*claim.tenant), ("b", "x"));
+    }
+
+    /// The prompt is the one field left unread: a `model` or `user` inside it is not the
+    /// request's.
+    #[test]
+    fn fields_inside_the_prompt_are_not_the_requests() {
+        let body = r#"{"prompt": {"model": "p", "user": "u", "priority": -9}, "model": "m"}"#;
+        let claim = claim(&[], body).unwrap();
+        assert_eq!((claim.model.as_str(), &*claim.tenant), ("m", ""));
+        assert_eq!(claim.priority, 0);
     }
 
     #[test]
@@ -231,7 +282,8 @@ mod tests {
         headers.insert("x-priority", "5".parse().unwrap());
         headers.insert("x-tenant", "acme".parse().unwrap());
         headers.insert("x-request-deadline-ms", "oops".parse().unwrap());
-        let claim = Claim::read(&flow, &headers, b"{}", 1, Duration::ZERO).unwrap();
+        let fields = Map::new();
+        let claim = Claim::read(&flow, &headers, Some(&fields), 2, 1, Duration::ZERO).unwrap();
         assert_eq!(
             (claim.priority, &*claim.tenant, claim.deadline),
             (0, "", None)
