@@ -4,8 +4,8 @@
 //! body (vLLM's protocol), a policy that reads nothing (round-robin) has no prompt tokenized, and
 //! the client's usage still counts the prompt (the engine's count); one that reads the prompt's
 //! length (kv-aware, chosen per request) has it tokenized; an engine publishing KV events is a
-//! reader too (`cached-prefix`), whatever the policy. A stream continued after a failure through
-//! round-robin is in `continuation`.
+//! reader too (`cached-prefix`), whatever the policy; a stream's usage its client did not ask
+//! for is not. A stream continued after a failure through round-robin is in `continuation`.
 
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
@@ -68,6 +68,68 @@ async fn a_prompt_is_tokenized_only_for_a_policy_that_reads_it() {
     let answer = ask(&router, "/v1/completions", Some("kv-aware"), &completion()).await;
     assert_eq!(answer["usage"]["prompt_tokens"], PROMPT.len(), "{answer}");
     assert_eq!(metric(&metrics, TOKENIZATIONS).await, 1.0);
+}
+
+/// A stream whose client did not ask for its usage (`stream_options.include_usage`) ends
+/// without one, and a prompt no engine counted is not tokenized only to be counted (the engine,
+/// given the client's body, counts nothing); asked, the usage is the engine's count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_without_its_usage_has_no_prompt_tokenized_to_count_it() {
+    let engine = EngineProcess::spawn(&["--protocol", "vllm"]);
+    let endpoint = format!("vllm+{}", engine.url);
+    let router = RouterProcess::serve(&[&endpoint], &["--policy", "round-robin"]);
+    let metrics = router.endpoint("/metrics");
+    let stream = |usage: bool| {
+        let mut body = json!({"prompt": PROMPT, "max_tokens": 4, "stream": true});
+        if usage {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        body
+    };
+    let chunks = |text: &str| -> Vec<Value> {
+        let data: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .collect();
+        assert_eq!(data.last(), Some(&"[DONE]"), "{text}");
+        data[..data.len() - 1]
+            .iter()
+            .map(|d| serde_json::from_str(d).expect("a JSON chunk"))
+            .collect()
+    };
+    let send = |body: Value| {
+        let request = client()
+            .post(router.endpoint("/v1/completions"))
+            .json(&body);
+        async move {
+            let response = request.send().await.expect("the router answers");
+            assert_eq!(response.status(), 200);
+            response.text().await.expect("a stream")
+        }
+    };
+
+    let without = chunks(&send(stream(false)).await);
+    assert!(
+        without
+            .iter()
+            .all(|c| c.get("usage").is_none_or(Value::is_null)),
+        "no usage asked, none sent: {without:?}"
+    );
+    assert_eq!(
+        metric(&metrics, TOKENIZATIONS).await,
+        0.0,
+        "nothing reads the prompt's length"
+    );
+
+    let with = chunks(&send(stream(true)).await);
+    let usage = &with.last().expect("a usage chunk")["usage"];
+    assert_eq!(usage["prompt_tokens"], PROMPT.len(), "{with:?}");
+    assert_eq!(usage["completion_tokens"], 4, "{with:?}");
+    assert_eq!(
+        metric(&metrics, TOKENIZATIONS).await,
+        0.0,
+        "the engine counted it"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

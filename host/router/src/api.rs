@@ -730,20 +730,17 @@ async fn admitted(
     arrived: Instant,
     flow: Flow,
 ) -> Response<Body> {
-    let Prepared {
-        route,
-        planner,
-        include_usage,
-    } = match prepare(&state, shape, headers, body, arrived, flow).await {
-        Ok(prepared) => prepared,
-        Err(e) => return reject(&state, shape, &e),
-    };
+    let Prepared { route, planner } =
+        match prepare(&state, shape, headers, body, arrived, flow).await {
+            Ok(prepared) => prepared,
+            Err(e) => return reject(&state, shape, &e),
+        };
     let responder = Responder {
         shape,
         id: route.request_id.clone(),
         created: unix_now(),
         model: route.model.clone(),
-        include_usage,
+        include_usage: route.include_usage,
     };
     let stream = route.stream;
     let mut routing = state.router.start_with(route, planner);
@@ -783,7 +780,6 @@ pub(crate) struct Prepared {
     pub route: RouteRequest,
     /// The policy the request selected; it plans every attempt.
     pub planner: Arc<dyn Planner>,
-    pub include_usage: bool,
 }
 
 /// Everything between an admitted body and the router: parse, check the model and readiness,
@@ -834,6 +830,7 @@ pub(crate) async fn prepare(
         prompt: parsed.prompt,
         max_tokens: parsed.max_tokens,
         stream: parsed.stream,
+        include_usage: parsed.include_usage,
         model: parsed.model,
         user: parsed.user,
         headers: forwarded_headers(headers, &state.forward_headers),
@@ -844,11 +841,7 @@ pub(crate) async fn prepare(
         span,
         tokenizer,
     };
-    Ok(Prepared {
-        route,
-        planner,
-        include_usage: parsed.include_usage,
-    })
+    Ok(Prepared { route, planner })
 }
 
 /// Bodies above this have their prompt or messages parsed (and tokenized, when the limits need
@@ -953,6 +946,9 @@ async fn collect_events(
                 } = *done;
                 state.metrics.finished(&summary, arrived.elapsed());
                 state.metrics.request(responder.shape.route(), 200);
+                // A whole answer's usage is always read (`RouteRequest::reads_usage`).
+                debug_assert!(usage.is_some(), "a whole answer without its usage");
+                let usage = usage.unwrap_or_default();
                 let body = responder.full_response(text, finish_reason.as_str(), &usage);
                 return respond::json_response(StatusCode::OK, &body);
             }

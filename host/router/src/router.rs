@@ -278,7 +278,9 @@ const _: () = assert!(size_of::<Event>() <= size_of::<String>() + 8);
 #[derive(Debug)]
 pub struct Done {
     pub finish_reason: FinishReason,
-    pub usage: Usage,
+    /// What the client is told it used; `None` when nothing reads it
+    /// ([`RouteRequest::reads_usage`]).
+    pub usage: Option<Usage>,
     pub summary: Summary,
 }
 
@@ -307,6 +309,9 @@ pub struct RouteRequest {
     pub prompt: RoutePrompt,
     pub max_tokens: u32,
     pub stream: bool,
+    /// The client asked for a stream's usage (`stream_options.include_usage`); the engines are
+    /// always asked for theirs.
+    pub include_usage: bool,
     pub model: String,
     /// The client's OpenAI `user`, for the policy (the wire `user` is the upstream id).
     pub user: Option<String>,
@@ -324,6 +329,15 @@ pub struct RouteRequest {
     /// Its model's tokenizer when that is not the router's (another `[[models]]` entry's):
     /// what delivered text is re-tokenized with.
     pub tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+}
+
+impl RouteRequest {
+    /// Whether anything reads the request's final usage: a whole answer carries it, a stream
+    /// only when its client asked for it, and a traced request records the prompt's length.
+    /// When nothing does, a prompt no engine counted is not tokenized only to be counted.
+    pub fn reads_usage(&self) -> bool {
+        !self.stream || self.include_usage || !self.span.is_none()
+    }
 }
 
 /// A request's priority, tenant and deadline, which the policy sees too.
@@ -616,8 +630,9 @@ impl<E: Execute> Router<E> {
         let remaining = req.max_tokens.saturating_sub(already);
         if remaining == 0 {
             // Preempted right after the last token: the response is complete.
-            let usage = final_usage(self.prompt_tokens(req, None).await?, already, None, None);
-            self.finish(req, tx, st, FinishReason::Length, usage).await;
+            let usage = self.client_usage(req, None, already, None).await?;
+            self.finish(req, tx, st, FinishReason::Length, already, usage)
+                .await;
             return Ok(AttemptEnd::Over);
         }
         let cluster = self.executor.cluster();
@@ -703,11 +718,12 @@ impl<E: Execute> Router<E> {
                 };
                 let cached = usage.and_then(|u| u.cached_tokens());
                 self.check_prediction(generation.generator, prompt_len, cached, st);
-                let prompt_tokens = self
-                    .prompt_tokens(req, usage.map(|u| u.prompt_tokens))
+                let completion = already.saturating_add(this_attempt);
+                let usage = self
+                    .client_usage(req, usage.map(|u| u.prompt_tokens), completion, cached)
                     .await?;
-                let usage = final_usage(prompt_tokens, already, Some(this_attempt), cached);
-                self.finish(req, tx, st, finish_reason, usage).await;
+                self.finish(req, tx, st, finish_reason, completion, usage)
+                    .await;
                 Ok(AttemptEnd::Over)
             }
             RelayEnd::ClientGone => Ok(AttemptEnd::Over),
@@ -765,6 +781,22 @@ impl<E: Execute> Router<E> {
             .map_err(|e| RouteError::Tokenize(format!("the prompt: {e}")))?;
         crate::telemetry::record_input_tokens(&req.span, ids.len());
         Ok(ids)
+    }
+
+    /// The usage the client is told, when something reads it ([`RouteRequest::reads_usage`]):
+    /// `engine_prompt` is the engine's count of the prompt, if it gave one.
+    async fn client_usage(
+        &self,
+        req: &RouteRequest,
+        engine_prompt: Option<u32>,
+        completion_tokens: u32,
+        cached: Option<u32>,
+    ) -> Result<Option<Usage>, RouteError> {
+        if !req.reads_usage() {
+            return Ok(None);
+        }
+        let prompt_tokens = self.prompt_tokens(req, engine_prompt).await?;
+        Ok(Some(final_usage(prompt_tokens, completion_tokens, cached)))
     }
 
     /// The prompt's length in tokens for the client's usage: the router's count when it has
@@ -894,9 +926,10 @@ impl<E: Execute> Router<E> {
         tx: &mpsc::Sender<Event>,
         st: &mut State,
         finish_reason: FinishReason,
-        usage: Usage,
+        completion_tokens: u32,
+        usage: Option<Usage>,
     ) {
-        st.summary.completion_tokens = usage.completion_tokens;
+        st.summary.completion_tokens = completion_tokens;
         crate::telemetry::record_outcome(&req.span, &st.summary, None);
         report(req, st, OutcomeStatus::Ok);
         let summary = st.summary.clone();
@@ -981,16 +1014,8 @@ fn takes_token_ids(endpoint: &EndpointSnapshot) -> bool {
 /// over all attempts. Saturating: an engine's count is not trusted to keep the sum in range.
 /// `cached`, the last attempt's engine's count, is bounded by the original prompt: a
 /// continuation's engine may hold more of its longer prompt than the client sent.
-fn final_usage(
-    prompt_tokens: u32,
-    earlier: u32,
-    this_attempt: Option<u32>,
-    cached: Option<u32>,
-) -> Usage {
-    let usage = Usage::new(
-        prompt_tokens,
-        earlier.saturating_add(this_attempt.unwrap_or(0)),
-    );
+fn final_usage(prompt_tokens: u32, completion_tokens: u32, cached: Option<u32>) -> Usage {
+    let usage = Usage::new(prompt_tokens, completion_tokens);
     match cached {
         Some(cached) => usage.with_cached_tokens(cached.min(prompt_tokens)),
         None => usage,

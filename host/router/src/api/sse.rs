@@ -205,7 +205,9 @@ impl StreamRelay {
                     .metrics
                     .finished(&summary, self.arrived.elapsed());
                 self.responder.finish_frame(out, finish_reason.as_str());
-                self.responder.usage_frame(out, &usage);
+                if let Some(usage) = &usage {
+                    self.responder.usage_frame(out, usage);
+                }
                 out.extend_from_slice(switchyard_wire::sse::DONE_EVENT);
             }
             Event::Failed(failed) => {

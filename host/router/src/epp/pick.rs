@@ -110,7 +110,7 @@ async fn plan(
     // Admitted as the router admits: once the body is in, before any work on it.
     let body = api::RequestBody::read(shape, req.body);
     let (place, flow) = api::admit(state, &req.head.headers, &body, req.arrived).await?;
-    let Prepared { route, planner, .. } =
+    let Prepared { route, planner } =
         api::prepare(state, shape, &req.head.headers, body, req.arrived, flow).await?;
     let cluster = state.router.executor().cluster();
     // The picker tokenizes every prompt: its plans may name MLC endpoints, and it reports the

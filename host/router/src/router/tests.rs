@@ -293,6 +293,7 @@ impl Harness {
             prompt: RoutePrompt::from_ids(prompt.bytes().map(u32::from).collect()),
             max_tokens,
             stream: true,
+            include_usage: true,
             model: "m".into(),
             user: None,
             headers: Vec::new(),
@@ -350,7 +351,10 @@ fn tokens(s: &str) -> Vec<u32> {
 
 fn expect_done(event: Event) -> (FinishReason, Usage, Summary) {
     match event {
-        Event::Done(done) => (done.finish_reason, done.usage, done.summary),
+        Event::Done(done) => {
+            let usage = done.usage.expect("the harness's client asks for the usage");
+            (done.finish_reason, usage, done.summary)
+        }
         other => panic!("expected Done, got {other:?}"),
     }
 }
