@@ -10,6 +10,7 @@ The scripts run as `python3 scripts/X.py`; they import this module from their ow
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 ISSUE_BODY = '{"model":"m","prompt":"The capital of France is","max_tokens":2}'
 
@@ -157,6 +158,24 @@ def running(out: Path) -> Iterator[Fleet]:
         yield fleet
     finally:
         fleet.stop()
+
+
+def require_free_ports(ports: Iterable[int]) -> None:
+    """Stop before anything starts when one of `ports` is taken on loopback: two runs on the
+    same ports measure each other's processes (a router that cannot bind exits, and the probe
+    that waits for it may be answered by the other run's)."""
+    taken = []
+    for port in ports:
+        with socket.socket() as probe:
+            # A closed connection's TIME_WAIT on the port is no listener: only a listener counts.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                taken.append(port)
+    if taken:
+        raise SystemExit(f"ports {taken} are in use on 127.0.0.1 (another benchmark running?): "
+                         "wait for it, or set BASE_PORT to a free range")
 
 
 def machine_load(before: tuple[float, float, float]) -> str:

@@ -27,7 +27,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import CLK_TCK, Fleet, machine_load, running, wait_models  # noqa: E402
+from bench_common import (  # noqa: E402
+    CLK_TCK, Fleet, machine_load, require_free_ports, running, wait_models,
+)
 from bench_peers import BIN, ROUNDS, VENV, run_bench  # noqa: E402
 
 PD_BASE_PORT = int(os.environ.get("PD_BASE_PORT", "18400"))
@@ -123,6 +125,7 @@ def summary(runs: list[dict], header: str) -> str:
 def main() -> None:
     out = Path(sys.argv[1]).resolve()
     (out / "bench").mkdir(parents=True, exist_ok=True)
+    require_free_ports(range(PD_BASE_PORT, PD_BASE_PORT + 7))
     with running(out) as fleet:
         start(fleet)
         load_before = os.getloadavg()

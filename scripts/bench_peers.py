@@ -36,8 +36,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402  (the null engine, wrk and process handling)
-    CLK_TCK, WRK_LUA, WRK_SECONDS, Fleet, Proc, machine_load, nginx_argv, nginx_conf, responder,
-    run_wrk, running, wait_ok,
+    CLK_TCK, WRK_LUA, WRK_SECONDS, Fleet, Proc, machine_load, nginx_argv, nginx_conf,
+    require_free_ports, responder, run_wrk, running, wait_ok,
 )
 
 BASE_PORT = int(os.environ.get("BASE_PORT", "18300"))
@@ -292,6 +292,7 @@ def main() -> None:
     out = Path(sys.argv[1]).resolve()
     (out / "bench").mkdir(parents=True, exist_ok=True)
     (out / "post.lua").write_text(WRK_LUA)
+    require_free_ports(port(name) for name in PORT_NAMES)
     with running(out) as fleet:
         start_all(fleet, out)
         load_before = os.getloadavg()

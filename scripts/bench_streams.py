@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import (  # noqa: E402
-    CLK_TCK, Fleet, Proc, descendants, machine_load, running, wait_models,
+    CLK_TCK, Fleet, Proc, descendants, machine_load, require_free_ports, running, wait_models,
 )
 
 BIN = os.environ.get("BIN", "target/release/switchyard")
@@ -182,6 +182,9 @@ def summary(runs: list[dict], header: str) -> str:
 def main() -> None:
     out = Path(sys.argv[1])
     (out / "bench").mkdir(parents=True, exist_ok=True)
+    # The router's, each engine's (the most any row starts) and vllm-router's metrics port.
+    engines = max(math.ceil(streams / STREAMS_PER_ENGINE) for streams in STREAMS)
+    require_free_ports([*range(BASE_PORT, BASE_PORT + 1 + engines), BASE_PORT + 99])
     load_before = os.getloadavg()
     runs = []
     for streams in STREAMS:
