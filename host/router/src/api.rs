@@ -70,7 +70,7 @@ pub use openai::Shape;
 pub use respond::ApiError;
 pub(crate) use sse::CLIENT_CLOSED_REQUEST;
 pub use tls::{ListenerTlsError, TlsAcceptor};
-pub use workers::Workers;
+pub use workers::{DEFAULT_WORKER_SPIN, MAX_WORKER_SPIN, Workers};
 // The request path's pure pieces, for the hot-path benchmarks (host/router/benches/hot_path.rs).
 pub use openai::{Defaults, ParsedRequest, Responder, parse_completion};
 pub use tokenize::{ChatMessage, DEFAULT_CHAT_TEMPLATE, PromptTokenizer, TokenizerError};

@@ -43,6 +43,7 @@
 //! keep_alive_timeout = "75s"                  # a connection with no request on it
 //! max_connections = 4096                      # client connections per listener
 //! workers = 2                                 # threads serving connections (default: one per core)
+//! worker_spin = "20us"                        # busy-wait before a worker sleeps ("0s": off)
 //! drain_delay = "5s"                          # SIGTERM: /health 503 this long, then stop accepting
 //! shutdown_grace = "30s"                      # then in-flight requests have this long
 //! request_timeout = "10m"                      # durations: "500ms", "30s", "10m"
@@ -220,6 +221,8 @@ pub struct Config {
     pub drain: DrainConfig,
     /// Threads serving client connections.
     pub workers: NonZeroUsize,
+    /// How long each busy-waits before it sleeps.
+    pub worker_spin: std::time::Duration,
     /// How endpoints' KV event subscribers run.
     pub kv_events: SubscriberConfig,
     /// The TLS files of `https://` endpoints that name none of their own.
@@ -351,6 +354,7 @@ impl Config {
                 grace: s.shutdown_grace.value,
             },
             workers: s.workers.value,
+            worker_spin: s.worker_spin.value,
             kv_events: SubscriberConfig {
                 stale_after: s.kv_events_stale_after.value,
                 dp_size: s.kv_events_dp_size.value,

@@ -197,7 +197,9 @@ pub(crate) async fn serve_openai(
     let state = Arc::clone(&loaded.state);
     let mut listeners = Vec::with_capacity(2);
     let admin_addr = serve_admin_port(config, &state, &mut listeners, tls.clone()).await?;
-    let workers = Arc::new(api::Workers::start(config.workers).map_err(ServeError::Workers)?);
+    let workers = Arc::new(
+        api::Workers::start(config.workers, config.worker_spin).map_err(ServeError::Workers)?,
+    );
     let https = tls.is_some();
     listeners.push(tokio::spawn(api::serve(listener, state, workers, tls)));
     tracing::info!(%addr, endpoints = config.endpoints.len(), workers = config.workers, https, "router listening");

@@ -131,6 +131,8 @@ pub enum Problem {
     OutOfRange { value: u32, low: u32, high: u32 },
     #[error("must be longer than zero")]
     ZeroDuration,
+    #[error("must be at most {0:?}: a longer spin keeps a core busy for nothing")]
+    SpinTooLong(std::time::Duration),
     #[error("{0} is not a number from 0 to 100")]
     NotAPercentage(f64),
     #[error("{0} is not a share above 0 and at most 1")]

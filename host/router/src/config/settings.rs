@@ -417,6 +417,17 @@ settings! {
         key: "workers",
         default: std::thread::available_parallelism().unwrap_or(NonZeroUsize::MIN),
     }
+    /// How long a worker with nothing to do busy-waits before it sleeps, so that what arrives
+    /// meanwhile (an engine's answer, a client's next request) finds it awake: on a VM a
+    /// sleeping core's wake-up costs more than this. `0s` turns it off; at most 1ms
+    /// [default: 20us].
+    #[arg(value_parser = humantime::parse_duration)]
+    worker_spin: Option<Duration> => Duration {
+        flag: "worker-spin",
+        key: "worker_spin",
+        default: crate::api::DEFAULT_WORKER_SPIN,
+        check: a_brief_spin,
+    }
     /// On SIGTERM or SIGINT, how long /health answers 503 while the listeners still accept
     /// and serve, so a load balancer notices; then they stop accepting [default: 5s].
     // Zero is a valid drain, as for the grace: no delay (nothing balances load in front).
@@ -464,6 +475,14 @@ fn dp_ranks(size: &u32) -> Result<(), Problem> {
             low: 1,
             high: MAX_DP_SIZE,
         });
+    }
+    Ok(())
+}
+
+/// A spin long enough to bridge a wake-up, too short to burn a core.
+fn a_brief_spin(spin: &Duration) -> Result<(), Problem> {
+    if *spin > crate::api::MAX_WORKER_SPIN {
+        return Err(Problem::SpinTooLong(crate::api::MAX_WORKER_SPIN));
     }
     Ok(())
 }

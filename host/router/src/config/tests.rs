@@ -298,6 +298,32 @@ fn workers_come_from_the_flag_over_the_file_over_the_cores() {
     assert!(matches!(problem, Problem::Value(_)), "{problem}");
 }
 
+/// A worker's spin before it sleeps: 20 µs unless the file or the flag says, zero turns it off,
+/// and one long enough to keep a core busy for nothing is refused.
+#[test]
+fn the_workers_spin_comes_from_flag_over_file_and_is_brief() {
+    let dir = plugins_with("disagg");
+    let file = dir.path().join("router.toml");
+    let text = |spin: &str| {
+        format!(
+            "plugins = {:?}\n{spin}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
+            dir.path()
+        )
+    };
+    let mut a = with_file(&file, &text(""));
+    let spin = |a: &ServeArgs| Config::from_args(a).expect("valid").worker_spin;
+    assert_eq!(spin(&a), Duration::from_micros(20));
+    with_file(&file, &text("worker_spin = \"0s\""));
+    assert_eq!(spin(&a), Duration::ZERO);
+    a.router.worker_spin = Some(Duration::from_micros(50));
+    assert_eq!(spin(&a), Duration::from_micros(50), "the flag wins");
+    a.router.worker_spin = None;
+    with_file(&file, &text("worker_spin = \"2ms\""));
+    let (at, problem) = invalid(Config::from_args(&a).expect_err("a 2 ms spin"));
+    assert_eq!(key_and_line(&at), ("worker_spin", 2));
+    assert!(matches!(problem, Problem::SpinTooLong(_)), "{problem}");
+}
+
 #[test]
 fn fault_settings_come_from_flags_over_the_file_and_are_checked() {
     let dir = plugins_with("disagg");
