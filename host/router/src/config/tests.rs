@@ -274,16 +274,16 @@ fn edge_settings_come_from_flags_over_the_file_and_are_checked() {
     );
 }
 
+/// A config file naming `plugins`, one endpoint, and the top-level `line`.
+fn one_endpoint_with(plugins: &Path, line: &str) -> String {
+    format!("plugins = {plugins:?}\n{line}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n")
+}
+
 #[test]
 fn workers_come_from_the_flag_over_the_file_over_the_cores() {
     let dir = plugins_with("disagg");
     let file = dir.path().join("router.toml");
-    let text = |workers: &str| {
-        format!(
-            "plugins = {:?}\n{workers}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
-            dir.path()
-        )
-    };
+    let text = |workers: &str| one_endpoint_with(dir.path(), workers);
     let mut a = with_file(&file, &text(""));
     let cores = std::thread::available_parallelism().expect("a core count");
     assert_eq!(Config::from_args(&a).expect("valid").workers, cores);
@@ -304,12 +304,7 @@ fn workers_come_from_the_flag_over_the_file_over_the_cores() {
 fn the_workers_spin_comes_from_flag_over_file_and_is_brief() {
     let dir = plugins_with("disagg");
     let file = dir.path().join("router.toml");
-    let text = |spin: &str| {
-        format!(
-            "plugins = {:?}\n{spin}\n[[endpoints]]\nurl = \"http://127.0.0.1:1\"\n",
-            dir.path()
-        )
-    };
+    let text = |spin: &str| one_endpoint_with(dir.path(), spin);
     let mut a = with_file(&file, &text(""));
     let spin = |a: &ServeArgs| Config::from_args(a).expect("valid").worker_spin;
     assert_eq!(spin(&a), Duration::from_micros(20));
