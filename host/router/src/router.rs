@@ -1011,9 +1011,10 @@ fn takes_token_ids(endpoint: &EndpointSnapshot) -> bool {
 }
 
 /// The usage the client sees: the original prompt (`prompt_tokens`), and every token delivered
-/// over all attempts. Saturating: an engine's count is not trusted to keep the sum in range.
-/// `cached`, the last attempt's engine's count, is bounded by the original prompt: a
-/// continuation's engine may hold more of its longer prompt than the client sent.
+/// over all attempts (`completion_tokens`, summed by the caller saturating: an engine's count is
+/// not trusted to keep the sum in range). `cached`, the last attempt's engine's count, is
+/// bounded by the original prompt: a continuation's engine may hold more of its longer prompt
+/// than the client sent.
 fn final_usage(prompt_tokens: u32, completion_tokens: u32, cached: Option<u32>) -> Usage {
     let usage = Usage::new(prompt_tokens, completion_tokens);
     match cached {
