@@ -184,10 +184,10 @@ impl Tracing {
     /// `debug` up (the attempt, policy and leg spans are `debug`), and its events into span
     /// events; none under a request whose trace is not sampled ([`SampledRequests`]). Nothing
     /// else: dependencies' spans stay out of the trace, and their callsites are judged once (a
-    /// target filter), not at every hit. A streamed answer's spans are
-    /// entered at every poll, so entering one does no work: no busy/idle clock reads (two
-    /// attributes nobody asked for) and no OpenTelemetry context attached (engine calls read
-    /// their leg span's context from the span itself, [`inject`]).
+    /// target filter), not at every hit. A streamed answer's spans are entered at every poll,
+    /// so entering one does no work: no busy/idle clock reads (two attributes nobody asked
+    /// for) and no OpenTelemetry context attached (engine calls read their leg span's context
+    /// from the span itself, [`inject`]).
     pub fn layer<S>(&self) -> impl Layer<S> + use<S>
     where
         S: tracing::Subscriber + for<'a> LookupSpan<'a>,
