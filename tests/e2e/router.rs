@@ -933,6 +933,61 @@ async fn a_stream_that_cannot_continue_ends_with_an_error_event_then_done() {
     }
 }
 
+/// A stream's response head is not sent ahead of its first token: the router commits the
+/// response when the first event arrives (a request failing before any text gets a real
+/// status), and the body's first frame leaves with the head. With engine steps of ~100 ms (a
+/// real step ×20), a head committed early would reach a raw client alone, a prefill before the
+/// token; here the first bytes it reads hold the head and a whole `data:` event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streams_head_and_its_first_token_arrive_in_one_read() {
+    use tokio::io::AsyncWriteExt as _;
+
+    let engine = EngineProcess::spawn(&["--profile", "llama3-8b-h100", "--time-scale", "20"]);
+    let router = RouterProcess::serve(&[&engine.url], &["--policy", "round-robin"]);
+    let body = json!({"prompt": "head and first token", "max_tokens": 3, "stream": true});
+    let body = body.to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut stream = tokio::net::TcpStream::connect(router.addr)
+        .await
+        .expect("router reachable");
+    stream.write_all(request.as_bytes()).await.expect("send");
+
+    let mut received = Vec::new();
+    read_some(&mut stream, &mut received).await;
+    let first = String::from_utf8_lossy(&received).into_owned();
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    let (_, after_head) = first.split_once("\r\n\r\n").expect("the whole head");
+    let event = after_head
+        .find("data: {")
+        .expect("a data event with the head");
+    assert!(
+        after_head[event..].contains("\n\n"),
+        "the first read ends inside the first event: {first}"
+    );
+    // The rest of the stream, to its end: the request finishes rather than being abandoned.
+    while !String::from_utf8_lossy(&received).contains("data: [DONE]") {
+        let n = read_some(&mut stream, &mut received).await;
+        assert!(n > 0, "closed before [DONE]");
+    }
+}
+
+/// One read of `stream` (within 30 s) appended to `buf`: how many bytes it brought.
+async fn read_some(stream: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> usize {
+    use tokio::io::AsyncReadExt as _;
+
+    let mut chunk = [0u8; 16 << 10];
+    let n = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut chunk))
+        .await
+        .expect("bytes within 30 s")
+        .expect("read");
+    buf.extend_from_slice(&chunk[..n]);
+    n
+}
+
 // === a recording mock engine ===
 
 type Log = Arc<Mutex<Vec<(String, Value)>>>;
