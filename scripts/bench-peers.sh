@@ -9,7 +9,8 @@
 # `make bench-peers` builds them first.
 #
 # Knobs: ROUNDS (3), WRK_SECONDS (5), BENCH_SECONDS (3), BASE_PORT (18300, 26 ports from it),
-# SKIP=name,name (targets to leave out; `pd`: the vLLM P/D comparison; `closes`: the
+# PROTOCOL (openai: what switchyard declares its endpoint as; mlc, the default of `serve`, makes it
+# tokenize and send token ids), SKIP=name,name (targets to leave out; `pd`: the vLLM P/D comparison; `closes`: the
 # engine-closes-connections pass), OUT (target/bench-peers), BASE_BIN (another switchyard
 # binary, run beside BIN as "switchyard-base": before/after in one run; BASE_PLUGINS, the
 # plugins directory it loads, when older than a contract change).

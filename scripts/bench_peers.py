@@ -54,6 +54,10 @@ BASE_BIN = os.environ.get("BASE_BIN")
 # The plugins directory BASE_BIN loads: a build older than a contract change needs the
 # plugins of its own time (built in its checkout with `make plugins`).
 BASE_PLUGINS = os.environ.get("BASE_PLUGINS", "plugins")
+# The protocol switchyard's endpoint is declared with: the responder answers like any
+# OpenAI-compatible server. `mlc` (switchyard's default) makes switchyard tokenize every prompt and
+# send the engine token ids, which no peer does: the rows before 2026-11-28 were taken that way.
+PROTOCOL = os.environ.get("PROTOCOL", "openai")
 # Targets to leave out, comma-separated names (e.g. SKIP=sglang-router).
 SKIP = set(filter(None, os.environ.get("SKIP", "").split(",")))
 # Loads to run, comma-separated name prefixes (e.g. LOADS=wrk); all when unset.
@@ -126,20 +130,22 @@ def router_argv(target: str, kind: str, tls: Path) -> list[str]:
     (switchyard-tls: the responder's TLS port, trusting `tls`'s CA)."""
     upstream = url("null-" + kind)
     listen = port(f"{target}-{kind}")
+    # switchyard is told what the responder is, as a user tells it what each engine speaks.
+    engine = f"{PROTOCOL}+{upstream}"
     if target in ("switchyard", "switchyard-base"):
         binary, plugins = (BIN, "plugins") if target == "switchyard" else (BASE_BIN, BASE_PLUGINS)
         return [binary, "serve", "--port", str(listen), "--plugins", plugins,
-                "--policy", "round-robin", "--endpoint", upstream]
+                "--policy", "round-robin", "--endpoint", engine]
     if target == "switchyard-tls":
         return [BIN, "serve", "--port", str(listen), "--plugins", "plugins",
                 "--policy", "round-robin",
-                "--endpoint", f"https://127.0.0.1:{port('null-tls-' + kind)}",
+                "--endpoint", f"{PROTOCOL}+https://127.0.0.1:{port('null-tls-' + kind)}",
                 "--engine-ca-file", str(tls / "ca.pem")]
     if target in ("switchyard-otel", "switchyard-otel1"):
         # The responder takes the OTLP exports too: it answers any POST without reading it.
         ratio = "1" if target == "switchyard-otel" else "0.01"
         return ["env", f"OTEL_TRACES_SAMPLER_ARG={ratio}", BIN, "serve", "--port", str(listen),
-                "--plugins", "plugins", "--policy", "round-robin", "--endpoint", upstream,
+                "--plugins", "plugins", "--policy", "round-robin", "--endpoint", engine,
                 "--otlp-endpoint", url("null-json")]
     if target == "passthrough":
         return [PASSTHROUGH, str(listen), upstream]
