@@ -59,6 +59,18 @@ impl ClientBody {
         }
     }
 
+    /// The body as it came, when it may go to an engine unchanged: it names none of
+    /// [`ROUTER_ONLY_FIELDS`]. Told without reading it into values, which costs an allocation
+    /// per field and string: a JSON name can differ from its spelling only through a `\u`
+    /// escape, so a body with no `\u` in which no router-only name appears has no such field.
+    /// Either found anywhere (inside a prompt, say), the body is read into
+    /// [`ClientBody::fields`] instead.
+    pub fn verbatim(&self) -> Option<&[u8]> {
+        let holds = |needle: &[u8]| memchr::memmem::find(&self.raw, needle).is_some();
+        let forbidden = ROUTER_ONLY_FIELDS.iter().any(|name| holds(name.as_bytes()));
+        (!holds(b"\\u") && !forbidden).then_some(&self.raw[..])
+    }
+
     /// Every field the client sent but [`ROUTER_ONLY_FIELDS`] (none if `raw` was no JSON
     /// object, which the router never lets through).
     pub fn fields(&self) -> &Map<String, Value> {
@@ -88,5 +100,29 @@ mod tests {
             Value::Object(body.fields().clone()),
             json!({"model": "m", "prompt": "hi", "stream": true, "something_new": [1]})
         );
+        assert_eq!(body.verbatim(), None);
+    }
+
+    #[test]
+    fn a_body_naming_no_router_only_field_goes_as_it_came() {
+        let raw = r#"{"prompt":"hi\n","max_tokens":1.0e2,"model":"m","model":"n"}"#;
+        let body = ClientBody::new(Route::Completions, Bytes::from(raw));
+        assert_eq!(body.verbatim(), Some(raw.as_bytes()));
+    }
+
+    #[test]
+    fn a_router_only_name_anywhere_or_any_unicode_escape_reads_the_fields() {
+        for raw in [
+            // The name spelled with an escape: the same field once read.
+            r#"{"prompt":"hi","kv\u005ftransfer_params":{"do_remote_prefill":true}}"#,
+            // An escape elsewhere: no name is looked into.
+            r#"{"prompt":"\u00e9t\u00e9"}"#,
+            // The name inside the prompt: taken as if it were a field.
+            r#"{"prompt":"what is bootstrap_room?"}"#,
+        ] {
+            let body = ClientBody::new(Route::Completions, Bytes::from(raw));
+            assert_eq!(body.verbatim(), None, "{raw}");
+            assert!(!body.fields().contains_key("kv_transfer_params"), "{raw}");
+        }
     }
 }

@@ -5,7 +5,7 @@ use tracing::Instrument;
 
 use switchyard_contract::{EndpointId, Protocol};
 
-use super::attempt::{AttemptBody, Generation, streams};
+use super::attempt::{AttemptBody, Generation};
 use super::error::{ExecError, StepKind};
 use super::leg::Legs;
 
@@ -27,10 +27,9 @@ pub(super) async fn forward(
             legs.client.forward(&engine, &body).instrument(span).await
         }
         protocol => {
-            let (path, fields) = body.leg(protocol);
-            let streamed = streams(&fields);
+            let (path, body, streamed) = body.whole(protocol);
             legs.client
-                .generate_leg(&engine, path, &fields, &id.upstream_id, streamed, None)
+                .generate_leg(&engine, path, &body, &id.upstream_id, streamed, None)
                 .instrument(span)
                 .await
         }
