@@ -8,7 +8,16 @@
 //! how much of switchyard's added latency any proxy hop pays here (an extra loopback round trip,
 //! two HTTP parses, task wake-ups) and how much is switchyard's own work.
 //!
-//! Usage: passthrough PORT ENGINE_URL [ENGINE_URL...]
+//! `--own-task` calls the engines the way a request's own task can: each thread keeps its idle
+//! HTTP/1 connections (`hyper::client::conn::http1` pairs), and a request drives its
+//! connection inside its own task and response body instead of on a task of the connection's
+//! ([`driven`]), so an answer wakes one task, not two. Both ways in one binary, so one run
+//! compares them.
+//!
+//! Usage: passthrough [--own-task] PORT ENGINE_URL [ENGINE_URL...]
+
+#[path = "passthrough/driven.rs"]
+mod driven;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -22,9 +31,17 @@ use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 struct Upstreams {
-    client: Client<HttpConnector, Full<bytes::Bytes>>,
+    client: Engines,
     urls: Vec<String>,
     next: AtomicUsize,
+}
+
+/// How the engines are called: hyper-util's pooled client (a task per connection), or
+/// connections driven by the requests' own tasks.
+#[expect(clippy::large_enum_variant, reason = "one per process")]
+enum Engines {
+    Pooled(Client<HttpConnector, Full<bytes::Bytes>>),
+    OwnTask(Arc<driven::Pools>),
 }
 
 type Body = BoxBody<bytes::Bytes, std::io::Error>;
@@ -32,15 +49,22 @@ type Body = BoxBody<bytes::Bytes, std::io::Error>;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let usage = "usage: passthrough PORT ENGINE_URL [ENGINE_URL...]";
-    let port: u16 = args.next().ok_or_else(|| anyhow::anyhow!(usage))?.parse()?;
+    let usage = "usage: passthrough [--own-task] PORT ENGINE_URL [ENGINE_URL...]";
+    let mut first = args.next().ok_or_else(|| anyhow::anyhow!(usage))?;
+    let own_task = first == "--own-task";
+    if own_task {
+        first = args.next().ok_or_else(|| anyhow::anyhow!(usage))?;
+    }
+    let port: u16 = first.parse()?;
     let urls: Vec<String> = args.collect();
     anyhow::ensure!(!urls.is_empty(), usage);
     let upstreams = Arc::new(Upstreams {
-        client: {
+        client: if own_task {
+            Engines::OwnTask(Arc::default())
+        } else {
             let mut connector = HttpConnector::new();
             connector.set_nodelay(true);
-            Client::builder(TokioExecutor::new()).build(connector)
+            Engines::Pooled(Client::builder(TokioExecutor::new()).build(connector))
         },
         urls,
         next: AtomicUsize::new(0),
@@ -75,17 +99,28 @@ async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Bo
     let Ok(request) = request.body(Full::new(body)) else {
         return Ok(status(StatusCode::BAD_REQUEST));
     };
-    let Ok(answer) = up.client.request(request).await else {
+    let answer = match &up.client {
+        Engines::Pooled(client) => client
+            .request(request)
+            .await
+            .map(|answer| answer.map(|body| body.map_err(std::io::Error::other).boxed()))
+            .map_err(anyhow::Error::from),
+        Engines::OwnTask(pools) => pools
+            .request(request)
+            .await
+            .map(|answer| answer.map(BodyExt::boxed)),
+    };
+    let Ok(answer) = answer else {
         return Ok(status(StatusCode::BAD_GATEWAY));
     };
     let mut response = Response::builder().status(answer.status());
     if let Some(kind) = answer.headers().get(http::header::CONTENT_TYPE) {
         response = response.header(http::header::CONTENT_TYPE, kind);
     }
-    let frames = answer.into_body().map_err(std::io::Error::other);
+    let frames = answer.into_body();
     // The status and content type are the engine's own, so the response builds.
     Ok(response
-        .body(frames.boxed())
+        .body(frames)
         .unwrap_or_else(|_| status(StatusCode::BAD_GATEWAY)))
 }
 
