@@ -8,16 +8,23 @@
 //! how much of switchyard's added latency any proxy hop pays here (an extra loopback round trip,
 //! two HTTP parses, task wake-ups) and how much is switchyard's own work.
 //!
-//! `--own-task` calls the engines the way a request's own task can: each thread keeps its idle
-//! HTTP/1 connections (`hyper::client::conn::http1` pairs), and a request drives its
-//! connection inside its own task and response body instead of on a task of the connection's
-//! ([`driven`]), so an answer wakes one task, not two. Both ways in one binary, so one run
-//! compares them.
+//! Two other engine clients, in the same binary so that one run compares them (the book's
+//! "An engine connection driven by the request's task"):
 //!
-//! Usage: passthrough [--own-task] PORT ENGINE_URL [ENGINE_URL...]
+//! ```text
+//! --own-task  hyper's HTTP/1 connections (`hyper::client::conn::http1` pairs) pooled idle,
+//!             each driven inside the request's own task and response body instead of on a
+//!             task of the connection's ([`driven`]): an answer wakes one task, not two
+//! --raw       a minimal hand-written HTTP/1.1 client (httparse), driven the same way, with
+//!             no request channel and buffers that start small ([`raw`])
+//! ```
+//!
+//! Usage: passthrough [--own-task | --raw] PORT ENGINE_URL [ENGINE_URL...]
 
 #[path = "passthrough/driven.rs"]
 mod driven;
+#[path = "passthrough/raw.rs"]
+mod raw;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -42,6 +49,7 @@ struct Upstreams {
 enum Engines {
     Pooled(Client<HttpConnector, Full<bytes::Bytes>>),
     OwnTask(Arc<driven::Pools>),
+    Raw(Arc<raw::Pools>),
 }
 
 type Body = BoxBody<bytes::Bytes, std::io::Error>;
@@ -49,22 +57,25 @@ type Body = BoxBody<bytes::Bytes, std::io::Error>;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let usage = "usage: passthrough [--own-task] PORT ENGINE_URL [ENGINE_URL...]";
+    let usage = "usage: passthrough [--own-task | --raw] PORT ENGINE_URL [ENGINE_URL...]";
     let mut first = args.next().ok_or_else(|| anyhow::anyhow!(usage))?;
-    let own_task = first == "--own-task";
-    if own_task {
+    let client = first.clone();
+    if client.starts_with("--") {
         first = args.next().ok_or_else(|| anyhow::anyhow!(usage))?;
     }
     let port: u16 = first.parse()?;
     let urls: Vec<String> = args.collect();
     anyhow::ensure!(!urls.is_empty(), usage);
     let upstreams = Arc::new(Upstreams {
-        client: if own_task {
-            Engines::OwnTask(Arc::default())
-        } else {
-            let mut connector = HttpConnector::new();
-            connector.set_nodelay(true);
-            Engines::Pooled(Client::builder(TokioExecutor::new()).build(connector))
+        client: match client.as_str() {
+            "--own-task" => Engines::OwnTask(Arc::default()),
+            "--raw" => Engines::Raw(Arc::default()),
+            flag if flag.starts_with("--") => anyhow::bail!(usage),
+            _ => {
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                Engines::Pooled(Client::builder(TokioExecutor::new()).build(connector))
+            }
         },
         urls,
         next: AtomicUsize::new(0),
@@ -109,6 +120,11 @@ async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Bo
             .request(request)
             .await
             .map(|answer| answer.map(BodyExt::boxed)),
+        Engines::Raw(pools) => pools
+            .request(request)
+            .await
+            .map(|answer| answer.map(BodyExt::boxed))
+            .map_err(anyhow::Error::from),
     };
     let Ok(answer) = answer else {
         return Ok(status(StatusCode::BAD_GATEWAY));
