@@ -25,6 +25,9 @@
 mod driven;
 #[path = "passthrough/raw.rs"]
 mod raw;
+#[cfg(test)]
+#[path = "passthrough/tests.rs"]
+mod tests;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -50,6 +53,23 @@ enum Engines {
     Pooled(Client<HttpConnector, Full<bytes::Bytes>>),
     OwnTask(Arc<driven::Pools>),
     Raw(Arc<raw::Pools>),
+}
+
+impl Engines {
+    /// `request` (an absolute URI) to its engine, answered with the engine's body unread.
+    async fn request(
+        &self,
+        request: Request<Full<bytes::Bytes>>,
+    ) -> anyhow::Result<Response<Body>> {
+        Ok(match self {
+            Engines::Pooled(client) => client
+                .request(request)
+                .await?
+                .map(|body| body.map_err(std::io::Error::other).boxed()),
+            Engines::OwnTask(pools) => pools.request(request).await?.map(BodyExt::boxed),
+            Engines::Raw(pools) => pools.request(request).await?.map(BodyExt::boxed),
+        })
+    }
 }
 
 type Body = BoxBody<bytes::Bytes, std::io::Error>;
@@ -110,23 +130,7 @@ async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Bo
     let Ok(request) = request.body(Full::new(body)) else {
         return Ok(status(StatusCode::BAD_REQUEST));
     };
-    let answer = match &up.client {
-        Engines::Pooled(client) => client
-            .request(request)
-            .await
-            .map(|answer| answer.map(|body| body.map_err(std::io::Error::other).boxed()))
-            .map_err(anyhow::Error::from),
-        Engines::OwnTask(pools) => pools
-            .request(request)
-            .await
-            .map(|answer| answer.map(BodyExt::boxed)),
-        Engines::Raw(pools) => pools
-            .request(request)
-            .await
-            .map(|answer| answer.map(BodyExt::boxed))
-            .map_err(anyhow::Error::from),
-    };
-    let Ok(answer) = answer else {
+    let Ok(answer) = up.client.request(request).await else {
         return Ok(status(StatusCode::BAD_GATEWAY));
     };
     let mut response = Response::builder().status(answer.status());

@@ -1,9 +1,9 @@
-//! Engine connections driven by the request's own task: each thread keeps its idle HTTP/1
-//! connections to each engine (a `hyper::client::conn::http1` pair: the handle that sends a
-//! request and the connection future that does the I/O). A request takes one (or makes one),
-//! polls the connection beside its answer's head inside its own task, and then inside its
-//! response body ([`Driven`]) while the client reads; a body that ended leaves its connection
-//! to the pool of the thread it ended on, if the connection can take another request.
+//! Engine connections driven by the request's own task: idle HTTP/1 connections to each engine
+//! are pooled (a `hyper::client::conn::http1` pair: the handle that sends a request and the
+//! connection future that does the I/O). A request takes one (or makes one), polls the
+//! connection beside its answer's head inside its own task, and then inside its response body
+//! ([`Driven`]) while the client reads; a body that ended gives its connection back to the
+//! pool, if the connection can take another request.
 //!
 //! hyper-util's pooled client spawns a task per connection instead, and hands each request to
 //! it through a channel and the answer back through a oneshot: two task wake-ups per call.
@@ -29,7 +29,7 @@ use tokio::net::TcpStream;
 /// Idle connections older than this are dropped, before uvicorn's (5 s) closes them.
 const IDLE_EXPIRY: Duration = Duration::from_secs(4);
 
-/// Idle connections kept per engine and thread.
+/// Idle connections kept per engine.
 const MAX_IDLE: usize = 256;
 
 type Conn = Connection<TokioIo<TcpStream>, Full<Bytes>>;
@@ -187,6 +187,7 @@ impl Pools {
     ) -> Response<Driven> {
         answer.map(|body| Driven {
             body,
+            ended: false,
             pair,
             authority,
             pools: Arc::clone(self),
@@ -265,6 +266,8 @@ async fn exchange(
 /// connection back to the pool once it has ended.
 pub struct Driven {
     body: Incoming,
+    /// Read to its end: a chunked body never says so through `is_end_stream`.
+    ended: bool,
     pair: Option<Pair>,
     authority: Authority,
     pools: Arc<Pools>,
@@ -290,11 +293,12 @@ impl Body for Driven {
             })),
             None => ready!(Pin::new(&mut this.body).poll_frame(cx)),
         };
+        this.ended = frame.is_none();
         Poll::Ready(frame.map(|frame| frame.map_err(std::io::Error::other)))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.ended || self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
@@ -306,7 +310,7 @@ impl Drop for Driven {
     /// A body read to its end leaves its connection to the pool; one dropped before (the
     /// client went away) closes it.
     fn drop(&mut self) {
-        if !self.body.is_end_stream() {
+        if !self.is_end_stream() {
             return;
         }
         if let Some(pair) = self.pair.take() {
