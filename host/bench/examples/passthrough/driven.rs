@@ -122,8 +122,8 @@ impl Relay {
 
 /// The idle connections by engine, the most recently used last. One pool for all threads: on
 /// a multi-thread runtime a request's task moves between threads, and per-thread pools then
-/// fill on the threads where bodies end and run dry where requests start (at wrk c=1, 4% of
-/// the requests opened a connection).
+/// fill on the threads where bodies end and run dry where requests start (4.4% of the requests
+/// opened a connection at wrk c=32 and c=1; with one pool, 67 in 469,207).
 #[derive(Default)]
 pub struct Pools {
     idle: Mutex<HashMap<Authority, Vec<Idle>>>,
