@@ -1,33 +1,16 @@
 //! The floor under any HTTP router built on switchyard's stack: a reverse proxy that does only
 //! what every router must. It forwards each request (method, path, body unread) to the engines
-//! in turn (round-robin) and streams their answers back unread, on the same stack as switchyard
-//! (hyper server, hyper-util's client with pooled keep-alive connections, a multi-thread Tokio
-//! runtime, TCP_NODELAY on both sides).
+//! in turn (round-robin) and streams their answers back unread, on hyper's stack (hyper server,
+//! hyper-util's client with pooled keep-alive connections, a multi-thread Tokio runtime,
+//! TCP_NODELAY on both sides). switchyard calls its engines on an HTTP/1.1 client of its own
+//! (`engine_client::http1`), leaner than hyper-util's; the book's "An engine connection driven
+//! by the request's task" has both measured.
 //!
 //! `scripts/bench-overhead.sh` runs the forward scenario through it as well, so the table can say
 //! how much of switchyard's added latency any proxy hop pays here (an extra loopback round trip,
 //! two HTTP parses, task wake-ups) and how much is switchyard's own work.
 //!
-//! Two other engine clients, in the same binary so that one run compares them (the book's
-//! "An engine connection driven by the request's task"):
-//!
-//! ```text
-//! --own-task  hyper's HTTP/1 connections (`hyper::client::conn::http1` pairs) pooled idle,
-//!             each driven inside the request's own task and response body instead of on a
-//!             task of the connection's ([`driven`]): an answer wakes one task, not two
-//! --raw       a minimal hand-written HTTP/1.1 client (httparse), driven the same way, with
-//!             no request channel and buffers that start small ([`raw`])
-//! ```
-//!
-//! Usage: passthrough [--own-task | --raw] PORT ENGINE_URL [ENGINE_URL...]
-
-#[path = "passthrough/driven.rs"]
-mod driven;
-#[path = "passthrough/raw.rs"]
-mod raw;
-#[cfg(test)]
-#[path = "passthrough/tests.rs"]
-mod tests;
+//! Usage: passthrough PORT ENGINE_URL [ENGINE_URL...]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -41,35 +24,9 @@ use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
 struct Upstreams {
-    client: Engines,
+    client: Client<HttpConnector, Full<bytes::Bytes>>,
     urls: Vec<String>,
     next: AtomicUsize,
-}
-
-/// How the engines are called: hyper-util's pooled client (a task per connection), or
-/// connections driven by the requests' own tasks.
-#[expect(clippy::large_enum_variant, reason = "one per process")]
-enum Engines {
-    Pooled(Client<HttpConnector, Full<bytes::Bytes>>),
-    OwnTask(Arc<driven::Pools>),
-    Raw(Arc<raw::Pools>),
-}
-
-impl Engines {
-    /// `request` (an absolute URI) to its engine, answered with the engine's body unread.
-    async fn request(
-        &self,
-        request: Request<Full<bytes::Bytes>>,
-    ) -> anyhow::Result<Response<Body>> {
-        Ok(match self {
-            Engines::Pooled(client) => client
-                .request(request)
-                .await?
-                .map(|body| body.map_err(std::io::Error::other).boxed()),
-            Engines::OwnTask(pools) => pools.request(request).await?.map(BodyExt::boxed),
-            Engines::Raw(pools) => pools.request(request).await?.map(BodyExt::boxed),
-        })
-    }
 }
 
 type Body = BoxBody<bytes::Bytes, std::io::Error>;
@@ -77,25 +34,15 @@ type Body = BoxBody<bytes::Bytes, std::io::Error>;
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
-    let usage = "usage: passthrough [--own-task | --raw] PORT ENGINE_URL [ENGINE_URL...]";
-    let mut first = args.next().ok_or_else(|| anyhow::anyhow!(usage))?;
-    let client = first.clone();
-    if client.starts_with("--") {
-        first = args.next().ok_or_else(|| anyhow::anyhow!(usage))?;
-    }
-    let port: u16 = first.parse()?;
+    let usage = "usage: passthrough PORT ENGINE_URL [ENGINE_URL...]";
+    let port: u16 = args.next().ok_or_else(|| anyhow::anyhow!(usage))?.parse()?;
     let urls: Vec<String> = args.collect();
     anyhow::ensure!(!urls.is_empty(), usage);
     let upstreams = Arc::new(Upstreams {
-        client: match client.as_str() {
-            "--own-task" => Engines::OwnTask(Arc::default()),
-            "--raw" => Engines::Raw(Arc::default()),
-            flag if flag.starts_with("--") => anyhow::bail!(usage),
-            _ => {
-                let mut connector = HttpConnector::new();
-                connector.set_nodelay(true);
-                Engines::Pooled(Client::builder(TokioExecutor::new()).build(connector))
-            }
+        client: {
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            Client::builder(TokioExecutor::new()).build(connector)
         },
         urls,
         next: AtomicUsize::new(0),
@@ -137,10 +84,10 @@ async fn proxy(up: Arc<Upstreams>, req: Request<Incoming>) -> Result<Response<Bo
     if let Some(kind) = answer.headers().get(http::header::CONTENT_TYPE) {
         response = response.header(http::header::CONTENT_TYPE, kind);
     }
-    let frames = answer.into_body();
+    let frames = answer.into_body().map_err(std::io::Error::other);
     // The status and content type are the engine's own, so the response builds.
     Ok(response
-        .body(frames)
+        .body(frames.boxed())
         .unwrap_or_else(|_| status(StatusCode::BAD_GATEWAY)))
 }
 
