@@ -172,6 +172,12 @@ impl Pool {
             (true, e @ Http1Error::Closed(_)) => SendError::Stale(e),
             (_, e) => SendError::Http1(e),
         };
+        // Written after the tasks ready in this turn of the scheduler, as hyper's connection
+        // tasks wrote theirs: the engine then takes the turn's requests in one wake-up. Written
+        // at once, each woke it on its own (wrk c=32, one interleaved run: 48-56 µs of CPU per
+        // request written at once, 41-44 after the turn, 48-52 with hyper's client; at c=1 the
+        // turn costs about what it saved).
+        tokio::task::yield_now().await;
         conn.write(request).await.map_err(stale)?;
         if let Some(delivery) = delivery {
             delivery.delivered();
