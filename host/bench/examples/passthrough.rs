@@ -1,8 +1,10 @@
 //! The floor under any HTTP router built on switchyard's stack: a reverse proxy that does only
 //! what every router must. It forwards each request (method, path, body unread) to the engines
-//! in turn (round-robin) and streams their answers back unread, on the same stack as switchyard
-//! (hyper server, hyper-util's client with pooled keep-alive connections, a multi-thread Tokio
-//! runtime, TCP_NODELAY on both sides).
+//! in turn (round-robin) and streams their answers back unread, on hyper's stack (hyper server,
+//! hyper-util's client with pooled keep-alive connections, a multi-thread Tokio runtime,
+//! TCP_NODELAY on both sides). switchyard calls its engines on an HTTP/1.1 client of its own
+//! (`engine_client::http1`), leaner than hyper-util's; the book's "An engine connection driven
+//! by the request's task" has both measured.
 //!
 //! `scripts/bench-overhead.sh` runs the forward scenario through it as well, so the table can say
 //! how much of switchyard's added latency any proxy hop pays here (an extra loopback round trip,

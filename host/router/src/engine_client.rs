@@ -1,8 +1,11 @@
 //! The HTTP client for every engine, one module per kind of call:
 //!
 //! ```text
-//! EngineClient::new(Timeouts)     one pooled keep-alive HTTP/1 client per thread, for all engines
-//!                                 (and one per thread for each set of TLS files, `https://` ones)
+//! EngineClient::new(Timeouts)     keep-alive HTTP/1.1 connections to all engines, pooled per thread
+//!   http1          one connection's HTTP/1.1: the request written, the answer's head and body read
+//!                  (httparse), what it refuses
+//!   pool           connections made (TCP, TLS, in tests a pipe), kept idle per thread and engine,
+//!                  closed after 4 s idle; an answer's body, which gives its connection back
 //!   microserving   MLC-LLM's calls: prep_recv, remote_send, start_generate, forward, and
 //!                  release (frees a prep_recv reservation)
 //!   openai         the OpenAI routes as vLLM, SGLang and OpenAI-compatible engines take them:
@@ -23,8 +26,10 @@
 //! engines get the client's own `stream` (their protocols define each leg's body), and a whole
 //! answer is relayed as one chunk.
 
+mod http1;
 mod microserving;
 mod openai;
+mod pool;
 mod probe;
 #[cfg(test)]
 pub(crate) mod scripted;
@@ -32,9 +37,6 @@ pub(crate) mod scripted;
 mod tests;
 mod tls;
 
-use std::cell::RefCell;
-use std::collections::HashMap;
-use std::convert::Infallible;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -44,11 +46,6 @@ use bytes::Bytes;
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http_body_util::BodyExt;
-use hyper::body::{Frame, Incoming, SizeHint};
-use hyper_rustls::{HttpsConnector, HttpsConnectorBuilder};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::{Client, ResponseFuture};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use switchyard_wire::completion::EngineChunk;
@@ -56,7 +53,9 @@ use switchyard_wire::error_chain;
 use switchyard_wire::microserving::DEFAULT_CALL_TIMEOUT;
 use switchyard_wire::sse::{self, ChunkStream, SseError, single_chunk};
 use switchyard_wire::vllm::REQUEST_ID_HEADER;
-use thread_local::ThreadLocal;
+
+use http1::Http1Error;
+use pool::{EngineBody, Pool, Route, SendError};
 
 pub use microserving::Release;
 pub use openai::Answer;
@@ -67,18 +66,6 @@ pub use tls::{EngineTls, TlsError, TlsFiles, TlsSetupError};
 /// from an engine: real ones are a few KiB, and an engine must not make the router buffer
 /// without bound.
 const MAX_ANSWER_BYTES: usize = 1 << 20;
-
-/// Most bytes of an engine's answer a connection reads ahead of the relay. hyper's read
-/// buffer starts at 8 KiB and doubles after every read that fills it, up to ~400 KiB by
-/// default: a stream whose client reads slower than the engine writes (a busy client, a slow
-/// network) filled it on every read, so a backlog grew every engine connection's buffer toward
-/// that (1,024 streams on a busy box: 262 KiB of router RSS per open stream before, 116 KiB
-/// after; the book's bench-streams section). Held here, the backlog waits in the kernel's socket buffer
-/// and TCP slows the engine down.
-const ENGINE_READ_BUFFER_MAX: usize = 16 * 1024;
-
-/// How long an idle pooled connection to an engine is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// How long a streamed body may stay open after `[DONE]` before its connection is dropped.
 /// uvicorn (vLLM, SGLang) writes the body's end apart, right after `[DONE]`: a body dropped
@@ -382,58 +369,28 @@ impl PartialEq for Upstream {
 
 impl Eq for Upstream {}
 
-/// The HTTP/1 client for every call to every engine (keep-alive connections pooled per host):
-/// hyper-util's pooled client, the one under reqwest, called directly. reqwest's layers above
-/// it (its redirect policy parses every request's URI into a URL again, its tower stack) cost
-/// a proxy hop about 15 µs of CPU per request here (`host/bench/examples/passthrough.rs` both
-/// ways), and the router follows no redirects from engines.
+/// The HTTP/1 client for every call to every engine: keep-alive connections pooled per engine
+/// and thread ([`pool`]), each answer read by the request's own task ([`http1`]).
 ///
-/// Each thread has a pool of its own: an engine connection is driven by a task on the thread
-/// that opened it, so a request on the connection workers (`api::Workers`) uses connections
-/// its own thread drives and wakes no other thread. Clones share the pools.
+/// Each thread has idle connections of its own: a connection is driven by the reactor of the
+/// thread that opened it, so a request on the connection workers (`api::Workers`) uses
+/// connections its own thread drives and wakes no other thread. Clones share the pools.
 #[derive(Debug, Clone)]
 pub struct EngineClient {
-    pools: Arc<Pools>,
+    pool: Arc<Pool>,
     timeouts: Timeouts,
 }
 
-/// Where the client's connections come from. An enum rather than a type parameter, so the
-/// executor and everything holding a client stay one concrete type; outside tests it has one
-/// variant, and the match costs nothing.
-#[derive(Debug)]
-#[cfg_attr(
-    test,
-    expect(
-        clippy::large_enum_variant,
-        reason = "one per client, made once and shared behind an Arc"
-    )
-)]
-enum Pools {
-    /// TCP, one pool per thread (see [`EngineClient`]); TLS, one pool per thread and set of
-    /// TLS files (few: usually one), each its own because its connections trust and present
-    /// other certificates.
-    Tcp {
-        plain: ThreadLocal<Client<HttpConnector, CallBody>>,
-        tls: ThreadLocal<RefCell<HashMap<TlsFiles, TlsClient>>>,
-    },
-    /// In-process engines over in-memory pipes ([`scripted`]).
-    #[cfg(test)]
-    Scripted(Client<scripted::Connector, CallBody>),
-}
-
-/// A pooled client whose connections are TLS over TCP.
-type TlsClient = Client<HttpsConnector<HttpConnector>, CallBody>;
-
 /// An engine's answer, its body still to read.
-type EngineResponse = http::Response<Incoming>;
+type EngineResponse = http::Response<EngineBody>;
+
+/// A request to an engine: its JSON body, or none (a probe's `GET`).
+type EngineRequest = http::Request<Option<Bytes>>;
 
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
         EngineClient {
-            pools: Arc::new(Pools::Tcp {
-                plain: ThreadLocal::new(),
-                tls: ThreadLocal::new(),
-            }),
+            pool: Arc::new(Pool::tcp(timeouts.connect)),
             timeouts,
         }
     }
@@ -442,60 +399,42 @@ impl EngineClient {
     #[cfg(test)]
     pub(crate) fn scripted(timeouts: Timeouts, connector: scripted::Connector) -> Self {
         EngineClient {
-            pools: Arc::new(Pools::Scripted(pooled(connector))),
+            pool: Arc::new(Pool::scripted(connector)),
             timeouts,
         }
     }
 
-    /// Send `request` to `engine` on this thread's pool for its transport. An engine whose
-    /// TLS files are unusable fails here, before any connection.
-    fn request(
+    /// `request` to `engine` on this thread's pool: on an idle connection when there is one
+    /// and `reuse`, and when the engine closed that one as the request went out, once more on
+    /// a fresh one (the request never reached it). An engine whose TLS files are unusable
+    /// fails here, before any connection.
+    async fn exchange(
         &self,
         engine: &Upstream,
-        request: http::Request<CallBody>,
-    ) -> Result<ResponseFuture, CallError> {
-        Ok(match &*self.pools {
-            Pools::Tcp { plain, tls } => match &engine.transport {
-                Transport::Plain => plain.get_or(|| pooled(self.tcp())).request(request),
-                Transport::Tls(engine_tls) => {
-                    let mut pools = tls.get_or_default().borrow_mut();
-                    let client = match pools.get(engine_tls.files()) {
-                        Some(client) => client.clone(),
-                        None => {
-                            let client = self.tls_client(engine_tls);
-                            pools.insert(engine_tls.files().clone(), client.clone());
-                            client
-                        }
-                    };
-                    drop(pools);
-                    client.request(request)
-                }
-                Transport::Unusable(e) => return Err(TlsError::Setup(Arc::clone(e)).into()),
-            },
-            #[cfg(test)]
-            Pools::Scripted(client) => client.request(request),
-        })
-    }
-
-    /// A TCP connector with the connect timeout, Nagle off.
-    fn tcp(&self) -> HttpConnector {
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(self.timeouts.connect));
-        connector.set_nodelay(true);
-        connector
-    }
-
-    /// A pooled client whose connections are made with `tls` over [`EngineClient::tcp`].
-    fn tls_client(&self, tls: &EngineTls) -> TlsClient {
-        let mut tcp = self.tcp();
-        // hyper-rustls refuses a connector that would make plain connections for `https`.
-        tcp.enforce_http(false);
-        let connector = HttpsConnectorBuilder::new()
-            .with_tls_config(tls.config().clone())
-            .https_only()
-            .enable_http1()
-            .wrap_connector(tcp);
-        pooled(connector)
+        request: &EngineRequest,
+        delivery: Option<&Delivery>,
+        reuse: bool,
+    ) -> Result<EngineResponse, Failed> {
+        let route = route(engine).map_err(Failed::Call)?;
+        let wire = http1::request(
+            request.method(),
+            request.uri().path_and_query().map_or("/", |p| p.as_str()),
+            request.headers(),
+            request.body().as_deref(),
+        );
+        let sent = match self.pool.send(&route, &wire, reuse, delivery).await {
+            Err(SendError::Stale(e)) => {
+                let engine = engine.base();
+                tracing::debug!(engine, reason = %error_chain(&e), "pooled connection closed; sending again");
+                self.pool.send(&route, &wire, false, delivery).await
+            }
+            sent => sent,
+        };
+        let (head, body) = sent.map_err(Failed::Send)?;
+        let mut response = http::Response::new(body);
+        *response.status_mut() = head.status;
+        *response.headers_mut() = head.headers;
+        Ok(response)
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -519,19 +458,19 @@ impl EngineClient {
         delivery: Option<&Delivery>,
     ) -> Result<EngineResponse, CallError> {
         let json = to_json(body)?;
-        let send = || async {
-            let mut request = engine.request(http::Method::POST, path)?;
-            if let Some(id) = request_id {
-                request = request.header(REQUEST_ID, id);
-            }
-            // The leg's span (the current one) as the engine's parent: its spans join the trace.
-            if crate::telemetry::is_on()
-                && let Some(headers) = request.headers_mut()
-            {
-                crate::telemetry::inject(headers);
-            }
-            let request = json_request(request, json.clone(), delivery.cloned())?;
-            let sent = self.request(engine, request)?;
+        let mut request = engine.request(http::Method::POST, path)?;
+        if let Some(id) = request_id {
+            request = request.header(REQUEST_ID, id);
+        }
+        // The leg's span (the current one) as the engine's parent: its spans join the trace.
+        if crate::telemetry::is_on()
+            && let Some(headers) = request.headers_mut()
+        {
+            crate::telemetry::inject(headers);
+        }
+        let request = &json_request(request, json)?;
+        let send = |reuse| async move {
+            let sent = self.exchange(engine, request, delivery, reuse);
             match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
                     CallError::Timeout {
@@ -540,15 +479,15 @@ impl EngineClient {
                 })?,
                 None => sent.await,
             }
-            .map_err(|e| classify(e, engine))
+            .map_err(|e| e.classify(engine))
         };
-        let response = match send().await {
-            // The engine closed a pooled connection just as the request went out (its
-            // keep-alive ran out): once more, on a fresh connection, without blaming it.
+        let response = match send(true).await {
+            // The connection closed before an answer (a fresh one too): once more, on a fresh
+            // connection, without blaming the engine.
             Err(CallError::Closed { reason }) => {
                 let engine = engine.base();
                 tracing::debug!(engine, path, %reason, "connection closed before an answer; sending again");
-                send().await
+                send(false).await
             }
             answer => answer,
         }?;
@@ -644,26 +583,10 @@ impl EngineClient {
     }
 }
 
-/// hyper-util's pooled HTTP/1 client over `connector`.
-fn pooled<C>(connector: C) -> Client<C, CallBody>
-where
-    C: hyper_util::client::legacy::connect::Connect + Clone + Send + Sync + 'static,
-{
-    Client::builder(TokioExecutor::new())
-        // Below common engine keep-alive timeouts (uvicorn closes idle connections after 5 s),
-        // so a request is not sent on a connection the engine is closing.
-        .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-        .pool_timer(TokioTimer::new())
-        .http1_max_buf_size(ENGINE_READ_BUFFER_MAX)
-        .build(connector)
-}
-
-/// Says when a request's body has all been handed to its connection: its receiver resolves
-/// once the HTTP client has taken the body's last byte to write (the body is sent chunked, so
-/// the client asks for more until it knows the end). A caller that must not hang up before the
-/// engine has the request (vLLM's decode leg, which frees the prefill's KV lease only if it
-/// got the params) waits for it before dropping the call. A request sent again on a fresh
-/// connection (the pooled one closed under it) does not signal twice.
+/// Says when a request has all been written to its connection. A caller that must not hang
+/// up before the engine has the request (vLLM's decode leg, which frees the prefill's KV lease
+/// only if it got the params) waits for it before dropping the call. A request sent again on a
+/// fresh connection (the pooled one closed under it) does not signal twice.
 #[derive(Debug, Clone)]
 pub struct Delivery(Arc<std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>>);
 
@@ -680,58 +603,6 @@ impl Delivery {
     }
 }
 
-/// A call's body: its JSON in one frame, sent with its length, and the [`Delivery`] to signal
-/// when the client takes that frame to write (its last byte).
-///
-/// One pointer: each engine connection's request channel is made with a block of 32 request
-/// slots (hyper's unbounded channel), every slot a whole `Request<CallBody>`, for the
-/// connection's life; the body's 40 bytes inline were 1.2 KiB of every open stream.
-#[derive(Debug)]
-pub struct CallBody(Option<Box<Unsent>>);
-
-/// What a call's body has still to hand over.
-#[derive(Debug)]
-struct Unsent {
-    json: Bytes,
-    delivery: Option<Delivery>,
-}
-
-impl CallBody {
-    fn new(json: Bytes, delivery: Option<Delivery>) -> CallBody {
-        CallBody(Some(Box::new(Unsent { json, delivery })))
-    }
-
-    fn empty() -> CallBody {
-        CallBody(None)
-    }
-}
-
-impl hyper::body::Body for CallBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Poll::Ready(self.get_mut().0.take().map(|unsent| {
-            let Unsent { json, delivery } = *unsent;
-            if let Some(delivery) = delivery {
-                delivery.delivered();
-            }
-            Ok(Frame::data(json))
-        }))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.0.is_none()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.0.as_ref().map_or(0, |unsent| unsent.json.len() as u64))
-    }
-}
-
 /// `body` as JSON.
 fn to_json(body: &impl Serialize) -> Result<Bytes, CallError> {
     serde_json::to_vec(body)
@@ -742,14 +613,10 @@ fn to_json(body: &impl Serialize) -> Result<Bytes, CallError> {
 }
 
 /// `request` with `json` as its body.
-fn json_request(
-    request: http::request::Builder,
-    json: Bytes,
-    delivery: Option<Delivery>,
-) -> Result<http::Request<CallBody>, CallError> {
+fn json_request(request: http::request::Builder, json: Bytes) -> Result<EngineRequest, CallError> {
     request
         .header(http::header::CONTENT_TYPE, JSON)
-        .body(CallBody::new(json, delivery))
+        .body(Some(json))
         .map_err(|e| CallError::Build {
             reason: e.to_string(),
         })
@@ -787,7 +654,7 @@ async fn read_capped(
 
 /// An answer that started and then broke off: the engine is up (it answered), so this is a
 /// failed call to retry, not a sign the endpoint is down, and not a malformed answer either.
-fn broken_answer(e: hyper::Error) -> CallError {
+fn broken_answer(e: Http1Error) -> CallError {
     CallError::Stream(SseError::Transport(error_chain(&e)))
 }
 
@@ -848,24 +715,58 @@ impl futures::Stream for IdleTimeout {
     }
 }
 
-/// What a failed request to `engine` says about it: a TLS failure (during the handshake, or
-/// an engine's alert that it refused the client's certificate, which TLS 1.3 delivers with the
-/// first read), a failed connect, or a connection closed before an answer.
-fn classify(e: hyper_util::client::legacy::Error, engine: &Upstream) -> CallError {
-    if let Transport::Tls(tls) = &engine.transport
-        && let Some(failure) = TlsError::find(&e, tls.presents_certificate())
-    {
-        return failure.into();
-    }
-    if e.is_connect() {
-        CallError::Connect {
-            reason: error_chain(&e),
+/// Where `engine`'s connections go; why none can be made when its URL or TLS files are
+/// unusable.
+fn route(engine: &Upstream) -> Result<Route<'_>, CallError> {
+    let target = engine.target.as_ref().ok_or(CallError::Url {
+        reason: "it is no http(s)://HOST:PORT",
+    })?;
+    let tls = match &engine.transport {
+        Transport::Plain => None,
+        Transport::Tls(tls) => Some(tls),
+        Transport::Unusable(e) => return Err(TlsError::Setup(Arc::clone(e)).into()),
+    };
+    let default_port = match target.scheme == Scheme::HTTPS {
+        true => 443,
+        false => 80,
+    };
+    Ok(Route {
+        authority: &target.authority,
+        default_port,
+        tls,
+    })
+}
+
+/// Why [`EngineClient::exchange`] got no answer's head.
+#[derive(Debug)]
+enum Failed {
+    /// Before any connection: the endpoint is unusable as configured.
+    Call(CallError),
+    Send(SendError),
+}
+
+impl Failed {
+    /// What the failure says about `engine`: a TLS failure (during the handshake, or an
+    /// engine's alert that it refused the client's certificate, which TLS 1.3 delivers with
+    /// the first read), a failed connect, a connection closed before an answer, or a head that
+    /// is no HTTP answer.
+    fn classify(self, engine: &Upstream) -> CallError {
+        let e = match self {
+            Failed::Call(e) => return e,
+            Failed::Send(e) => e,
+        };
+        if let Transport::Tls(tls) = &engine.transport
+            && let Some(failure) = TlsError::find(&e, tls.presents_certificate())
+        {
+            return failure.into();
         }
-    } else {
-        // Reset or closed before any answer (or one that is no HTTP). Once an answer has
-        // started, a break is `broken_answer`'s, not this.
-        CallError::Closed {
-            reason: error_chain(&e),
+        let reason = error_chain(&e);
+        match e {
+            e if e.is_connect() => CallError::Connect { reason },
+            e if e.is_closed() => CallError::Closed { reason },
+            // Once an answer has started, a break is a broken answer (the engine is up).
+            SendError::Http1(Http1Error::Broken(e)) => broken_answer(Http1Error::Broken(e)),
+            _ => CallError::Decode { reason },
         }
     }
 }

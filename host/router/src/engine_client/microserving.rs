@@ -9,7 +9,7 @@ use switchyard_wire::microserving::{
 };
 use switchyard_wire::sse::ChunkStream;
 
-use super::{CallError, EngineClient, Upstream, json_request, to_json};
+use super::{CallError, EngineClient, Failed, Upstream, json_request, to_json};
 
 /// How one try to free a decode engine's prep_recv reservation ended (see
 /// [`EngineClient::release`]).
@@ -86,57 +86,44 @@ impl EngineClient {
     pub async fn release(&self, engine: &Upstream, body: &StartGenerateRequest) -> Release {
         let request = engine
             .request(http::Method::POST, "/microserving/start_generate")
-            .and_then(|request| json_request(request, to_json(body)?, None));
+            .and_then(|request| json_request(request, to_json(body)?));
         let request = match request {
             Ok(request) => request,
             Err(e) => return Release::Later(e.to_string()),
         };
-        let sent = match self.request(engine, request) {
-            Ok(sent) => sent,
-            // Its TLS files are unusable: no call reaches it, now or later (and no prep_recv
-            // did, so it holds nothing of ours).
-            Err(e) => return Release::Gone(e.to_string()),
-        };
         let within = self.timeouts.call;
+        let sent = self.exchange(engine, &request, None, true);
         let Ok(sent) = tokio::time::timeout(within, sent).await else {
             // Sent, but no answer came (a frozen engine): see below.
             return Release::Gone(format!("sent, answer lost: no answer within {within:?}"));
         };
-        match sent {
+        let e = match sent {
             // Dropping the response closes the connection before the generation ends.
-            Ok(response) if response.status().is_success() => Release::Freed,
+            Ok(response) if response.status().is_success() => return Release::Freed,
             // A transfer into the reservation is still being written (reference engine).
             Ok(response) if response.status() == http::StatusCode::CONFLICT => {
-                Release::Later("a KV transfer into it is still under way".into())
+                return Release::Later("a KV transfer into it is still under way".into());
             }
             Ok(response) if response.status().is_client_error() => {
-                Release::Gone(format!("the engine answered HTTP {}", response.status()))
+                return Release::Gone(format!("the engine answered HTTP {}", response.status()));
             }
             Ok(response) => {
-                Release::Later(format!("the engine answered HTTP {}", response.status()))
+                return Release::Later(format!("the engine answered HTTP {}", response.status()));
             }
+            // Its URL or TLS files are unusable: no call reaches it, now or later (and no
+            // prep_recv did, so it holds nothing of ours).
+            Err(Failed::Call(e)) => return Release::Gone(e.to_string()),
+            Err(Failed::Send(e)) => e,
+        };
+        match e {
             // Not even connected: the request never left, so it is safe to send again.
-            Err(e) if e.is_connect() && connect_timed_out(&e) => Release::Later(error_chain(&e)),
+            e if e.connect_timed_out() => Release::Later(error_chain(&e)),
             // Refused: the engine process is gone, and its reservations with it.
-            Err(e) if e.is_connect() => Release::Gone(error_chain(&e)),
+            e if e.is_connect() => Release::Gone(error_chain(&e)),
             // Sent, but no answer came (a frozen engine): the engine runs it when it can, sees
             // the connection gone and aborts, which frees the pages. Sending it again could
             // reach an MLC engine for an id it no longer holds, which it does not survive.
-            Err(e) => Release::Gone(format!("sent, answer lost: {}", error_chain(&e))),
+            e => Release::Gone(format!("sent, answer lost: {}", error_chain(&e))),
         }
     }
-}
-
-/// Whether a connect failed by timing out (the request never left), not by being refused.
-fn connect_timed_out(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut cause = std::error::Error::source(e);
-    while let Some(e) = cause {
-        if e.downcast_ref::<std::io::Error>()
-            .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
-        {
-            return true;
-        }
-        cause = e.source();
-    }
-    false
 }

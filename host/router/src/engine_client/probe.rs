@@ -4,7 +4,7 @@
 use bytes::Bytes;
 use switchyard_contract::Protocol;
 
-use super::{CallBody, CallError, EngineClient, Upstream, classify, read_capped};
+use super::{CallError, EngineClient, Upstream, read_capped};
 
 /// Largest probe answer read (`/v1/models`, `/metrics`): an engine's are a few KiB.
 const MAX_PROBE_BYTES: usize = 256 << 10;
@@ -66,17 +66,17 @@ impl EngineClient {
         let deadline = tokio::time::Instant::now() + self.timeouts.probe;
         let request = engine
             .request(http::Method::GET, path)?
-            .body(CallBody::empty())
+            .body(None)
             .map_err(|e| CallError::Build {
                 reason: e.to_string(),
             })?;
-        let sent = self.request(engine, request)?;
+        let sent = self.exchange(engine, &request, None, true);
         let response = tokio::time::timeout_at(deadline, sent)
             .await
             .map_err(|_| CallError::Timeout {
                 after: self.timeouts.probe,
             })?
-            .map_err(|e| classify(e, engine))?;
+            .map_err(|e| e.classify(engine))?;
         let status = response.status();
         if status != http::StatusCode::OK {
             return Err(CallError::Status {

@@ -31,11 +31,10 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
-use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::rt::TokioIo;
 use parking_lot::Mutex;
 use serde_json::Value;
-use tokio::io::DuplexStream;
+use tokio::io::{AsyncRead, AsyncWrite, DuplexStream, ReadBuf};
 use tokio::sync::{mpsc, oneshot, watch};
 
 /// Bytes each direction of a pipe buffers: far above any test body.
@@ -213,27 +212,19 @@ pub(crate) struct Connector {
     engines: Engines,
 }
 
-impl tower_service::Service<http::Uri> for Connector {
-    type Response = Pipe;
-    type Error = io::Error;
-    type Future = std::future::Ready<io::Result<Pipe>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: http::Uri) -> Self::Future {
-        let name = uri.authority().map_or("", |a| a.as_str());
+impl Connector {
+    /// A connection to the engine named `name`; refused when no engine answers to it.
+    pub(crate) fn connect(&self, name: &str) -> io::Result<Pipe> {
         let Some(engine) = self.engines.route(name) else {
-            return std::future::ready(Err(io::ErrorKind::ConnectionRefused.into()));
+            return Err(io::ErrorKind::ConnectionRefused.into());
         };
         let (ours, theirs) = tokio::io::duplex(PIPE_BYTES);
         let (open, connection) = watch::channel(());
         tokio::spawn(serve(theirs, engine, connection));
-        std::future::ready(Ok(Pipe {
-            io: TokioIo::new(ours),
+        Ok(Pipe {
+            io: ours,
             _open: open,
-        }))
+        })
     }
 }
 
@@ -269,8 +260,11 @@ async fn serve(
             Ok(respond(answer))
         }
     });
-    // The connection ends when the router closes it or an answer breaks off.
+    // The connection ends when the router closes it or an answer breaks off. A request the
+    // router wrote whole and then hung up on is still served, as an engine's server reads
+    // what came before the close (hyper's default drops the request at the close instead).
     let _ = hyper::server::conn::http1::Builder::new()
+        .half_close(true)
         .serve_connection(TokioIo::new(io), service)
         .await;
 }
@@ -303,28 +297,22 @@ fn respond(answer: Answer) -> http::Response<UnsyncBoxBody<Bytes, io::Error>> {
 /// The client's end of a connection; dropping it is the router hanging up.
 #[derive(Debug)]
 pub(crate) struct Pipe {
-    io: TokioIo<DuplexStream>,
+    io: DuplexStream,
     /// Dropped with the connection, which ends every [`hung_up`] wait on it.
     _open: watch::Sender<()>,
 }
 
-impl Connection for Pipe {
-    fn connected(&self) -> Connected {
-        Connected::new()
-    }
-}
-
-impl hyper::rt::Read for Pipe {
+impl AsyncRead for Pipe {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
+        buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
     }
 }
 
-impl hyper::rt::Write for Pipe {
+impl AsyncWrite for Pipe {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -375,3 +375,187 @@ async fn the_idle_limit_counts_each_wait_for_a_chunk_not_the_stream() {
     assert!(chunks.next().await.is_none(), "and ends");
     engine.abort();
 }
+
+/// A `GET` of `path` on `engine`, as the client writes its calls.
+fn get(engine: &Upstream, path: &str) -> EngineRequest {
+    engine
+        .request(http::Method::GET, path)
+        .expect("a request")
+        .body(None)
+        .expect("built")
+}
+
+/// The whole body of an exchange's answer.
+async fn whole_body(response: EngineResponse) -> Bytes {
+    response
+        .into_body()
+        .collect()
+        .await
+        .expect("a whole body")
+        .to_bytes()
+}
+
+/// Whether a connection waits on `listener` unaccepted: a client's connect returns once the
+/// kernel has completed it, so one made before this call is there.
+fn connection_waiting(listener: TcpListener) -> bool {
+    let listener = listener.into_std().expect("a std listener");
+    match listener.accept() {
+        Ok(_) => true,
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => false,
+        Err(e) => panic!("accept: {e}"),
+    }
+}
+
+const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+
+/// A chunked body read to its end leaves its connection to the next call: three calls, one
+/// connection, none closed.
+#[tokio::test]
+async fn a_connection_is_reused_once_its_streamed_body_was_read_to_its_end() {
+    let (engine, connections) = uvicorn_like_engine().await;
+    let client = client(Duration::from_secs(20));
+    for _ in 0..3 {
+        let response = client
+            .exchange(&engine, &get(&engine, "/v1/completions"), None, true)
+            .await
+            .expect("answered");
+        assert!(whole_body(response).await.ends_with(b"data: [DONE]\n\n"));
+    }
+    assert_eq!(connections.accepted.load(Ordering::SeqCst), 1);
+    assert_eq!(connections.closed.load(Ordering::SeqCst), 0);
+}
+
+/// A pooled connection the engine closes as the next request arrives on it (its keep-alive
+/// ran out) costs the call nothing: the request goes once more, on a fresh connection, and is
+/// delivered.
+#[tokio::test]
+async fn a_request_on_a_connection_closed_under_it_goes_once_more_on_a_fresh_one() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let engine = engine_at(listener.local_addr().expect("addr"));
+    let served = tokio::spawn(async move {
+        let mut pending = Vec::new();
+        let (mut first, _) = listener.accept().await.expect("accept");
+        assert!(read_request(&mut first, &mut pending).await);
+        first.write_all(OK).await.expect("write");
+        // The second request arrives, and the engine closes instead of answering.
+        assert!(read_request(&mut first, &mut pending).await);
+        drop(first);
+        let (mut second, _) = listener.accept().await.expect("accept again");
+        assert!(read_request(&mut second, &mut Vec::new()).await);
+        second.write_all(OK).await.expect("write");
+    });
+    let client = client(Duration::from_secs(20));
+    let first = client
+        .exchange(&engine, &get(&engine, "/a"), None, true)
+        .await
+        .expect("answered");
+    assert_eq!(whole_body(first).await, "ok");
+    let (delivery, delivered) = Delivery::new();
+    let second = client
+        .exchange(&engine, &get(&engine, "/b"), Some(&delivery), true)
+        .await
+        .expect("answered on a fresh connection");
+    assert_eq!(whole_body(second).await, "ok");
+    delivered.await.expect("delivered");
+    served.await.expect("both connections served");
+}
+
+/// Once any byte of an answer came, a connection that breaks is a broken answer, never sent
+/// again: the engine may have acted on it.
+#[tokio::test]
+async fn a_request_is_not_sent_again_once_its_answer_started() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let engine = engine_at(listener.local_addr().expect("addr"));
+    let (client_done, done) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(async move {
+        let mut pending = Vec::new();
+        let (mut first, _) = listener.accept().await.expect("accept");
+        assert!(read_request(&mut first, &mut pending).await);
+        first.write_all(OK).await.expect("write");
+        assert!(read_request(&mut first, &mut pending).await);
+        first.write_all(b"HTTP/1.1 200 O").await.expect("write");
+        drop(first);
+        done.await.expect("the client is done");
+        connection_waiting(listener)
+    });
+    let client = client(Duration::from_secs(20));
+    let first = client
+        .exchange(&engine, &get(&engine, "/a"), None, true)
+        .await
+        .expect("answered");
+    assert_eq!(whole_body(first).await, "ok");
+    let err = client
+        .exchange(&engine, &get(&engine, "/b"), None, true)
+        .await
+        .expect_err("broken");
+    let err = err.classify(&engine);
+    assert!(matches!(err, CallError::Stream(_)), "{err}");
+    client_done.send(()).expect("the engine waits");
+    assert!(!served.await.expect("served"), "no second connection");
+}
+
+/// A body dropped before its end closes its connection (what is left of it would be read as
+/// the next answer's head): the engine sees the close, and the next call opens another.
+#[tokio::test]
+async fn a_body_dropped_mid_way_closes_its_connection() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let engine = engine_at(listener.local_addr().expect("addr"));
+    let served = tokio::spawn(async move {
+        let (mut first, _) = listener.accept().await.expect("accept");
+        assert!(read_request(&mut first, &mut Vec::new()).await);
+        let head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nhi\r\n";
+        first.write_all(head).await.expect("write");
+        // Read until the client closes: nothing else comes on it.
+        let mut rest = Vec::new();
+        let _ = first.read_to_end(&mut rest).await;
+        assert!(rest.is_empty(), "{rest:?}");
+        let (mut second, _) = listener.accept().await.expect("accept again");
+        assert!(read_request(&mut second, &mut Vec::new()).await);
+        second.write_all(OK).await.expect("write");
+    });
+    let client = client(Duration::from_secs(20));
+    let response = client
+        .exchange(&engine, &get(&engine, "/a"), None, true)
+        .await
+        .expect("answered");
+    let mut body = response.into_body();
+    let frame = body.frame().await.expect("a frame").expect("data");
+    assert_eq!(frame.into_data().expect("data"), "hi");
+    drop(body);
+    let second = client
+        .exchange(&engine, &get(&engine, "/b"), None, true)
+        .await
+        .expect("answered on a new connection");
+    assert_eq!(whole_body(second).await, "ok");
+    served.await.expect("served");
+}
+
+/// An idle connection is closed after `POOL_IDLE_TIMEOUT`, before an engine's own keep-alive
+/// (5 s for uvicorn and nginx) would close it under a request: not a moment before.
+#[tokio::test(start_paused = true)]
+#[expect(
+    clippy::async_yields_async,
+    reason = "the engine's side hands back the wait for the close, awaited on the paused clock"
+)]
+async fn an_idle_connection_is_closed_after_the_idle_timeout() {
+    let engines = scripted::Engines::default();
+    let mut e0 = engines.engine("e0");
+    let client = EngineClient::scripted(Timeouts::default(), engines.connector());
+    let engine = Upstream::new("http://e0".into(), None);
+    let (metrics, closed) = tokio::join!(client.metrics(&engine), async {
+        let call = e0.next().await;
+        let closed = call.hung_up();
+        call.status(200, "m 1\n");
+        closed
+    });
+    assert_eq!(metrics.as_deref(), Some("m 1\n"));
+    let idle_since = tokio::time::Instant::now();
+    let mut closed = std::pin::pin!(closed);
+    let before = pool::POOL_IDLE_TIMEOUT - Duration::from_millis(1);
+    assert!(
+        tokio::time::timeout(before, &mut closed).await.is_err(),
+        "still open just before"
+    );
+    closed.await;
+    assert_eq!(idle_since.elapsed(), pool::POOL_IDLE_TIMEOUT);
+}

@@ -87,7 +87,8 @@ pub struct EngineTls(Arc<Loaded>);
 #[derive(Debug)]
 struct Loaded {
     files: TlsFiles,
-    config: ClientConfig,
+    /// Shared by every connection made with these files.
+    config: Arc<ClientConfig>,
 }
 
 impl EngineTls {
@@ -114,7 +115,7 @@ impl EngineTls {
         };
         Ok(EngineTls(Arc::new(Loaded {
             files: files.clone(),
-            config,
+            config: Arc::new(config),
         })))
     }
 
@@ -122,7 +123,7 @@ impl EngineTls {
         &self.0.files
     }
 
-    pub(super) fn config(&self) -> &ClientConfig {
+    pub(super) fn config(&self) -> &Arc<ClientConfig> {
         &self.0.config
     }
 
@@ -236,7 +237,7 @@ impl TlsError {
 }
 
 /// rustls' error in `error`'s chain. An `io::Error`'s `source` skips the error it wraps
-/// (tokio-rustls carries rustls' error inside one, and hyper-rustls that one in another), so
+/// (tokio-rustls carries rustls' error inside one), so
 /// each is stepped into instead.
 fn rustls_cause<'e>(mut error: &'e (dyn StdError + 'static)) -> Option<&'e rustls::Error> {
     loop {
