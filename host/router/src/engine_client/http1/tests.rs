@@ -157,6 +157,14 @@ fn malformed_heads_and_chunk_sizes_are_typed_errors() {
         let err = feed(&[answer.as_bytes()]).expect_err("refused");
         assert!(matches!(err, Http1Error::Framing(_)), "{bad:?}: {err:?}");
     }
+    // Trailers are bounded as a head is, their CRLFs counted: a line filling the bound to the
+    // byte, then another, is refused rather than read on.
+    for fill in [MAX_HEAD - 2, MAX_HEAD - 1, MAX_HEAD] {
+        let trailer = format!("x-t: {}", "y".repeat(fill - 5));
+        let answer = format!("{chunked}0\r\n{trailer}\r\nx-u: 1\r\n\r\n");
+        let err = feed(&[answer.as_bytes()]).expect_err("refused");
+        assert!(matches!(err, Http1Error::Framing(_)), "{fill}: {err:?}");
+    }
     // A size line that never ends is refused once it is over its bound, not buffered.
     let endless = format!("{chunked}5;{}", "x".repeat(MAX_CHUNK_LINE));
     assert!(matches!(
