@@ -408,6 +408,24 @@ fn connection_waiting(listener: TcpListener) -> bool {
 
 const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
 
+/// `path` called on `engine` (on a pooled connection if there is one), answered.
+async fn answered(client: &EngineClient, engine: &Upstream, path: &str) -> EngineResponse {
+    client
+        .exchange(engine, &get(engine, path), None, true)
+        .await
+        .expect("answered")
+}
+
+/// The engine's side of a first connection: accepted, its request read and answered `ok`;
+/// the connection and the bytes read past that request.
+async fn first_answered(listener: &TcpListener) -> (tokio::net::TcpStream, Vec<u8>) {
+    let mut pending = Vec::new();
+    let (mut first, _) = listener.accept().await.expect("accept");
+    assert!(read_request(&mut first, &mut pending).await);
+    first.write_all(OK).await.expect("write");
+    (first, pending)
+}
+
 /// A chunked body read to its end leaves its connection to the next call: three calls, one
 /// connection, none closed.
 #[tokio::test]
@@ -415,10 +433,7 @@ async fn a_connection_is_reused_once_its_streamed_body_was_read_to_its_end() {
     let (engine, connections) = uvicorn_like_engine().await;
     let client = client(Duration::from_secs(20));
     for _ in 0..3 {
-        let response = client
-            .exchange(&engine, &get(&engine, "/v1/completions"), None, true)
-            .await
-            .expect("answered");
+        let response = answered(&client, &engine, "/v1/completions").await;
         assert!(whole_body(response).await.ends_with(b"data: [DONE]\n\n"));
     }
     assert_eq!(connections.accepted.load(Ordering::SeqCst), 1);
@@ -433,10 +448,7 @@ async fn a_request_on_a_connection_closed_under_it_goes_once_more_on_a_fresh_one
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let engine = engine_at(listener.local_addr().expect("addr"));
     let served = tokio::spawn(async move {
-        let mut pending = Vec::new();
-        let (mut first, _) = listener.accept().await.expect("accept");
-        assert!(read_request(&mut first, &mut pending).await);
-        first.write_all(OK).await.expect("write");
+        let (mut first, mut pending) = first_answered(&listener).await;
         // The second request arrives, and the engine closes instead of answering.
         assert!(read_request(&mut first, &mut pending).await);
         drop(first);
@@ -445,11 +457,10 @@ async fn a_request_on_a_connection_closed_under_it_goes_once_more_on_a_fresh_one
         second.write_all(OK).await.expect("write");
     });
     let client = client(Duration::from_secs(20));
-    let first = client
-        .exchange(&engine, &get(&engine, "/a"), None, true)
-        .await
-        .expect("answered");
-    assert_eq!(whole_body(first).await, "ok");
+    assert_eq!(
+        whole_body(answered(&client, &engine, "/a").await).await,
+        "ok"
+    );
     let (delivery, delivered) = Delivery::new();
     let second = client
         .exchange(&engine, &get(&engine, "/b"), Some(&delivery), true)
@@ -468,10 +479,7 @@ async fn a_request_is_not_sent_again_once_its_answer_started() {
     let engine = engine_at(listener.local_addr().expect("addr"));
     let (client_done, done) = tokio::sync::oneshot::channel::<()>();
     let served = tokio::spawn(async move {
-        let mut pending = Vec::new();
-        let (mut first, _) = listener.accept().await.expect("accept");
-        assert!(read_request(&mut first, &mut pending).await);
-        first.write_all(OK).await.expect("write");
+        let (mut first, mut pending) = first_answered(&listener).await;
         assert!(read_request(&mut first, &mut pending).await);
         first.write_all(b"HTTP/1.1 200 O").await.expect("write");
         drop(first);
@@ -479,11 +487,10 @@ async fn a_request_is_not_sent_again_once_its_answer_started() {
         connection_waiting(listener)
     });
     let client = client(Duration::from_secs(20));
-    let first = client
-        .exchange(&engine, &get(&engine, "/a"), None, true)
-        .await
-        .expect("answered");
-    assert_eq!(whole_body(first).await, "ok");
+    assert_eq!(
+        whole_body(answered(&client, &engine, "/a").await).await,
+        "ok"
+    );
     let err = client
         .exchange(&engine, &get(&engine, "/b"), None, true)
         .await
@@ -514,11 +521,7 @@ async fn a_body_dropped_mid_way_closes_its_connection() {
         second.write_all(OK).await.expect("write");
     });
     let client = client(Duration::from_secs(20));
-    let response = client
-        .exchange(&engine, &get(&engine, "/a"), None, true)
-        .await
-        .expect("answered");
-    let mut body = response.into_body();
+    let mut body = answered(&client, &engine, "/a").await.into_body();
     let frame = body.frame().await.expect("a frame").expect("data");
     assert_eq!(frame.into_data().expect("data"), "hi");
     drop(body);
