@@ -765,7 +765,7 @@ impl Failed {
             e if e.is_connect() => CallError::Connect { reason },
             e if e.is_closed() => CallError::Closed { reason },
             // Once an answer has started, a break is a broken answer (the engine is up).
-            SendError::Http1(Http1Error::Broken(e)) => broken_answer(Http1Error::Broken(e)),
+            SendError::Http1(e @ Http1Error::Broken(_)) => broken_answer(e),
             _ => CallError::Decode { reason },
         }
     }

@@ -19,7 +19,7 @@
 //!            or bytes past the body's end
 //! ```
 
-use std::io;
+use std::io::{self, Write as _};
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
@@ -420,9 +420,8 @@ pub(super) fn request(
         wire.extend_from_slice(b"\r\n");
     }
     if let Some(body) = body {
-        wire.extend_from_slice(b"content-length: ");
-        wire.extend_from_slice(body.len().to_string().as_bytes());
-        wire.extend_from_slice(b"\r\n\r\n");
+        // Writing into a Vec cannot fail.
+        let _ = write!(wire, "content-length: {}\r\n\r\n", body.len());
         wire.extend_from_slice(body);
     } else {
         wire.extend_from_slice(b"\r\n");

@@ -260,8 +260,8 @@ mod tests {
 
     use super::{TlsError, TlsFiles};
 
-    /// rustls' error as hyper-rustls hands it over: inside tokio-rustls' `io::Error`, inside
-    /// another.
+    /// rustls' error inside tokio-rustls' `io::Error`, inside another: the search steps into
+    /// each.
     fn wrapped(error: rustls::Error) -> io::Error {
         io::Error::other(io::Error::new(io::ErrorKind::InvalidData, error))
     }

@@ -210,6 +210,14 @@ async fn a_head_over_its_bound_is_an_error_not_a_wait() {
     assert!(matches!(err, Http1Error::Head(_)), "{err:?}");
 }
 
+/// A connection whose engine wrote `answer` and then closed it.
+async fn closed_after(answer: &[u8]) -> Conn<DuplexStream> {
+    let (conn, mut engine) = pipe();
+    engine.write_all(answer).await.expect("written");
+    drop(engine);
+    conn
+}
+
 #[tokio::test]
 async fn a_close_before_any_answer_byte_is_closed_and_after_one_is_broken() {
     let (mut conn, engine) = pipe();
@@ -220,29 +228,17 @@ async fn a_close_before_any_answer_byte_is_closed_and_after_one_is_broken() {
     let err = conn.read_head().await.expect_err("closed");
     assert!(matches!(err, Http1Error::Closed(_)), "{err:?}");
 
-    let (mut conn, mut engine) = pipe();
-    engine.write_all(b"HTTP/1.1 200").await.expect("written");
-    drop(engine);
+    let mut conn = closed_after(b"HTTP/1.1 200").await;
     let err = conn.read_head().await.expect_err("broken");
     assert!(matches!(err, Http1Error::Broken(_)), "{err:?}");
 
     // A body cut short of its length: broken; a close-delimited one: ended.
-    let (mut conn, mut engine) = pipe();
-    engine
-        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort")
-        .await
-        .expect("written");
-    drop(engine);
+    let mut conn = closed_after(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort").await;
     let head = conn.read_head().await.expect("a head");
     let err = body_of(&mut conn, head.body).await.expect_err("cut");
     assert!(matches!(err, Http1Error::Broken(_)), "{err:?}");
 
-    let (mut conn, mut engine) = pipe();
-    engine
-        .write_all(b"HTTP/1.1 200 OK\r\n\r\nto the end")
-        .await
-        .expect("written");
-    drop(engine);
+    let mut conn = closed_after(b"HTTP/1.1 200 OK\r\n\r\nto the end").await;
     let head = conn.read_head().await.expect("a head");
     assert_eq!(
         body_of(&mut conn, head.body).await.expect("whole"),
