@@ -23,3 +23,4 @@ mod router;
 mod sidecar;
 mod tls;
 mod traces;
+mod wire;
