@@ -2,11 +2,14 @@
 //! bodies framed by length or by chunks, framing that could be read two ways (request
 //! smuggling) refused or read one way and the connection closed, oversized heads, keep-alive by
 //! version and `Connection`, pipelining, `Expect: 100-continue`, `HEAD`, and how a stream is
-//! delimited for HTTP/1.0 and 1.1 clients. These pin what any server connection the router runs
-//! on must do, whoever wrote it.
+//! delimited for HTTP/1.0 and 1.1 clients; requests split anywhere across writes, and near-valid
+//! requests mutated at random. These pin what any server connection the router runs on must do,
+//! whoever wrote it.
 
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::{Rng as _, SeedableRng as _};
 use serde_json::{Value, json};
 use switchyard_tests::{EngineProcess, RouterProcess};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
@@ -517,4 +520,115 @@ async fn a_body_shorter_than_its_length_is_an_openai_400() {
     let error = response.json();
     assert!(error["error"]["message"].is_string(), "{error}");
     assert!(wire.closed().await);
+}
+
+/// A completion by length, one in chunks, the model list and another completion, in one stream
+/// of bytes: answered as 1, 2 and 3 completion tokens with the list between.
+fn four_requests() -> Vec<u8> {
+    let mut requests = post("", &completion(1));
+    requests.extend_from_slice(CHUNKED_HEAD.as_bytes());
+    requests.extend(chunked(&completion(2), 5));
+    requests.extend_from_slice(b"GET /v1/models HTTP/1.1\r\nhost: router\r\n\r\n");
+    requests.extend(post("", &completion(3)));
+    requests
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_split_anywhere_across_writes_are_answered_the_same() {
+    let (_engine, router) = router();
+    let requests = four_requests();
+    let mut rng = StdRng::seed_from_u64(33);
+    for round in 0..100 {
+        let mut cuts: Vec<usize> = (0..rng.random_range(1..8))
+            .map(|_| rng.random_range(1..requests.len()))
+            .collect();
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut wire = Wire::open(&router).await;
+        wire.stream.set_nodelay(true).expect("nodelay");
+        let mut from = 0;
+        for cut in cuts.into_iter().chain([requests.len()]) {
+            wire.send(&requests[from..cut]).await;
+            from = cut;
+        }
+        let what = format!("round {round}");
+        assert_eq!(wire.response(false).await.completion_tokens(), 1, "{what}");
+        assert_eq!(wire.response(false).await.completion_tokens(), 2, "{what}");
+        assert_eq!(
+            wire.response(false).await.json()["object"],
+            "list",
+            "{what}"
+        );
+        assert_eq!(wire.response(false).await.completion_tokens(), 3, "{what}");
+    }
+}
+
+/// `request` with one to four random edits: a byte replaced, removed or inserted, or a run of
+/// bytes repeated.
+fn mutated(rng: &mut StdRng, request: &[u8]) -> Vec<u8> {
+    let mut bytes = request.to_vec();
+    for _ in 0..rng.random_range(1..=4) {
+        let at = rng.random_range(0..bytes.len());
+        match rng.random_range(0..4) {
+            0 => bytes[at] = rng.random(),
+            1 => {
+                bytes.remove(at);
+            }
+            2 => bytes.insert(at, rng.random()),
+            _ => {
+                let end = (at + rng.random_range(1..16)).min(bytes.len());
+                let run = bytes[at..end].to_vec();
+                bytes.splice(at..at, run);
+            }
+        }
+        if bytes.is_empty() {
+            bytes.push(b'P');
+        }
+    }
+    bytes
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_mutated_requests_get_answers_or_a_close_and_never_a_5xx() {
+    let engine = EngineProcess::spawn(&[]);
+    let log = tempfile::NamedTempFile::new().expect("a log file");
+    let router =
+        RouterProcess::serve_logging_to(&[&engine.url], &["--policy", "round-robin"], log.path());
+    let valid = four_requests();
+    let mut rng = StdRng::seed_from_u64(9112);
+    let mut statuses = std::collections::BTreeMap::<u16, usize>::new();
+    for round in 0..2_000 {
+        let request = mutated(&mut rng, &valid);
+        let mut wire = Wire::open(&router).await;
+        // Some edits leave the router waiting for more bytes: the client's end of sending says
+        // there are none.
+        let _ = wire.stream.write_all(&request).await;
+        let _ = wire.stream.shutdown().await;
+        // Whatever it answers, every answer is whole and none is a server error, until it
+        // closes the connection.
+        while !wire.closed().await {
+            let response = wire.response(false).await;
+            assert!(
+                response.status < 500,
+                "round {round}: {} for {:?}",
+                response.status,
+                String::from_utf8_lossy(&request)
+            );
+            *statuses.entry(response.status).or_default() += 1;
+        }
+    }
+    eprintln!("2,000 mutated requests: answers by status {statuses:?}");
+    assert!(
+        statuses.contains_key(&200) && statuses.keys().any(|s| (400..500).contains(s)),
+        "the mutations reach both sound and refused requests: {statuses:?}"
+    );
+    // Still serving, and nothing panicked.
+    let mut wire = Wire::open(&router).await;
+    wire.send(&post("", &completion(2))).await;
+    assert_eq!(wire.response(false).await.completion_tokens(), 2);
+    let logged = std::fs::read_to_string(log.path()).expect("the router's log");
+    assert!(
+        !logged.contains("panicked"),
+        "the router panicked:\n{logged}"
+    );
 }
