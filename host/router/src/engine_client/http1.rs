@@ -399,34 +399,66 @@ fn chunk_size(line: &[u8]) -> Result<u64, Http1Error> {
         .ok_or(bad)
 }
 
-/// A request as written: the request line, `headers` (with `Host`), `Content-Length` when it
-/// has a body, and the body.
-pub(super) fn request(
-    method: &http::Method,
-    path: &str,
-    headers: &HeaderMap,
-    body: Option<&[u8]>,
-) -> Vec<u8> {
-    let body_len = body.map_or(0, <[u8]>::len);
-    let mut wire = Vec::with_capacity(256 + body_len);
-    wire.extend_from_slice(method.as_str().as_bytes());
-    wire.push(b' ');
-    wire.extend_from_slice(path.as_bytes());
-    wire.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in headers {
-        wire.extend_from_slice(name.as_str().as_bytes());
-        wire.extend_from_slice(b": ");
-        wire.extend_from_slice(value.as_bytes());
-        wire.extend_from_slice(b"\r\n");
+/// A request as it goes on the wire, written straight into the one buffer it is sent from:
+/// the request line, the headers, then `Content-Length` and the body ([`Request::finish`]).
+/// No `http::Request` is built only to be written out again.
+#[derive(Debug)]
+pub(super) struct Request(Vec<u8>);
+
+impl Request {
+    /// The request line of `method` on `prefix` followed by `path` (both from `/`), with room
+    /// for `body_len` bytes of body. The caller vouches for the path: the engine's base URI's
+    /// own, and the router's route.
+    pub(super) fn start(
+        method: &http::Method,
+        prefix: &str,
+        path: &str,
+        body_len: usize,
+    ) -> Request {
+        let mut wire = Vec::with_capacity(256 + body_len);
+        wire.extend_from_slice(method.as_str().as_bytes());
+        wire.push(b' ');
+        wire.extend_from_slice(prefix.as_bytes());
+        wire.extend_from_slice(path.as_bytes());
+        wire.extend_from_slice(b" HTTP/1.1\r\n");
+        Request(wire)
     }
-    if let Some(body) = body {
-        // Writing into a Vec cannot fail.
-        let _ = write!(wire, "content-length: {}\r\n\r\n", body.len());
-        wire.extend_from_slice(body);
-    } else {
-        wire.extend_from_slice(b"\r\n");
+
+    /// One header line; `value` is a valid header value (see [`is_header_value`]).
+    pub(super) fn header(&mut self, name: &HeaderName, value: &[u8]) {
+        self.0.extend_from_slice(name.as_str().as_bytes());
+        self.0.extend_from_slice(b": ");
+        self.0.extend_from_slice(value);
+        self.0.extend_from_slice(b"\r\n");
     }
-    wire
+
+    /// Every header of `headers`.
+    pub(super) fn headers(&mut self, headers: &HeaderMap) {
+        for (name, value) in headers {
+            self.header(name, value.as_bytes());
+        }
+    }
+
+    /// The request as written: `Content-Length` when it has a body, and the body.
+    pub(super) fn finish(self, body: Option<&[u8]>) -> Vec<u8> {
+        let mut wire = self.0;
+        if let Some(body) = body {
+            // Writing into a Vec cannot fail.
+            let _ = write!(wire, "content-length: {}\r\n\r\n", body.len());
+            wire.extend_from_slice(body);
+        } else {
+            wire.extend_from_slice(b"\r\n");
+        }
+        wire
+    }
+}
+
+/// Whether `value` may be written as a header's value as it is: what `http::HeaderValue`
+/// accepts (visible bytes, spaces and tabs; no control byte, so no line break).
+pub(super) fn is_header_value(value: &[u8]) -> bool {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (b >= b' ' && b != 0x7f))
 }
 
 #[cfg(test)]

@@ -249,23 +249,25 @@ async fn a_close_before_any_answer_byte_is_closed_and_after_one_is_broken() {
 #[tokio::test]
 async fn a_request_is_written_with_its_length_and_an_idle_close_is_seen() {
     let (mut conn, mut engine) = pipe();
-    let mut headers = HeaderMap::new();
-    headers.insert(http::header::HOST, HeaderValue::from_static("e:1"));
-    let wire = request(
-        &http::Method::POST,
-        "/v1/completions",
-        &headers,
-        Some(b"{}"),
-    );
+    let host = HeaderValue::from_static("e:1");
+    let mut post = Request::start(&http::Method::POST, "/engine", "/v1/completions", 2);
+    post.header(&http::header::HOST, host.as_bytes());
+    let wire = post.finish(Some(b"{}"));
     conn.write(&wire).await.expect("written");
     let mut got = vec![0; wire.len()];
     engine.read_exact(&mut got).await.expect("read");
     assert_eq!(
         got,
-        b"POST /v1/completions HTTP/1.1\r\nhost: e:1\r\ncontent-length: 2\r\n\r\n{}"
+        b"POST /engine/v1/completions HTTP/1.1\r\nhost: e:1\r\ncontent-length: 2\r\n\r\n{}"
     );
-    let get = request(&http::Method::GET, "/health", &headers, None);
-    assert_eq!(get, b"GET /health HTTP/1.1\r\nhost: e:1\r\n\r\n");
+    let mut get = Request::start(&http::Method::GET, "", "/health", 0);
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::HOST, host);
+    get.headers(&headers);
+    assert_eq!(
+        get.finish(None),
+        b"GET /health HTTP/1.1\r\nhost: e:1\r\n\r\n"
+    );
     assert!(conn.is_open(), "nothing to read: open");
     engine.write_all(b"x").await.expect("written");
     assert!(!conn.is_open(), "a stray byte: unusable");
