@@ -366,8 +366,24 @@ pub struct EngineClient {
     timeouts: Timeouts,
 }
 
-/// An engine's answer, its body still to read.
-type EngineResponse = http::Response<EngineBody>;
+/// An engine's answer as far as the router reads its head, its body still to read.
+#[derive(Debug)]
+struct EngineResponse {
+    status: http::StatusCode,
+    /// Whether it is an SSE stream (`Content-Type: text/event-stream`).
+    event_stream: bool,
+    body: EngineBody,
+}
+
+impl EngineResponse {
+    fn status(&self) -> http::StatusCode {
+        self.status
+    }
+
+    fn into_body(self) -> EngineBody {
+        self.body
+    }
+}
 
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
@@ -407,10 +423,11 @@ impl EngineClient {
             sent => sent,
         };
         let (head, body) = sent.map_err(Failed::Send)?;
-        let mut response = http::Response::new(body);
-        *response.status_mut() = head.status;
-        *response.headers_mut() = head.headers;
-        Ok(response)
+        Ok(EngineResponse {
+            status: head.status,
+            event_stream: head.event_stream,
+            body,
+        })
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -525,12 +542,7 @@ impl EngineClient {
                 .map_err(|_| CallError::Timeout { after: within })??,
             None => send.await?,
         };
-        let is_sse = response
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if !is_sse {
+        if !response.event_stream {
             let deadline = self.call_deadline();
             let bytes = read_capped(response, deadline, MAX_ANSWER_BYTES).await?;
             let mut one: EngineChunk =

@@ -24,7 +24,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderName, StatusCode};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 /// What the read buffer grows by when it runs short: an SSE event is a few hundred bytes, and
@@ -39,6 +39,9 @@ pub(super) const MAX_HEAD: usize = 16 * 1024;
 
 /// Most headers an answer head may have (hyper's default).
 const MAX_HEADERS: usize = 100;
+
+/// The media type of a streamed answer.
+const EVENT_STREAM: &[u8] = b"text/event-stream";
 
 /// Longest chunk size line, extensions included.
 const MAX_CHUNK_LINE: usize = 4096;
@@ -71,11 +74,14 @@ pub(super) struct Conn<IO> {
     buf: BytesMut,
 }
 
-/// An answer's head, its body still on the connection.
+/// An answer's head as far as the router reads it, its body still on the connection. Of the
+/// headers only the framing ones and whether the body is an event stream are kept: no header
+/// map is built (and every value copied into it) only to be dropped unread.
 #[derive(Debug)]
 pub(super) struct Head {
     pub(super) status: StatusCode,
-    pub(super) headers: HeaderMap,
+    /// Whether `Content-Type` says `text/event-stream`.
+    pub(super) event_stream: bool,
     pub(super) body: Framing,
     /// Whether the connection can take another request once the body is read to its end.
     pub(super) keep_alive: bool,
@@ -225,17 +231,18 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
         return Err(Http1Error::HeadField("101: the router upgrades nothing"));
     }
     let http10 = parsed.version == Some(0);
-    let mut map = HeaderMap::with_capacity(parsed.headers.len());
+    let mut content_type = None;
     let mut length: Option<u64> = None;
     let mut chunked = None;
     let mut close = false;
     let mut keep_alive = false;
     for header in parsed.headers.iter() {
-        let name = HeaderName::from_bytes(header.name.as_bytes())
-            .map_err(|_| Http1Error::HeadField("a header name"))?;
-        let value = HeaderValue::from_bytes(header.value)
-            .map_err(|_| Http1Error::HeadField("a header value"))?;
-        if name == http::header::CONTENT_LENGTH {
+        // httparse has checked the name is a token; the value as `HeaderValue` would.
+        if !is_header_value(header.value) {
+            return Err(Http1Error::HeadField("a header value"));
+        }
+        let name = header.name;
+        if name.eq_ignore_ascii_case("content-length") {
             for n in tokens(header.value) {
                 let n = content_length(n)?;
                 if length.is_some_and(|l| l != n) {
@@ -243,18 +250,19 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
                 }
                 length = Some(n);
             }
-        } else if name == http::header::TRANSFER_ENCODING {
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
             // Only the last coding says how the body ends.
             if let Some(last) = tokens(header.value).last() {
                 chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
             }
-        } else if name == http::header::CONNECTION {
+        } else if name.eq_ignore_ascii_case("connection") {
             for token in tokens(header.value) {
                 close |= token.eq_ignore_ascii_case(b"close");
                 keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
             }
+        } else if name.eq_ignore_ascii_case("content-type") {
+            content_type.get_or_insert(header.value);
         }
-        map.append(name, value);
     }
     let body = if status.is_informational()
         || status == StatusCode::NO_CONTENT
@@ -277,10 +285,12 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
         false => !close,
     } && body != Framing::Close
         && !ambiguous;
+    // The first Content-Type, as text (as `HeaderValue::to_str` reads it).
+    let event_stream = content_type.is_some_and(|v| v.is_ascii() && v.starts_with(EVENT_STREAM));
     buf.advance(len);
     Ok(Some(Head {
         status,
-        headers: map,
+        event_stream,
         body,
         keep_alive,
     }))

@@ -1,6 +1,7 @@
 //! Framing on scripted bytes: heads and bodies fed as reads would deliver them, and a
 //! connection over an in-memory pipe for what needs a socket (a close, a head too big).
 
+use http::HeaderValue;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
 
 use super::*;
@@ -47,7 +48,7 @@ fn a_content_length_body_ends_at_its_length() {
     let (head, body, framing) =
         whole(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: b\r\n\r\nhello");
     assert_eq!(head.status, StatusCode::OK);
-    assert_eq!(head.headers["x-a"], "b");
+    assert!(!head.event_stream);
     assert_eq!(body, b"hello");
     assert_eq!(framing, Framing::Done);
     assert!(head.keep_alive);
@@ -78,7 +79,23 @@ fn chunk_extensions_are_ignored_and_trailers_dropped() {
     assert_eq!(body, b"hello");
     assert_eq!(framing, Framing::Done);
     assert!(head.keep_alive);
-    assert!(head.headers.get("x-trailer").is_none());
+}
+
+/// An answer is an event stream when its (first) `Content-Type` says so, parameters and all.
+#[test]
+fn an_event_stream_is_told_by_its_first_content_type() {
+    for (content_type, event_stream) in [
+        ("text/event-stream", true),
+        ("text/event-stream; charset=utf-8", true),
+        ("application/json", false),
+        ("application/json\r\ncontent-type: text/event-stream", false),
+    ] {
+        let answer = format!("HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\n\r\n");
+        let (head, ..) = whole(answer.as_bytes());
+        assert_eq!(head.event_stream, event_stream, "{content_type}");
+    }
+    let (head, ..) = whole(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+    assert!(!head.event_stream, "none");
 }
 
 #[test]
