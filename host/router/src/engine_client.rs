@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt, TryStreamExt};
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::{Authority, Scheme};
 use http_body_util::BodyExt;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
@@ -228,19 +228,6 @@ impl Target {
             host,
         })
     }
-
-    /// This base followed by `path` (from `/`), as concatenating the two strings would give.
-    fn with_path(&self, path: &str) -> Result<http::Uri, http::Error> {
-        let path = match &*self.prefix {
-            "" => PathAndQuery::try_from(path)?,
-            prefix => PathAndQuery::try_from(format!("{prefix}{path}"))?,
-        };
-        http::Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(path)
-            .build()
-    }
 }
 
 /// The `Host` header hyper-util's client would write for `authority`: its host, and its port
@@ -314,27 +301,25 @@ impl Upstream {
         Arc::clone(&self.base)
     }
 
-    /// `method` on `base` + `path`, with the engine's `Authorization` when it wants one.
+    /// `method` on `base` + `path` (a route of the router's, from `/`), with the engine's
+    /// `Authorization` when it wants one, written as it goes on the wire; room for `body_len`
+    /// bytes of body.
     fn request(
         &self,
-        method: http::Method,
+        method: &http::Method,
         path: &str,
-    ) -> Result<http::request::Builder, CallError> {
+        body_len: usize,
+    ) -> Result<http1::Request, CallError> {
         let target = self.target.as_ref().ok_or(CallError::Url {
             reason: "it is no http(s)://HOST:PORT",
         })?;
-        let uri = target.with_path(path).map_err(|_| CallError::Url {
-            reason: "followed by the call's path, it makes no URI",
-        })?;
-        let mut request = http::Request::builder()
-            .method(method)
-            .uri(uri)
-            .header(http::header::HOST, target.host.clone());
+        let mut request = http1::Request::start(method, &target.prefix, path, body_len);
+        request.header(&http::header::HOST, target.host.as_bytes());
         if let Some(auth) = &self.auth {
-            request = request.header(http::header::AUTHORIZATION, auth.clone());
+            request.header(&http::header::AUTHORIZATION, auth.as_bytes());
         }
         if let Some(rank) = &self.dp_rank {
-            request = request.header(DP_RANK_HEADER, rank.clone());
+            request.header(&DP_RANK_HEADER, rank.as_bytes());
         }
         Ok(request)
     }
@@ -381,11 +366,24 @@ pub struct EngineClient {
     timeouts: Timeouts,
 }
 
-/// An engine's answer, its body still to read.
-type EngineResponse = http::Response<EngineBody>;
+/// An engine's answer as far as the router reads its head, its body still to read.
+#[derive(Debug)]
+struct EngineResponse {
+    status: http::StatusCode,
+    /// Whether it is an SSE stream (`Content-Type: text/event-stream`).
+    event_stream: bool,
+    body: EngineBody,
+}
 
-/// A request to an engine: its JSON body, or none (a probe's `GET`).
-type EngineRequest = http::Request<Option<Bytes>>;
+impl EngineResponse {
+    fn status(&self) -> http::StatusCode {
+        self.status
+    }
+
+    fn into_body(self) -> EngineBody {
+        self.body
+    }
+}
 
 impl EngineClient {
     pub fn new(timeouts: Timeouts) -> Self {
@@ -404,37 +402,32 @@ impl EngineClient {
         }
     }
 
-    /// `request` to `engine` on this thread's pool: on an idle connection when there is one
-    /// and `reuse`, and when the engine closed that one as the request went out, once more on
-    /// a fresh one (the request never reached it). An engine whose TLS files are unusable
-    /// fails here, before any connection.
+    /// `wire` (a request as written, see [`Upstream::request`]) to `engine` on this thread's
+    /// pool: on an idle connection when there is one and `reuse`, and when the engine closed
+    /// that one as the request went out, once more on a fresh one (the request never reached
+    /// it). An engine whose TLS files are unusable fails here, before any connection.
     async fn exchange(
         &self,
         engine: &Upstream,
-        request: &EngineRequest,
+        wire: &[u8],
         delivery: Option<&Delivery>,
         reuse: bool,
     ) -> Result<EngineResponse, Failed> {
         let route = route(engine).map_err(Failed::Call)?;
-        let wire = http1::request(
-            request.method(),
-            request.uri().path_and_query().map_or("/", |p| p.as_str()),
-            request.headers(),
-            request.body().as_deref(),
-        );
-        let sent = match self.pool.send(&route, &wire, reuse, delivery).await {
+        let sent = match self.pool.send(&route, wire, reuse, delivery).await {
             Err(SendError::Stale(e)) => {
                 let engine = engine.base();
                 tracing::debug!(engine, reason = %error_chain(&e), "pooled connection closed; sending again");
-                self.pool.send(&route, &wire, false, delivery).await
+                self.pool.send(&route, wire, false, delivery).await
             }
             sent => sent,
         };
         let (head, body) = sent.map_err(Failed::Send)?;
-        let mut response = http::Response::new(body);
-        *response.status_mut() = head.status;
-        *response.headers_mut() = head.headers;
-        Ok(response)
+        Ok(EngineResponse {
+            status: head.status,
+            event_stream: head.event_stream,
+            body,
+        })
     }
 
     pub fn timeouts(&self) -> Timeouts {
@@ -458,19 +451,24 @@ impl EngineClient {
         delivery: Option<&Delivery>,
     ) -> Result<EngineResponse, CallError> {
         let json = to_json(body)?;
-        let mut request = engine.request(http::Method::POST, path)?;
+        let mut request = engine.request(&http::Method::POST, path, json.len())?;
         if let Some(id) = request_id {
-            request = request.header(REQUEST_ID, id);
+            if !http1::is_header_value(id.as_bytes()) {
+                return Err(CallError::Build {
+                    reason: "the request id is no header value".into(),
+                });
+            }
+            request.header(&REQUEST_ID, id.as_bytes());
         }
         // The leg's span (the current one) as the engine's parent: its spans join the trace.
-        if crate::telemetry::is_on()
-            && let Some(headers) = request.headers_mut()
-        {
-            crate::telemetry::inject(headers);
+        if crate::telemetry::is_on() {
+            let mut headers = http::HeaderMap::new();
+            crate::telemetry::inject(&mut headers);
+            request.headers(&headers);
         }
-        let request = &json_request(request, json)?;
+        let wire = &json_request(request, &json);
         let send = |reuse| async move {
-            let sent = self.exchange(engine, request, delivery, reuse);
+            let sent = self.exchange(engine, wire, delivery, reuse);
             match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline, sent).await.map_err(|_| {
                     CallError::Timeout {
@@ -544,12 +542,7 @@ impl EngineClient {
                 .map_err(|_| CallError::Timeout { after: within })??,
             None => send.await?,
         };
-        let is_sse = response
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
-        if !is_sse {
+        if !response.event_stream {
             let deadline = self.call_deadline();
             let bytes = read_capped(response, deadline, MAX_ANSWER_BYTES).await?;
             let mut one: EngineChunk =
@@ -604,22 +597,16 @@ impl Delivery {
 }
 
 /// `body` as JSON.
-fn to_json(body: &impl Serialize) -> Result<Bytes, CallError> {
-    serde_json::to_vec(body)
-        .map(Bytes::from)
-        .map_err(|e| CallError::Build {
-            reason: format!("cannot write the request body: {e}"),
-        })
+fn to_json(body: &impl Serialize) -> Result<Vec<u8>, CallError> {
+    serde_json::to_vec(body).map_err(|e| CallError::Build {
+        reason: format!("cannot write the request body: {e}"),
+    })
 }
 
-/// `request` with `json` as its body.
-fn json_request(request: http::request::Builder, json: Bytes) -> Result<EngineRequest, CallError> {
-    request
-        .header(http::header::CONTENT_TYPE, JSON)
-        .body(Some(json))
-        .map_err(|e| CallError::Build {
-            reason: e.to_string(),
-        })
+/// `request` with `json` as its body, as written.
+fn json_request(mut request: http1::Request, json: &[u8]) -> Vec<u8> {
+    request.header(&http::header::CONTENT_TYPE, JSON.as_bytes());
+    request.finish(Some(json))
 }
 
 /// A whole non-streamed answer, at most `cap` bytes, by `deadline`.

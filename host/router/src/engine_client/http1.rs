@@ -24,7 +24,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderName, StatusCode};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 /// What the read buffer grows by when it runs short: an SSE event is a few hundred bytes, and
@@ -39,6 +39,9 @@ pub(super) const MAX_HEAD: usize = 16 * 1024;
 
 /// Most headers an answer head may have (hyper's default).
 const MAX_HEADERS: usize = 100;
+
+/// The media type of a streamed answer.
+const EVENT_STREAM: &[u8] = b"text/event-stream";
 
 /// Longest chunk size line, extensions included.
 const MAX_CHUNK_LINE: usize = 4096;
@@ -71,11 +74,14 @@ pub(super) struct Conn<IO> {
     buf: BytesMut,
 }
 
-/// An answer's head, its body still on the connection.
+/// An answer's head as far as the router reads it, its body still on the connection. Of the
+/// headers only the framing ones and whether the body is an event stream are kept: no header
+/// map is built (and every value copied into it) only to be dropped unread.
 #[derive(Debug)]
 pub(super) struct Head {
     pub(super) status: StatusCode,
-    pub(super) headers: HeaderMap,
+    /// Whether `Content-Type` says `text/event-stream`.
+    pub(super) event_stream: bool,
     pub(super) body: Framing,
     /// Whether the connection can take another request once the body is read to its end.
     pub(super) keep_alive: bool,
@@ -225,17 +231,18 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
         return Err(Http1Error::HeadField("101: the router upgrades nothing"));
     }
     let http10 = parsed.version == Some(0);
-    let mut map = HeaderMap::with_capacity(parsed.headers.len());
+    let mut content_type = None;
     let mut length: Option<u64> = None;
     let mut chunked = None;
     let mut close = false;
     let mut keep_alive = false;
     for header in parsed.headers.iter() {
-        let name = HeaderName::from_bytes(header.name.as_bytes())
-            .map_err(|_| Http1Error::HeadField("a header name"))?;
-        let value = HeaderValue::from_bytes(header.value)
-            .map_err(|_| Http1Error::HeadField("a header value"))?;
-        if name == http::header::CONTENT_LENGTH {
+        // httparse has checked the name is a token; the value as `HeaderValue` would.
+        if !is_header_value(header.value) {
+            return Err(Http1Error::HeadField("a header value"));
+        }
+        let name = header.name;
+        if name.eq_ignore_ascii_case("content-length") {
             for n in tokens(header.value) {
                 let n = content_length(n)?;
                 if length.is_some_and(|l| l != n) {
@@ -243,18 +250,19 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
                 }
                 length = Some(n);
             }
-        } else if name == http::header::TRANSFER_ENCODING {
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
             // Only the last coding says how the body ends.
             if let Some(last) = tokens(header.value).last() {
                 chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
             }
-        } else if name == http::header::CONNECTION {
+        } else if name.eq_ignore_ascii_case("connection") {
             for token in tokens(header.value) {
                 close |= token.eq_ignore_ascii_case(b"close");
                 keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
             }
+        } else if name.eq_ignore_ascii_case("content-type") {
+            content_type.get_or_insert(header.value);
         }
-        map.append(name, value);
     }
     let body = if status.is_informational()
         || status == StatusCode::NO_CONTENT
@@ -277,10 +285,12 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
         false => !close,
     } && body != Framing::Close
         && !ambiguous;
+    // The first Content-Type, as text (as `HeaderValue::to_str` reads it).
+    let event_stream = content_type.is_some_and(|v| v.is_ascii() && v.starts_with(EVENT_STREAM));
     buf.advance(len);
     Ok(Some(Head {
         status,
-        headers: map,
+        event_stream,
         body,
         keep_alive,
     }))
@@ -399,34 +409,66 @@ fn chunk_size(line: &[u8]) -> Result<u64, Http1Error> {
         .ok_or(bad)
 }
 
-/// A request as written: the request line, `headers` (with `Host`), `Content-Length` when it
-/// has a body, and the body.
-pub(super) fn request(
-    method: &http::Method,
-    path: &str,
-    headers: &HeaderMap,
-    body: Option<&[u8]>,
-) -> Vec<u8> {
-    let body_len = body.map_or(0, <[u8]>::len);
-    let mut wire = Vec::with_capacity(256 + body_len);
-    wire.extend_from_slice(method.as_str().as_bytes());
-    wire.push(b' ');
-    wire.extend_from_slice(path.as_bytes());
-    wire.extend_from_slice(b" HTTP/1.1\r\n");
-    for (name, value) in headers {
-        wire.extend_from_slice(name.as_str().as_bytes());
-        wire.extend_from_slice(b": ");
-        wire.extend_from_slice(value.as_bytes());
-        wire.extend_from_slice(b"\r\n");
+/// A request as it goes on the wire, written straight into the one buffer it is sent from:
+/// the request line, the headers, then `Content-Length` and the body ([`Request::finish`]).
+/// No `http::Request` is built only to be written out again.
+#[derive(Debug)]
+pub(super) struct Request(Vec<u8>);
+
+impl Request {
+    /// The request line of `method` on `prefix` followed by `path` (both from `/`), with room
+    /// for `body_len` bytes of body. The caller vouches for the path: the engine's base URI's
+    /// own, and the router's route.
+    pub(super) fn start(
+        method: &http::Method,
+        prefix: &str,
+        path: &str,
+        body_len: usize,
+    ) -> Request {
+        let mut wire = Vec::with_capacity(256 + body_len);
+        wire.extend_from_slice(method.as_str().as_bytes());
+        wire.push(b' ');
+        wire.extend_from_slice(prefix.as_bytes());
+        wire.extend_from_slice(path.as_bytes());
+        wire.extend_from_slice(b" HTTP/1.1\r\n");
+        Request(wire)
     }
-    if let Some(body) = body {
-        // Writing into a Vec cannot fail.
-        let _ = write!(wire, "content-length: {}\r\n\r\n", body.len());
-        wire.extend_from_slice(body);
-    } else {
-        wire.extend_from_slice(b"\r\n");
+
+    /// One header line; `value` is a valid header value (see [`is_header_value`]).
+    pub(super) fn header(&mut self, name: &HeaderName, value: &[u8]) {
+        self.0.extend_from_slice(name.as_str().as_bytes());
+        self.0.extend_from_slice(b": ");
+        self.0.extend_from_slice(value);
+        self.0.extend_from_slice(b"\r\n");
     }
-    wire
+
+    /// Every header of `headers`.
+    pub(super) fn headers(&mut self, headers: &HeaderMap) {
+        for (name, value) in headers {
+            self.header(name, value.as_bytes());
+        }
+    }
+
+    /// The request as written: `Content-Length` when it has a body, and the body.
+    pub(super) fn finish(self, body: Option<&[u8]>) -> Vec<u8> {
+        let mut wire = self.0;
+        if let Some(body) = body {
+            // Writing into a Vec cannot fail.
+            let _ = write!(wire, "content-length: {}\r\n\r\n", body.len());
+            wire.extend_from_slice(body);
+        } else {
+            wire.extend_from_slice(b"\r\n");
+        }
+        wire
+    }
+}
+
+/// Whether `value` may be written as a header's value as it is: what `http::HeaderValue`
+/// accepts (visible bytes, spaces and tabs; no control byte, so no line break).
+pub(super) fn is_header_value(value: &[u8]) -> bool {
+    value
+        .iter()
+        .all(|&b| b == b'\t' || (b >= b' ' && b != 0x7f))
 }
 
 #[cfg(test)]

@@ -84,9 +84,14 @@ impl EngineClient {
     /// aborting frees its KV. Only for an id whose prep_recv answered: an MLC engine crashes on
     /// a start_generate for an id it never prepared.
     pub async fn release(&self, engine: &Upstream, body: &StartGenerateRequest) -> Release {
-        let request = engine
-            .request(http::Method::POST, "/microserving/start_generate")
-            .and_then(|request| json_request(request, to_json(body)?));
+        let request = to_json(body).and_then(|json| {
+            let request = engine.request(
+                &http::Method::POST,
+                "/microserving/start_generate",
+                json.len(),
+            )?;
+            Ok(json_request(request, &json))
+        });
         let request = match request {
             Ok(request) => request,
             Err(e) => return Release::Later(e.to_string()),

@@ -64,12 +64,7 @@ impl EngineClient {
     /// probe timeout.
     async fn probe(&self, engine: &Upstream, path: &str) -> Result<Bytes, CallError> {
         let deadline = tokio::time::Instant::now() + self.timeouts.probe;
-        let request = engine
-            .request(http::Method::GET, path)?
-            .body(None)
-            .map_err(|e| CallError::Build {
-                reason: e.to_string(),
-            })?;
+        let request = engine.request(&http::Method::GET, path, 0)?.finish(None);
         let sent = self.exchange(engine, &request, None, true);
         let response = tokio::time::timeout_at(deadline, sent)
             .await

@@ -141,31 +141,35 @@ async fn a_connection_closed_before_any_answer_is_tried_once_more_on_a_fresh_one
     served.await.expect("both connections served");
 }
 
-/// A call's URI is the endpoint's base with the path appended, as the two strings would
-/// concatenate, including for a base behind a path prefix.
+/// A call's target is the endpoint's base path with the call's path appended, as the two
+/// strings would concatenate, including for a base behind a path prefix.
 #[test]
-fn a_calls_uri_is_the_base_followed_by_the_path() {
-    for (base, path, uri) in [
+fn a_calls_target_is_the_base_path_followed_by_the_path() {
+    for (base, path, line) in [
         (
             "http://127.0.0.1:8000",
             "/v1/completions",
-            "http://127.0.0.1:8000/v1/completions",
+            "/v1/completions",
         ),
         (
             "http://127.0.0.1:8000/engine",
             "/v1/models",
-            "http://127.0.0.1:8000/engine/v1/models",
+            "/engine/v1/models",
         ),
-        (
-            "http://[::1]:9/a/b/",
-            "/metrics",
-            "http://[::1]:9/a/b/metrics",
-        ),
+        ("http://[::1]:9/a/b/", "/metrics", "/a/b/metrics"),
     ] {
-        let target = Target::parse(base).expect("base");
-        assert_eq!(target.with_path(path).expect("uri").to_string(), uri);
+        let wire = get(&Upstream::new(base.into(), None), path);
+        let expected = format!("GET {line} HTTP/1.1\r\n");
+        assert!(wire.starts_with(expected.as_bytes()), "{base}");
     }
     assert!(Target::parse("127.0.0.1:8000").is_none(), "no scheme");
+}
+
+/// The header lines of a request as written.
+fn header_lines(wire: &[u8]) -> Vec<String> {
+    let head = String::from_utf8_lossy(wire);
+    let head = head.split("\r\n\r\n").next().unwrap_or_default();
+    head.split("\r\n").skip(1).map(str::to_owned).collect()
 }
 
 /// Every call carries the `Host` header the HTTP client would have written: the host, and the
@@ -180,17 +184,8 @@ fn a_call_names_its_host_as_the_http_client_would() {
         ("https://engine.local:80", "engine.local:80"),
         ("http://user:secret@[::1]:9/a", "[::1]:9"),
     ] {
-        let request = Upstream::new(base.into(), None)
-            .request(http::Method::GET, "/v1/models")
-            .expect("a request")
-            .body(())
-            .expect("built");
-        let sent: Vec<_> = request
-            .headers()
-            .get_all(http::header::HOST)
-            .iter()
-            .collect();
-        assert_eq!(sent, [host], "{base}");
+        let wire = get(&Upstream::new(base.into(), None), "/v1/models");
+        assert_eq!(header_lines(&wire), [format!("host: {host}")], "{base}");
     }
 }
 
@@ -198,18 +193,28 @@ fn a_call_names_its_host_as_the_http_client_would() {
 #[test]
 fn a_pinned_upstream_names_its_dp_rank_on_every_call() {
     let engine = Upstream::new("http://127.0.0.1:8000".into(), None);
-    let header = |upstream: &Upstream| {
-        let request = upstream
-            .request(http::Method::POST, "/v1/completions")
-            .expect("a request")
-            .body(())
-            .expect("built");
-        request.headers().get("x-data-parallel-rank").cloned()
+    let rank = |upstream: &Upstream| {
+        let wire = get(upstream, "/v1/completions");
+        header_lines(&wire).into_iter().find_map(|line| {
+            line.strip_prefix("x-data-parallel-rank: ")
+                .map(str::to_owned)
+        })
     };
-    assert_eq!(header(&engine), None);
+    assert_eq!(rank(&engine), None);
     let pinned = engine.clone().pinned_to_rank(3);
-    assert_eq!(header(&pinned), Some(http::HeaderValue::from(3u32)));
+    assert_eq!(rank(&pinned).as_deref(), Some("3"));
     assert_ne!(pinned, engine, "called another way");
+}
+
+/// A request id that is no header value (a line break in it could add headers of its own) is
+/// refused before anything is sent.
+#[tokio::test]
+async fn a_request_id_that_is_no_header_value_is_refused() {
+    let engine = Upstream::new("http://127.0.0.1:9".into(), None);
+    let sent = client(Duration::from_secs(2))
+        .answer_leg(&engine, "/v1/completions", &(), "id\r\nx-injected: 1")
+        .await;
+    assert!(matches!(sent, Err(CallError::Build { .. })), "{sent:?}");
 }
 
 /// The connections an engine accepted, and those of them the client closed.
@@ -377,12 +382,11 @@ async fn the_idle_limit_counts_each_wait_for_a_chunk_not_the_stream() {
 }
 
 /// A `GET` of `path` on `engine`, as the client writes its calls.
-fn get(engine: &Upstream, path: &str) -> EngineRequest {
+fn get(engine: &Upstream, path: &str) -> Vec<u8> {
     engine
-        .request(http::Method::GET, path)
+        .request(&http::Method::GET, path, 0)
         .expect("a request")
-        .body(None)
-        .expect("built")
+        .finish(None)
 }
 
 /// The whole body of an exchange's answer.

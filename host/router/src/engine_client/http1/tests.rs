@@ -1,6 +1,7 @@
 //! Framing on scripted bytes: heads and bodies fed as reads would deliver them, and a
 //! connection over an in-memory pipe for what needs a socket (a close, a head too big).
 
+use http::HeaderValue;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
 
 use super::*;
@@ -47,7 +48,7 @@ fn a_content_length_body_ends_at_its_length() {
     let (head, body, framing) =
         whole(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-a: b\r\n\r\nhello");
     assert_eq!(head.status, StatusCode::OK);
-    assert_eq!(head.headers["x-a"], "b");
+    assert!(!head.event_stream);
     assert_eq!(body, b"hello");
     assert_eq!(framing, Framing::Done);
     assert!(head.keep_alive);
@@ -78,7 +79,23 @@ fn chunk_extensions_are_ignored_and_trailers_dropped() {
     assert_eq!(body, b"hello");
     assert_eq!(framing, Framing::Done);
     assert!(head.keep_alive);
-    assert!(head.headers.get("x-trailer").is_none());
+}
+
+/// An answer is an event stream when its (first) `Content-Type` says so, parameters and all.
+#[test]
+fn an_event_stream_is_told_by_its_first_content_type() {
+    for (content_type, event_stream) in [
+        ("text/event-stream", true),
+        ("text/event-stream; charset=utf-8", true),
+        ("application/json", false),
+        ("application/json\r\ncontent-type: text/event-stream", false),
+    ] {
+        let answer = format!("HTTP/1.1 200 OK\r\ncontent-type: {content_type}\r\n\r\n");
+        let (head, ..) = whole(answer.as_bytes());
+        assert_eq!(head.event_stream, event_stream, "{content_type}");
+    }
+    let (head, ..) = whole(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n");
+    assert!(!head.event_stream, "none");
 }
 
 #[test]
@@ -249,23 +266,25 @@ async fn a_close_before_any_answer_byte_is_closed_and_after_one_is_broken() {
 #[tokio::test]
 async fn a_request_is_written_with_its_length_and_an_idle_close_is_seen() {
     let (mut conn, mut engine) = pipe();
-    let mut headers = HeaderMap::new();
-    headers.insert(http::header::HOST, HeaderValue::from_static("e:1"));
-    let wire = request(
-        &http::Method::POST,
-        "/v1/completions",
-        &headers,
-        Some(b"{}"),
-    );
+    let host = HeaderValue::from_static("e:1");
+    let mut post = Request::start(&http::Method::POST, "/engine", "/v1/completions", 2);
+    post.header(&http::header::HOST, host.as_bytes());
+    let wire = post.finish(Some(b"{}"));
     conn.write(&wire).await.expect("written");
     let mut got = vec![0; wire.len()];
     engine.read_exact(&mut got).await.expect("read");
     assert_eq!(
         got,
-        b"POST /v1/completions HTTP/1.1\r\nhost: e:1\r\ncontent-length: 2\r\n\r\n{}"
+        b"POST /engine/v1/completions HTTP/1.1\r\nhost: e:1\r\ncontent-length: 2\r\n\r\n{}"
     );
-    let get = request(&http::Method::GET, "/health", &headers, None);
-    assert_eq!(get, b"GET /health HTTP/1.1\r\nhost: e:1\r\n\r\n");
+    let mut get = Request::start(&http::Method::GET, "", "/health", 0);
+    let mut headers = HeaderMap::new();
+    headers.insert(http::header::HOST, host);
+    get.headers(&headers);
+    assert_eq!(
+        get.finish(None),
+        b"GET /health HTTP/1.1\r\nhost: e:1\r\n\r\n"
+    );
     assert!(conn.is_open(), "nothing to read: open");
     engine.write_all(b"x").await.expect("written");
     assert!(!conn.is_open(), "a stray byte: unusable");
