@@ -31,7 +31,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper::server::conn::http1;
+use hyper::server::conn::http1 as hyper_http1;
 use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use parking_lot::Mutex;
@@ -41,6 +41,8 @@ use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use super::tls::{ClientIo, TlsAcceptor};
+
+pub mod http1;
 
 /// Limits on client connections, per listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,12 +262,12 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
 #[derive(Clone)]
 pub struct Servers {
     auto: auto::Builder<TokioExecutor>,
-    http1: http1::Builder,
+    http1: hyper_http1::Builder,
 }
 
 /// The server a connection gets.
 pub enum Server<'a> {
-    Http1(&'a http1::Builder),
+    Http1(&'a hyper_http1::Builder),
     Auto(&'a auto::Builder<TokioExecutor>),
 }
 
@@ -277,7 +279,7 @@ impl Servers {
     pub fn new() -> Servers {
         Servers {
             auto: auto::Builder::new(TokioExecutor::new()),
-            http1: http1::Builder::new(),
+            http1: hyper_http1::Builder::new(),
         }
     }
 
