@@ -15,7 +15,7 @@ pub(crate) const MAX_TRAILERS: usize = 16 * 1024;
 /// A body whose framing is broken: what is wrong with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
-pub(crate) struct Error(pub(crate) &'static str);
+pub struct Error(pub(crate) &'static str);
 
 /// Where a body's reading stands, and how it ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -360,11 +360,9 @@ where
         };
         let is_head = parts.method == Method::HEAD;
         let version = parts.version;
-        let response = handler(Request::from_parts(parts, body)).await;
-        // The body comes back when the handler drops it, at the latest with its future.
-        let Ok((returned, framing)) = returned.await else {
-            return Ok(());
-        };
+        let handled = handler(Request::from_parts(parts, body));
+        let (response, returned) = await_handler(handled, returned).await?;
+        let (returned, framing) = returned;
         conn = returned;
         let rest_read = matches!(decode_buffered(framing, &mut conn.buf), Ok(Framing::Done));
         let draining_now = futures::poll!(&mut draining).is_ready();
@@ -378,6 +376,53 @@ where
             return Ok(());
         }
     }
+}
+
+/// The handler's response, and the connection its request's body gave back. Once the body is
+/// back, the connection is watched while the handler works: the client closing it (hyper's
+/// default, with no half-close) drops the handler, as hyper's server did.
+async fn await_handler<F: Future>(
+    handled: F,
+    mut returned: oneshot::Receiver<(Conn, Framing)>,
+) -> Result<(F::Output, (Conn, Framing)), ServeError> {
+    let mut handled = pin!(handled);
+    let mut back = None::<(Conn, Framing)>;
+    let response = std::future::poll_fn(|cx| {
+        if let Poll::Ready(response) = handled.as_mut().poll(cx) {
+            return Poll::Ready(Ok(response));
+        }
+        if back.is_none() {
+            match Pin::new(&mut returned).poll(cx) {
+                Poll::Ready(Ok(conn)) => back = Some(conn),
+                // The body was leaked with the connection in it: nothing to answer on.
+                Poll::Ready(Err(_)) => return Poll::Ready(Err(ServeError::ClientGone)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+        let Some((conn, _)) = back.as_mut() else {
+            return Poll::Pending;
+        };
+        watch_close(conn, cx)
+    })
+    .await?;
+    let back = match back {
+        Some(back) => back,
+        // The body comes back when the handler drops it, at the latest with its future.
+        None => returned.await.map_err(|_| ServeError::ClientGone)?,
+    };
+    Ok((response, back))
+}
+
+/// Reads ahead on an otherwise idle connection (a pipelined request is buffered, up to a
+/// head's bound) until it closes: `Ready` only with [`ServeError::ClientGone`].
+fn watch_close<T>(conn: &mut Conn, cx: &mut Context<'_>) -> Poll<Result<T, ServeError>> {
+    while conn.buf.len() < MAX_HEAD {
+        match ready!(conn.poll_read(cx, READ_CHUNK)) {
+            Ok(0) | Err(_) => return Poll::Ready(Err(ServeError::ClientGone)),
+            Ok(_) => {}
+        }
+    }
+    Poll::Pending
 }
 
 enum HeadError {
@@ -562,8 +607,7 @@ where
     Ok(())
 }
 
-/// The body's next data (`None` at its end), watching the connection meanwhile: bytes the
-/// client sends ahead (a pipelined request) are buffered up to a head's bound, its close ends
+/// The body's next data (`None` at its end), the connection watched meanwhile: its close ends
 /// the response.
 fn next_frame<B>(
     conn: &mut Conn,
@@ -584,15 +628,7 @@ where
             },
             Poll::Pending => {}
         }
-        if conn.buf.len() >= MAX_HEAD {
-            return Poll::Pending;
-        }
-        return match conn.poll_read(cx, READ_CHUNK) {
-            Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => Poll::Ready(Err(ServeError::ClientGone)),
-            // Read ahead: look again, for more or for the close.
-            Poll::Ready(Ok(_)) => continue,
-            Poll::Pending => Poll::Pending,
-        };
+        return watch_close(conn, cx);
     }
 }
 
