@@ -562,9 +562,10 @@ where
     Ok(keep_alive)
 }
 
-/// The body's frames written behind the head in `out`: gathered into one write when its size
-/// is known, each written as it comes when chunked. The client closing the connection while
-/// the server waits for a frame ends the body.
+/// The body's frames written behind the head in `out`: the frames ready at once gathered into
+/// one write (up to [`COALESCE`] bytes), which goes out before the server waits for the next;
+/// chunked when the size is not known. The client closing the connection while the server
+/// waits ends the body.
 async fn send_body<B>(
     conn: &mut Conn,
     out: &mut Vec<u8>,
@@ -575,13 +576,26 @@ where
     B: HttpBody<Data = Bytes> + Unpin,
 {
     loop {
-        let frame = std::future::poll_fn(|cx| next_frame(conn, body, cx)).await?;
-        let Some(data) = frame else { break };
-        if data.is_empty() {
-            continue;
-        }
+        let ready = std::future::poll_fn(|cx| Poll::Ready(poll_data(body, cx))).await;
+        let next = match ready {
+            Poll::Ready(next) => next?,
+            Poll::Pending => {
+                // Nothing more now: what is gathered goes out (a token must not wait).
+                if !out.is_empty() {
+                    conn.io.write_all(out).await.map_err(ServeError::Write)?;
+                    out.clear();
+                }
+                std::future::poll_fn(|cx| match poll_data(body, cx) {
+                    Poll::Ready(next) => Poll::Ready(next),
+                    Poll::Pending => watch_close(conn, cx),
+                })
+                .await?
+            }
+        };
+        let Some(data) = next else { break };
         match sending {
             Sending::Chunked => {
+                // Writing into a Vec cannot fail.
                 let _ = write!(out, "{:x}\r\n", data.len());
                 out.extend_from_slice(&data);
                 out.extend_from_slice(b"\r\n");
@@ -591,13 +605,10 @@ where
                 conn.io.write_all(out).await.map_err(ServeError::Write)?;
                 out.clear();
                 conn.io.write_all(&data).await.map_err(ServeError::Write)?;
-                continue;
             }
         }
-        if sending == Sending::Chunked || body.is_end_stream() {
-            // A streamed frame goes out now: a token must not wait for the next one.
+        if out.len() >= COALESCE {
             conn.io.write_all(out).await.map_err(ServeError::Write)?;
-            conn.io.flush().await.map_err(ServeError::Write)?;
             out.clear();
         }
     }
@@ -607,28 +618,21 @@ where
     Ok(())
 }
 
-/// The body's next data (`None` at its end), the connection watched meanwhile: its close ends
-/// the response.
-fn next_frame<B>(
-    conn: &mut Conn,
-    body: &mut B,
-    cx: &mut Context<'_>,
-) -> Poll<Result<Option<Bytes>, ServeError>>
+/// The body's next data, `None` at its end (trailers skipped: HTTP/1.1 responses here carry
+/// none, and empty frames too).
+fn poll_data<B>(body: &mut B, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, ServeError>>
 where
     B: HttpBody<Data = Bytes> + Unpin,
 {
     loop {
-        match Pin::new(&mut *body).poll_frame(cx) {
-            Poll::Ready(None) => return Poll::Ready(Ok(None)),
-            Poll::Ready(Some(Err(_))) => return Poll::Ready(Err(ServeError::ResponseBody)),
-            Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
-                Ok(data) => return Poll::Ready(Ok(Some(data))),
-                // Trailers: HTTP/1.1 responses here carry none.
-                Err(_) => continue,
+        match ready!(Pin::new(&mut *body).poll_frame(cx)) {
+            None => return Poll::Ready(Ok(None)),
+            Some(Err(_)) => return Poll::Ready(Err(ServeError::ResponseBody)),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) if !data.is_empty() => return Poll::Ready(Ok(Some(data))),
+                _ => continue,
             },
-            Poll::Pending => {}
         }
-        return watch_close(conn, cx);
     }
 }
 
