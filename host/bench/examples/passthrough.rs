@@ -15,8 +15,8 @@
 //! request bodies, the response's head and body written in one write, keep-alive), instead of
 //! hyper's: what a server connection of switchyard's own would save per request and per open
 //! stream before one is built. Measured on the 2-core box (nginx responder, interleaved): wrk
-//! `-t1 -c32` forward 19.1–22.0 µs of CPU per request against hyper's 22.0–28.6 (3.6 less on
-//! the median of six rounds); `scripts/bench-streams.sh` at 1,024 streams (ROUTER_BIN= a
+//! `-t1 -c32` forward 19.1–22.0 µs of CPU per request against hyper's 22.0–28.6 (medians of six
+//! interleaved rounds 20.2 and 23.6); `scripts/bench-streams.sh` at 1,024 streams (ROUTER_BIN= a
 //! wrapper) 23.8 KiB of RSS per open stream against 33.1.
 //!
 //! Usage: passthrough [--own-server] PORT ENGINE_URL [ENGINE_URL...]
