@@ -27,6 +27,7 @@ mod admission;
 mod connection;
 mod drain;
 mod guarded;
+mod incoming;
 mod metrics;
 mod openai;
 mod respond;
@@ -48,7 +49,6 @@ use futures::StreamExt;
 use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
@@ -64,6 +64,7 @@ pub use admission::{
 };
 pub use connection::ConnectionLimits;
 pub use drain::{Drain, DrainConfig};
+pub use incoming::Incoming;
 pub use metrics::{AdmissionMetrics, Metrics};
 use openai::BodyObject;
 pub use openai::Shape;
@@ -437,18 +438,19 @@ async fn serve_with<H, F>(
             };
             metrics.open.inc();
             let activity = connection::Activity::new();
-            let service = {
+            // Each request is the peer's, and the connection is busy until its response ends.
+            let serve_request = {
                 let activity = Arc::clone(&activity);
                 let state = state.clone();
-                hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                move |mut req: Request<Incoming>| {
                     req.extensions_mut().insert(Peer(peer));
                     let in_request = activity.request_started();
-                    // Boxed: hyper keeps room for its service's future as long as the
+                    // Boxed: the server keeps room for the handler's future as long as the
                     // connection is open, and a handler's is the request's whole parse and
                     // plan (~3 KiB); boxed, that room is freed once the response has started.
                     let handled = Box::pin(handler(state.clone(), req));
-                    async move { Ok::<_, Infallible>(guarded::hold(handled.await, in_request)) }
-                })
+                    async move { guarded::hold(handled.await, in_request) }
+                }
             };
             let served = async {
                 let server = tokio::select! {
@@ -457,17 +459,32 @@ async fn serve_with<H, F>(
                     // shutdown.
                     () = state.drain.accepting_stopped() => return Ok(()),
                 };
-                let io = TokioIo::new(connection::Watched::new(stream, Arc::clone(&activity)));
+                let io = connection::Watched::new(stream, Arc::clone(&activity));
                 match server {
-                    connection::Server::Http1(http1) => watcher
-                        .watch(http1.serve_connection(io, service))
-                        .await
-                        .map_err(Into::into),
+                    connection::Server::Http1 => connection::http1::serve(
+                        io,
+                        |req: Request<connection::http1::Body>| {
+                            serve_request(req.map(Incoming::Http1))
+                        },
+                        state.drain.accepting_stopped(),
+                    )
+                    .await
+                    .map_err(Into::into),
                     // Boxed: its room for an HTTP/2 connection would be in every connection's
                     // task.
                     connection::Server::Auto(auto) => {
-                        Box::pin(watcher.watch(auto.serve_connection(io, service).into_owned()))
-                            .await
+                        let service =
+                            hyper::service::service_fn(|req: Request<hyper::body::Incoming>| {
+                                let handled = serve_request(req.map(Incoming::Hyper));
+                                async move { Ok::<_, Infallible>(handled.await) }
+                            });
+                        Box::pin(
+                            watcher.watch(
+                                auto.serve_connection(TokioIo::new(io), service)
+                                    .into_owned(),
+                            ),
+                        )
+                        .await
                     }
                 }
             };
@@ -495,7 +512,13 @@ async fn serve_with<H, F>(
     }
     drop(listener);
     tracing::info!("listener closed: waiting for open connections to finish");
-    let finished = graceful.shutdown();
+    // hyper-util's connections end at its graceful shutdown, the router's own HTTP/1 ones at
+    // the drain; each holds its place until it has ended.
+    let finished = async {
+        graceful.shutdown().await;
+        let every_place = state.connections.max_connections;
+        let _ = places.acquire_many(every_place).await;
+    };
     tokio::pin!(finished);
     tokio::select! {
         () = &mut finished => return,

@@ -35,6 +35,7 @@ pub mod config;
 pub mod discovery;
 pub mod engine_client;
 pub mod epp;
+mod http1;
 pub mod kv_events;
 mod pem;
 pub mod plan;

@@ -12,8 +12,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::Incoming;
 use http::{HeaderMap, Method, Request, Response, StatusCode, header};
-use hyper::body::Incoming;
 use serde_json::json;
 
 use http_body_util::{BodyExt, Limited};

@@ -31,7 +31,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use hyper::server::conn::http1;
 use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use parking_lot::Mutex;
@@ -41,6 +40,8 @@ use tokio::time::Instant;
 use tokio_util::either::Either;
 
 use super::tls::{ClientIo, TlsAcceptor};
+
+pub mod http1;
 
 /// Limits on client connections, per listener.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,25 +248,25 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Watched<T> {
     }
 }
 
-/// The HTTP servers a connection may get: HTTP/1's when the connection has said it speaks
-/// HTTP/1 (its first bytes, or the protocol its TLS handshake settled on), else hyper-util's
-/// automatic one, which reads the first bytes to choose between HTTP/1 and HTTP/2.
+/// The HTTP servers a connection may get: the router's own HTTP/1 one ([`http1`]) when the
+/// connection has said it speaks HTTP/1 (its first bytes, or the protocol its TLS handshake
+/// settled on), else hyper-util's automatic one, which reads the first bytes to choose between
+/// HTTP/1 and HTTP/2.
 ///
 /// Why not always the automatic one: it reads up to 24 bytes to look for HTTP/2's preface and
-/// hands them to HTTP/1's parser as a read of their own; the parser, short of a whole header,
-/// reserves its 8 KiB again for the next read, and its buffer doubled to 16 KiB for the
+/// hands them to hyper's HTTP/1 parser as a read of their own; the parser, short of a whole
+/// header, reserves its 8 KiB again for the next read, and its buffer doubled to 16 KiB for the
 /// connection's life (heaptrack at 1,024 open streams: 16 KiB of each). Peeked instead, the
-/// first bytes are read once, by the parser. And its connection, inline in the connection's
+/// first bytes are read once, by the server. And its connection, inline in the connection's
 /// task, keeps room for an HTTP/2 connection's state; HTTP/1's alone does not.
 #[derive(Clone)]
 pub struct Servers {
     auto: auto::Builder<TokioExecutor>,
-    http1: http1::Builder,
 }
 
 /// The server a connection gets.
 pub enum Server<'a> {
-    Http1(&'a http1::Builder),
+    Http1,
     Auto(&'a auto::Builder<TokioExecutor>),
 }
 
@@ -273,11 +274,10 @@ pub enum Server<'a> {
 const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 impl Servers {
-    /// Both with hyper's defaults: the automatic server's HTTP/1 is the same as the other's.
+    /// The automatic one with hyper's defaults.
     pub fn new() -> Servers {
         Servers {
             auto: auto::Builder::new(TokioExecutor::new()),
-            http1: http1::Builder::new(),
         }
     }
 
@@ -288,7 +288,7 @@ impl Servers {
             Either::Right(tls) => TlsAcceptor::settled_http1(tls),
         };
         if http1 {
-            Server::Http1(&self.http1)
+            Server::Http1
         } else {
             Server::Auto(&self.auto)
         }

@@ -12,8 +12,8 @@
 //! head       at most MAX_HEAD bytes and MAX_HEADERS headers (hyper's 100); 1xx heads skipped,
 //!            101 refused (the router upgrades nothing)
 //! body       none for 204 and 304 (the router sends no HEAD); chunked when Transfer-Encoding
-//!            ends in `chunked` (extensions ignored, trailers read and dropped, a size line at
-//!            most MAX_CHUNK_LINE bytes); Content-Length; otherwise until the connection closes
+//!            ends in `chunked` (decoded by `crate::http1::framing`); Content-Length; otherwise
+//!            until the connection closes
 //! keep-alive HTTP/1.1 unless `Connection: close`, HTTP/1.0 only with `Connection: keep-alive`,
 //!            never after a close-delimited body, a Transfer-Encoding beside a Content-Length,
 //!            or bytes past the body's end
@@ -26,6 +26,8 @@ use std::task::{Context, Poll, ready};
 use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, StatusCode};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+
+use crate::http1::framing::{self, Framing, content_length, decode, tokens};
 
 /// What the read buffer grows by when it runs short: an SSE event is a few hundred bytes, and
 /// a stream's buffer is most of what a connection costs while it is open. It also bounds what
@@ -43,9 +45,6 @@ const MAX_HEADERS: usize = 100;
 /// The media type of a streamed answer.
 const EVENT_STREAM: &[u8] = b"text/event-stream";
 
-/// Longest chunk size line, extensions included.
-const MAX_CHUNK_LINE: usize = 4096;
-
 /// Why an exchange on a connection failed.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum Http1Error {
@@ -59,8 +58,8 @@ pub(super) enum Http1Error {
     HeadField(&'static str),
     #[error("the answer's head is over {MAX_HEAD} bytes")]
     HeadTooLarge,
-    #[error("the answer's body is malformed: {0}")]
-    Framing(&'static str),
+    #[error("the answer's body is malformed")]
+    Framing(#[from] framing::Error),
     /// The answer started and then broke off (closed early, reset, unreadable).
     #[error("the answer broke off")]
     Broken(#[source] io::Error),
@@ -85,25 +84,6 @@ pub(super) struct Head {
     pub(super) body: Framing,
     /// Whether the connection can take another request once the body is read to its end.
     pub(super) keep_alive: bool,
-}
-
-/// Where a body's reading stands, and how it ends.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Framing {
-    /// This many bytes still to read.
-    Length(u64),
-    /// Chunked, at a chunk's size line.
-    ChunkSize,
-    /// Chunked, this many bytes into a chunk's data still to read, then its CRLF.
-    ChunkData(u64),
-    /// Chunked, at the CRLF after a chunk's data.
-    ChunkEnd,
-    /// After the last chunk: trailer lines, this many bytes of them so far, until an empty one.
-    Trailers(usize),
-    /// Until the connection closes.
-    Close,
-    /// Read to its end.
-    Done,
 }
 
 impl<IO: AsyncRead + AsyncWrite + Unpin> Conn<IO> {
@@ -244,7 +224,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
         let name = header.name;
         if name.eq_ignore_ascii_case("content-length") {
             for n in tokens(header.value) {
-                let n = content_length(n)?;
+                let n = content_length(n)
+                    .ok_or(Http1Error::HeadField("a Content-Length that is no number"))?;
                 if length.is_some_and(|l| l != n) {
                     return Err(Http1Error::HeadField("Content-Lengths that differ"));
                 }
@@ -294,119 +275,6 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
         body,
         keep_alive,
     }))
-}
-
-/// The comma-separated tokens of a header value, trimmed, empty ones skipped.
-fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
-    value
-        .split(|b| *b == b',')
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty())
-}
-
-fn content_length(digits: &[u8]) -> Result<u64, Http1Error> {
-    let bad = Http1Error::HeadField("a Content-Length that is no number");
-    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
-        return Err(bad);
-    }
-    std::str::from_utf8(digits)
-        .ok()
-        .and_then(|d| d.parse().ok())
-        .ok_or(bad)
-}
-
-/// The next body data in `buf`, if any is there, `framing` moved past it; `None` when more
-/// must be read first, or at the end ([`Framing::Done`]).
-fn decode(framing: &mut Framing, buf: &mut BytesMut) -> Result<Option<Bytes>, Http1Error> {
-    loop {
-        match *framing {
-            Framing::Done => return Ok(None),
-            Framing::Length(left) | Framing::ChunkData(left) => {
-                if buf.is_empty() {
-                    return Ok(None);
-                }
-                let n = usize::try_from(left).unwrap_or(usize::MAX).min(buf.len());
-                let left = left - n as u64;
-                *framing = match (*framing, left) {
-                    (Framing::Length(_), 0) => Framing::Done,
-                    (Framing::Length(_), left) => Framing::Length(left),
-                    (_, 0) => Framing::ChunkEnd,
-                    (_, left) => Framing::ChunkData(left),
-                };
-                return Ok(Some(buf.split_to(n).freeze()));
-            }
-            Framing::Close => {
-                return Ok((!buf.is_empty()).then(|| buf.split().freeze()));
-            }
-            Framing::ChunkEnd => {
-                if buf.len() < 2 {
-                    return Ok(None);
-                }
-                if &buf[..2] != b"\r\n" {
-                    return Err(Http1Error::Framing("a chunk runs past its size"));
-                }
-                buf.advance(2);
-                *framing = Framing::ChunkSize;
-            }
-            Framing::ChunkSize => {
-                let Some(line) = line(buf, MAX_CHUNK_LINE, "a chunk size line too long")? else {
-                    return Ok(None);
-                };
-                *framing = match chunk_size(&line)? {
-                    0 => Framing::Trailers(0),
-                    size => Framing::ChunkData(size),
-                };
-            }
-            Framing::Trailers(seen) => {
-                // Each line's CRLF counts too, so `seen` may pass the bound by two.
-                let room = MAX_HEAD.saturating_sub(seen);
-                let Some(line) = line(buf, room, "trailers too long")? else {
-                    return Ok(None);
-                };
-                *framing = match line.is_empty() {
-                    true => Framing::Done,
-                    false => Framing::Trailers(seen + line.len() + 2),
-                };
-            }
-        }
-    }
-}
-
-/// The CRLF-ended line at the front of `buf`, consumed, without its CRLF; an error once `max`
-/// bytes came without one.
-fn line(
-    buf: &mut BytesMut,
-    max: usize,
-    too_long: &'static str,
-) -> Result<Option<Bytes>, Http1Error> {
-    match buf.windows(2).position(|w| w == b"\r\n") {
-        Some(end) if end <= max => {
-            let line = buf.split_to(end).freeze();
-            buf.advance(2);
-            Ok(Some(line))
-        }
-        Some(_) => Err(Http1Error::Framing(too_long)),
-        None if buf.len() > max => Err(Http1Error::Framing(too_long)),
-        None => Ok(None),
-    }
-}
-
-/// A chunk size line's size: hex digits (at most 16), then optional whitespace and
-/// `;extensions`, which are ignored.
-fn chunk_size(line: &[u8]) -> Result<u64, Http1Error> {
-    let bad = Http1Error::Framing("a chunk size that is no hex number");
-    let digits = line
-        .split(|b| *b == b';')
-        .next()
-        .unwrap_or_default()
-        .trim_ascii();
-    if digits.is_empty() || digits.len() > 16 || !digits.iter().all(u8::is_ascii_hexdigit) {
-        return Err(bad);
-    }
-    std::str::from_utf8(digits)
-        .ok()
-        .and_then(|d| u64::from_str_radix(d, 16).ok())
-        .ok_or(bad)
 }
 
 /// A request as it goes on the wire, written straight into the one buffer it is sent from:

@@ -25,8 +25,9 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 
 use super::Delivery;
-use super::http1::{Conn, Framing, Head, Http1Error};
+use super::http1::{Conn, Head, Http1Error};
 use super::tls::{EngineTls, TlsFiles};
+use crate::http1::framing::Framing;
 
 /// How long an idle connection to an engine is kept: below common engine keep-alive timeouts
 /// (uvicorn, which serves vLLM and SGLang, and nginx close idle connections after 5 s), so a

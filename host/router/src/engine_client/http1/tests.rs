@@ -5,6 +5,7 @@ use http::HeaderValue;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, DuplexStream};
 
 use super::*;
+use crate::http1::framing::{MAX_CHUNK_LINE, MAX_TRAILERS};
 
 /// What a whole answer read through `pieces` (each as one read delivers it) came to: its head
 /// (informational ones skipped, as [`Conn::read_head`] does), its body, and where the body's
@@ -174,9 +175,9 @@ fn malformed_heads_and_chunk_sizes_are_typed_errors() {
         let err = feed(&[answer.as_bytes()]).expect_err("refused");
         assert!(matches!(err, Http1Error::Framing(_)), "{bad:?}: {err:?}");
     }
-    // Trailers are bounded as a head is, their CRLFs counted: a line filling the bound to the
-    // byte, then another, is refused rather than read on.
-    for fill in [MAX_HEAD - 2, MAX_HEAD - 1, MAX_HEAD] {
+    // Trailers are bounded, their CRLFs counted: a line filling the bound to the byte, then
+    // another, is refused rather than read on.
+    for fill in [MAX_TRAILERS - 2, MAX_TRAILERS - 1, MAX_TRAILERS] {
         let trailer = format!("x-t: {}", "y".repeat(fill - 5));
         let answer = format!("{chunked}0\r\n{trailer}\r\nx-u: 1\r\n\r\n");
         let err = feed(&[answer.as_bytes()]).expect_err("refused");
