@@ -1,6 +1,6 @@
 //! The router's HTTP/1.1 server on the wire, written byte by byte as any client may: request
 //! bodies framed by length or by chunks, framing that could be read two ways (request
-//! smuggling) refused or read one way and the connection closed, oversized heads, keep-alive by
+//! smuggling) refused with an OpenAI error or read one way, and the connection closed, oversized heads, keep-alive by
 //! version and `Connection`, pipelining, `Expect: 100-continue`, `HEAD`, and how a stream is
 //! delimited for HTTP/1.0 and 1.1 clients; requests split anywhere across writes, and near-valid
 //! requests mutated at random. These pin what any server connection the router runs on must do,
@@ -52,6 +52,12 @@ impl Response {
                 String::from_utf8_lossy(&self.body)
             )
         })
+    }
+
+    /// Whether the body is an OpenAI error: `{"error": {"message": …}}`.
+    fn is_openai_error(&self) -> bool {
+        serde_json::from_slice::<Value>(&self.body)
+            .is_ok_and(|body| body["error"]["message"].is_string())
     }
 
     /// A completion's `usage.completion_tokens`: which of several requests this answers.
@@ -296,6 +302,7 @@ async fn framing_a_server_could_read_two_ways_is_refused_and_the_connection_clos
         wire.send(&request).await;
         let response = wire.response(false).await;
         assert_eq!(response.status, 400, "{what}: {response:?}");
+        assert!(response.is_openai_error(), "{what}: {response:?}");
         assert!(wire.closed().await, "{what}: the connection is closed");
     }
 
@@ -369,6 +376,7 @@ async fn a_head_over_its_bounds_gets_431_and_one_within_them_an_answer() {
         let _ = wire.stream.write_all(&post(&extra, &body)).await;
         let response = wire.response(false).await;
         assert_eq!(response.status, 431, "{what}: {response:?}");
+        assert!(response.is_openai_error(), "{what}: {response:?}");
         assert!(wire.closed().await, "{what}: closed");
     }
 }
@@ -589,7 +597,7 @@ fn mutated(rng: &mut StdRng, request: &[u8]) -> Vec<u8> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_thousand_mutated_requests_get_answers_or_a_close_and_never_a_5xx() {
+async fn two_thousand_mutated_requests_get_answers_or_a_close_never_a_5xx_and_errors_in_json() {
     let engine = EngineProcess::spawn(&[]);
     let log = tempfile::NamedTempFile::new().expect("a log file");
     let router =
@@ -612,6 +620,11 @@ async fn two_thousand_mutated_requests_get_answers_or_a_close_and_never_a_5xx() 
                 response.status < 500,
                 "round {round}: {} for {:?}",
                 response.status,
+                String::from_utf8_lossy(&request)
+            );
+            assert!(
+                response.status < 400 || response.is_openai_error(),
+                "round {round}: {response:?} for {:?}",
                 String::from_utf8_lossy(&request)
             );
             *statuses.entry(response.status).or_default() += 1;

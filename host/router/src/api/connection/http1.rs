@@ -37,6 +37,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Version};
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
+use switchyard_wire::error::{ErrorBody, INVALID_REQUEST_ERROR};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::oneshot;
 
@@ -340,7 +341,7 @@ where
             Ok(None) => return Ok(()),
             Err(HeadError::Read(e)) => return Err(ServeError::Read(e)),
             Err(HeadError::Refused(refused)) => {
-                write_refusal(&mut conn, &mut out, refused.status).await;
+                write_refusal(&mut conn, &mut out, &refused).await;
                 return Err(ServeError::Head(refused.why));
             }
         };
@@ -470,13 +471,36 @@ struct Reply {
     keep_alive: bool,
 }
 
-/// A refused head's answer, as hyper's: the status, no body, the connection closing.
-async fn write_refusal(conn: &mut Conn, out: &mut Vec<u8>, status: StatusCode) {
+/// A refused head's answer: the status and an OpenAI error saying why (hyper's had no body),
+/// the connection closing.
+async fn write_refusal(conn: &mut Conn, out: &mut Vec<u8>, refused: &Refused) {
+    let (message, code) = match refused.status {
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => (
+            format!(
+                "the request's head is too large ({}; at most {MAX_HEAD} bytes and \
+                 {MAX_HEADERS} headers)",
+                refused.why
+            ),
+            "request_header_fields_too_large",
+        ),
+        _ => (
+            format!("the request's head is malformed ({})", refused.why),
+            "malformed_request",
+        ),
+    };
+    let body = ErrorBody::new(message, INVALID_REQUEST_ERROR, None, Some(code));
+    // Serializing strings and options into a Vec cannot fail.
+    let body = serde_json::to_vec(&body).unwrap_or_default();
     out.clear();
-    status_line(out, status);
-    out.extend_from_slice(b"content-length: 0\r\nconnection: close\r\n");
+    status_line(out, refused.status);
+    let _ = write!(
+        out,
+        "content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
     date(out);
     out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(&body);
     let _ = conn.io.write_all(out).await;
     let _ = conn.io.shutdown().await;
 }
