@@ -60,6 +60,18 @@ async fn exchange(capacity: usize, script: &[u8]) -> (String, Result<(), ServeEr
     (String::from_utf8(answer).expect("text"), served)
 }
 
+/// What the client reads until `done` says the text so far is enough.
+async fn read_until(client: &mut DuplexStream, done: impl Fn(&str) -> bool) -> Vec<u8> {
+    let mut seen = Vec::new();
+    while !done(&String::from_utf8_lossy(&seen)) {
+        let mut piece = [0u8; 256];
+        let n = client.read(&mut piece).await.expect("read");
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&piece[..n]);
+    }
+    seen
+}
+
 /// The bodies of the responses in `answer`, in order, after checking each head has `date`.
 fn bodies(answer: &str) -> Vec<&str> {
     answer
@@ -263,13 +275,7 @@ async fn a_streamed_response_is_chunked_and_each_frame_goes_out_as_it_comes() {
         .await
         .expect("sent");
     // The first frame arrives before the second is sent.
-    let mut seen = Vec::new();
-    while !String::from_utf8_lossy(&seen).ends_with("9\r\ndata: 1\n\n\r\n") {
-        let mut piece = [0u8; 256];
-        let n = client.read(&mut piece).await.expect("read");
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&piece[..n]);
-    }
+    let seen = read_until(&mut client, |seen| seen.ends_with("9\r\ndata: 1\n\n\r\n")).await;
     send.send(Bytes::from_static(b"data: [DONE]\n\n"))
         .await
         .expect("sent");
@@ -302,13 +308,7 @@ async fn a_client_gone_mid_stream_ends_the_response_body() {
         .await
         .expect("sent");
     // Everything sent so far is read, so the server is waiting for the next frame.
-    let mut seen = Vec::new();
-    while !String::from_utf8_lossy(&seen).contains("data: 1") {
-        let mut piece = [0u8; 256];
-        let n = client.read(&mut piece).await.expect("read");
-        assert!(n > 0, "closed early");
-        seen.extend_from_slice(&piece[..n]);
-    }
+    read_until(&mut client, |seen| seen.contains("data: 1")).await;
     drop(client);
     // The body is dropped (its guard fires) while the handler's sender is still open.
     assert!(watch.await.is_err(), "dropped, never sent");
