@@ -77,6 +77,10 @@ pub enum ServeError {
     ClientGone,
     #[error("the response's body failed")]
     ResponseBody,
+    /// More or fewer bytes than the body's exact size said: the connection is closed rather
+    /// than leave the client to read a response's end in the wrong place.
+    #[error("the response's body is not the size it said")]
+    BodyLength,
 }
 
 /// Why a request's body could not be read.
@@ -509,7 +513,8 @@ async fn write_refusal(conn: &mut Conn, out: &mut Vec<u8>, refused: &Refused) {
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Sending {
     None,
-    Length,
+    /// This many bytes, the body's exact size: more or fewer end the connection.
+    Length(u64),
     Chunked,
     UntilClose,
 }
@@ -529,11 +534,9 @@ where
         || parts.status == StatusCode::NO_CONTENT
         || parts.status == StatusCode::NOT_MODIFIED;
     let size = body.size_hint().exact();
-    let declared = parts.headers.contains_key(http::header::CONTENT_LENGTH);
     let sending = match (bodiless || reply.is_head, size, reply.version) {
         (true, ..) => Sending::None,
-        (false, Some(_), _) => Sending::Length,
-        (false, None, _) if declared => Sending::Length,
+        (false, Some(size), _) => Sending::Length(size),
         (false, None, Version::HTTP_10) => Sending::UntilClose,
         (false, None, _) => Sending::Chunked,
     };
@@ -541,7 +544,13 @@ where
     out.clear();
     status_line(out, parts.status);
     for (name, value) in &parts.headers {
-        if name == http::header::TRANSFER_ENCODING || name == http::header::CONNECTION {
+        // The framing is the server's alone, from the body it writes: a handler's own length
+        // or coding could disagree with it, and the client would read the next response out
+        // of this one's bytes.
+        if name == http::header::TRANSFER_ENCODING
+            || name == http::header::CONNECTION
+            || name == http::header::CONTENT_LENGTH
+        {
             continue;
         }
         out.extend_from_slice(name.as_str().as_bytes());
@@ -549,10 +558,7 @@ where
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    if !declared
-        && !bodiless
-        && let Some(size) = size
-    {
+    if !bodiless && let Some(size) = size {
         // Writing into a Vec cannot fail.
         let _ = write!(out, "content-length: {size}\r\n");
     }
@@ -599,6 +605,10 @@ async fn send_body<B>(
 where
     B: HttpBody<Data = Bytes> + Unpin,
 {
+    let mut left = match sending {
+        Sending::Length(size) => size,
+        _ => 0,
+    };
     loop {
         let ready = std::future::poll_fn(|cx| Poll::Ready(poll_data(body, cx))).await;
         let next = match ready {
@@ -617,6 +627,11 @@ where
             }
         };
         let Some(data) = next else { break };
+        if let Sending::Length(_) = sending {
+            left = left
+                .checked_sub(data.len() as u64)
+                .ok_or(ServeError::BodyLength)?;
+        }
         match sending {
             Sending::Chunked => {
                 // Writing into a Vec cannot fail.
@@ -636,8 +651,10 @@ where
             out.clear();
         }
     }
-    if sending == Sending::Chunked {
-        out.extend_from_slice(b"0\r\n\r\n");
+    match sending {
+        Sending::Chunked => out.extend_from_slice(b"0\r\n\r\n"),
+        Sending::Length(_) if left > 0 => return Err(ServeError::BodyLength),
+        _ => {}
     }
     Ok(())
 }

@@ -365,3 +365,102 @@ async fn draining_lets_a_busy_connection_finish_its_response_then_closes_it() {
     assert!(answer.contains("connection: close\r\n"), "{answer}");
     assert!(served.await.expect("ran").is_ok());
 }
+
+/// A body of `data` whose size hint says it is `said` bytes long.
+struct Sized {
+    data: Option<Bytes>,
+    said: u64,
+}
+
+impl HttpBody for Sized {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.data.take().map(|data| Ok(Frame::data(data))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.said)
+    }
+}
+
+/// A handler that answers every request the same, whatever it asked.
+type Handler = fn() -> Response<Answer>;
+
+/// What the server wrote for two pipelined GETs answered with `answer`'s responses, until it
+/// closed the connection, and how serving ended.
+async fn two_gets_answered(answer: fn() -> Response<Answer>) -> (String, Result<(), ServeError>) {
+    let (_drain, drain) = oneshot::channel();
+    let handler = move |_: Request<Body>| std::future::ready(answer());
+    let (mut client, served) = server(1 << 16, handler, drain);
+    client
+        .write_all(b"GET /1 HTTP/1.1\r\n\r\nGET /2 HTTP/1.1\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("written");
+    let mut written = Vec::new();
+    client.read_to_end(&mut written).await.expect("read");
+    let served = served.await.expect("the server ran");
+    (String::from_utf8(written).expect("text"), served)
+}
+
+#[tokio::test]
+async fn a_handlers_own_length_or_coding_is_replaced_by_the_bodys() {
+    let (written, served) = two_gets_answered(|| {
+        let mut response = Response::new(full("four"));
+        let headers = response.headers_mut();
+        headers.insert(
+            http::header::CONTENT_LENGTH,
+            HeaderValue::from_static("999"),
+        );
+        headers.insert(
+            http::header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        response
+    })
+    .await;
+    assert!(served.is_ok(), "{served:?}");
+    assert_eq!(bodies(&written), ["four", "four"], "{written}");
+    assert_eq!(
+        written.matches("content-length: 4\r\n").count(),
+        2,
+        "{written}"
+    );
+    assert!(!written.contains("999"), "{written}");
+    assert!(!written.contains("transfer-encoding"), "{written}");
+}
+
+fn ten_bytes_said_four() -> Response<Answer> {
+    let data = Some(Bytes::from_static(b"0123456789"));
+    Response::new(Sized { data, said: 4 }.boxed_unsync())
+}
+
+fn two_bytes_said_four() -> Response<Answer> {
+    let data = Some(Bytes::from_static(b"01"));
+    Response::new(Sized { data, said: 4 }.boxed_unsync())
+}
+
+#[tokio::test]
+async fn a_body_longer_or_shorter_than_its_size_ends_the_connection_before_it_is_misread() {
+    let answers: [(&str, Handler); 2] = [
+        ("longer", ten_bytes_said_four),
+        ("shorter", two_bytes_said_four),
+    ];
+    for (what, answer) in answers {
+        let (written, served) = two_gets_answered(answer).await;
+        assert!(
+            matches!(served, Err(ServeError::BodyLength)),
+            "{what}: {served:?}"
+        );
+        // Never more body than the head announced, and no second answer.
+        assert!(!written.contains("456789"), "{what}: {written}");
+        assert!(
+            written.matches("HTTP/1.1 ").count() <= 1,
+            "{what}: {written}"
+        );
+    }
+}
