@@ -3,8 +3,10 @@
 //! in turn (round-robin) and streams their answers back unread, on hyper's stack (hyper server,
 //! hyper-util's client with pooled keep-alive connections, a multi-thread Tokio runtime,
 //! TCP_NODELAY on both sides). switchyard calls its engines on an HTTP/1.1 client of its own
-//! (`engine_client::http1`), leaner than hyper-util's; the book's "An engine connection driven
-//! by the request's task" has both measured.
+//! (`engine_client::http1`), leaner than hyper-util's, and serves HTTP/1.1 clients on a server
+//! connection of its own (`api::connection::http1`), leaner than hyper's; the book's "An engine
+//! connection driven by the request's task" and "switchyard's own HTTP/1 server connection" have
+//! each measured against hyper's.
 //!
 //! `scripts/bench-overhead.sh` runs the forward scenario through it as well, so the table can say
 //! how much of switchyard's added latency any proxy hop pays here (an extra loopback round trip,
