@@ -27,7 +27,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::{HeaderMap, HeaderName, StatusCode};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use crate::http1::framing::{self, Framing, content_length, decode, tokens};
+use crate::http1::framing::{self, Delimiting, Framing, decode};
 
 /// What the read buffer grows by when it runs short: an SSE event is a few hundred bytes, and
 /// a stream's buffer is most of what a connection costs while it is open. It also bounds what
@@ -210,41 +210,23 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
     if status == StatusCode::SWITCHING_PROTOCOLS {
         return Err(Http1Error::HeadField("101: the router upgrades nothing"));
     }
-    let http10 = parsed.version == Some(0);
     let mut content_type = None;
-    let mut length: Option<u64> = None;
-    let mut chunked = None;
-    let mut close = false;
-    let mut keep_alive = false;
+    let mut delimiting = Delimiting::default();
     for header in parsed.headers.iter() {
         // httparse has checked the name is a token; the value as `HeaderValue` would.
         if !is_header_value(header.value) {
             return Err(Http1Error::HeadField("a header value"));
         }
-        let name = header.name;
-        if name.eq_ignore_ascii_case("content-length") {
-            for n in tokens(header.value) {
-                let n = content_length(n)
-                    .ok_or(Http1Error::HeadField("a Content-Length that is no number"))?;
-                if length.is_some_and(|l| l != n) {
-                    return Err(Http1Error::HeadField("Content-Lengths that differ"));
-                }
-                length = Some(n);
-            }
-        } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            // Only the last coding says how the body ends.
-            if let Some(last) = tokens(header.value).last() {
-                chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
-            }
-        } else if name.eq_ignore_ascii_case("connection") {
-            for token in tokens(header.value) {
-                close |= token.eq_ignore_ascii_case(b"close");
-                keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
-            }
-        } else if name.eq_ignore_ascii_case("content-type") {
+        delimiting
+            .read(header.name, header.value)
+            .map_err(|e| Http1Error::HeadField(e.0))?;
+        if header.name.eq_ignore_ascii_case("content-type") {
             content_type.get_or_insert(header.value);
         }
     }
+    let Delimiting {
+        length, chunked, ..
+    } = delimiting;
     let body = if status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED
@@ -261,11 +243,8 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Http1Error> {
     // A Transfer-Encoding beside a Content-Length may be a smuggling attempt: read by the
     // former, never reused (RFC 9112 §6.3).
     let ambiguous = chunked.is_some() && length.is_some();
-    let keep_alive = match http10 {
-        true => keep_alive && !close,
-        false => !close,
-    } && body != Framing::Close
-        && !ambiguous;
+    let keep_alive =
+        delimiting.persistent(parsed.version == Some(0)) && body != Framing::Close && !ambiguous;
     // The first Content-Type, as text (as `HeaderValue::to_str` reads it).
     let event_stream = content_type.is_some_and(|v| v.is_ascii() && v.starts_with(EVENT_STREAM));
     buf.advance(len);

@@ -36,8 +36,57 @@ pub(crate) enum Framing {
     Done,
 }
 
+/// What a head's framing headers say (RFC 9112 §6.1–6.3, §9.3): its Content-Length, its last
+/// transfer coding, and its `Connection` options, read alike on both sides. What to do with an
+/// ambiguous pair is each side's own: the server refuses a request, the engine client reads an
+/// answer by its coding and does not reuse the connection.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Delimiting {
+    /// The Content-Length (repeats of one value allowed).
+    pub(crate) length: Option<u64>,
+    /// Whether the last transfer coding is `chunked`, when a Transfer-Encoding was sent.
+    pub(crate) chunked: Option<bool>,
+    close: bool,
+    keep_alive: bool,
+}
+
+impl Delimiting {
+    /// Takes in one header if it is one of these; any other is left alone.
+    pub(crate) fn read(&mut self, name: &str, value: &[u8]) -> Result<(), Error> {
+        if name.eq_ignore_ascii_case("content-length") {
+            for n in tokens(value) {
+                let n = content_length(n).ok_or(Error("a Content-Length that is no number"))?;
+                if self.length.is_some_and(|l| l != n) {
+                    return Err(Error("Content-Lengths that differ"));
+                }
+                self.length = Some(n);
+            }
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            // Only the last coding says how the body ends.
+            if let Some(last) = tokens(value).last() {
+                self.chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
+            }
+        } else if name.eq_ignore_ascii_case("connection") {
+            for token in tokens(value) {
+                self.close |= token.eq_ignore_ascii_case(b"close");
+                self.keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the connection may carry another message after this one, as far as the head
+    /// says: HTTP/1.1 unless `close`, HTTP/1.0 only with `keep-alive`.
+    pub(crate) fn persistent(&self, http10: bool) -> bool {
+        match http10 {
+            true => self.keep_alive && !self.close,
+            false => !self.close,
+        }
+    }
+}
+
 /// The comma-separated tokens of a header value, trimmed, empty ones skipped.
-pub(crate) fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
     value
         .split(|b| *b == b',')
         .map(<[u8]>::trim_ascii)
@@ -45,7 +94,7 @@ pub(crate) fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
 }
 
 /// A Content-Length value's number: ASCII digits only (no sign, no space).
-pub(crate) fn content_length(digits: &[u8]) -> Option<u64> {
+fn content_length(digits: &[u8]) -> Option<u64> {
     if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }

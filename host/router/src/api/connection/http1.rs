@@ -41,7 +41,7 @@ use switchyard_wire::error::{ErrorBody, INVALID_REQUEST_ERROR};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::sync::oneshot;
 
-use crate::http1::framing::{self, Framing, content_length, decode, tokens};
+use crate::http1::framing::{self, Delimiting, Framing, decode};
 
 /// What the read buffer grows by when it runs short: a request head is a few hundred bytes.
 const READ_CHUNK: usize = 1024;
@@ -263,48 +263,30 @@ fn parse_head(buf: &mut BytesMut) -> Result<Option<Head>, Refused> {
         .parse()
         .map_err(|_| Refused::bad("a request target"))?;
     let mut map = HeaderMap::with_capacity(parsed.headers.len());
-    let (mut length, mut chunked) = (None::<u64>, None::<bool>);
-    let (mut close, mut keep_alive, mut expect_continue) = (false, false, false);
+    let mut delimiting = Delimiting::default();
+    let mut expect_continue = false;
     for header in parsed.headers.iter() {
         let name = HeaderName::from_bytes(header.name.as_bytes())
             .map_err(|_| Refused::bad("a header name"))?;
         let value =
             HeaderValue::from_bytes(header.value).map_err(|_| Refused::bad("a header value"))?;
-        if name == http::header::CONTENT_LENGTH {
-            for n in tokens(header.value) {
-                let n = content_length(n).ok_or(Refused::bad("a Content-Length"))?;
-                if length.is_some_and(|l| l != n) {
-                    return Err(Refused::bad("Content-Lengths that differ"));
-                }
-                length = Some(n);
-            }
-        } else if name == http::header::TRANSFER_ENCODING {
-            // Only the last coding says how the body ends.
-            if let Some(last) = tokens(header.value).last() {
-                chunked = Some(last.eq_ignore_ascii_case(b"chunked"));
-            }
-        } else if name == http::header::CONNECTION {
-            for token in tokens(header.value) {
-                close |= token.eq_ignore_ascii_case(b"close");
-                keep_alive |= token.eq_ignore_ascii_case(b"keep-alive");
-            }
-        } else if name == http::header::EXPECT {
+        delimiting
+            .read(header.name, header.value)
+            .map_err(|e| Refused::bad(e.0))?;
+        if name == http::header::EXPECT {
             expect_continue = header.value.eq_ignore_ascii_case(b"100-continue");
         }
         map.append(name, value);
     }
     // Both framings, or a coding the server cannot end: the way to request smuggling.
-    let framing = match (chunked, length) {
+    let framing = match (delimiting.chunked, delimiting.length) {
         (Some(_), Some(_)) => return Err(Refused::bad("Transfer-Encoding beside Content-Length")),
         (Some(false), None) => return Err(Refused::bad("a Transfer-Encoding not chunked")),
         (Some(true), None) => Framing::ChunkSize,
         (None, None | Some(0)) => Framing::Done,
         (None, Some(n)) => Framing::Length(n),
     };
-    let keep_alive = match version {
-        Version::HTTP_10 => keep_alive && !close,
-        _ => !close,
-    };
+    let keep_alive = delimiting.persistent(version == Version::HTTP_10);
     let mut request = Request::new(());
     *request.method_mut() = method;
     *request.uri_mut() = uri;
