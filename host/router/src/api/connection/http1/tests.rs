@@ -261,19 +261,42 @@ fn streaming(
     }
 }
 
-#[tokio::test]
-async fn a_streamed_response_is_chunked_and_each_frame_goes_out_as_it_comes() {
+/// A response streaming to a client: the client's end, the server, the handler's sender of
+/// frames, and what errs when the response's body is dropped.
+struct Streaming {
+    client: DuplexStream,
+    served: tokio::task::JoinHandle<Result<(), ServeError>>,
+    send: mpsc::Sender<Bytes>,
+    watch: oneshot::Receiver<()>,
+}
+
+/// `request` answered by [`streaming`], its first frame (`data: 1`) sent.
+async fn stream_started(request: &[u8]) -> Streaming {
     let (handed, frames) = oneshot::channel();
-    let (_drain, drain) = oneshot::channel();
+    // Never fired: a dropped sender leaves the server undrained.
+    let (_, drain) = oneshot::channel();
     let (mut client, served) = server(1 << 16, streaming(handed), drain);
-    client
-        .write_all(b"GET /s HTTP/1.1\r\nconnection: close\r\n\r\n")
-        .await
-        .expect("written");
-    let (send, _watch) = frames.await.expect("handler ran");
+    client.write_all(request).await.expect("written");
+    let (send, watch) = frames.await.expect("handler ran");
     send.send(Bytes::from_static(b"data: 1\n\n"))
         .await
         .expect("sent");
+    Streaming {
+        client,
+        served,
+        send,
+        watch,
+    }
+}
+
+#[tokio::test]
+async fn a_streamed_response_is_chunked_and_each_frame_goes_out_as_it_comes() {
+    let Streaming {
+        mut client,
+        served,
+        send,
+        watch: _watch,
+    } = stream_started(b"GET /s HTTP/1.1\r\nconnection: close\r\n\r\n").await;
     // The first frame arrives before the second is sent.
     let seen = read_until(&mut client, |seen| seen.ends_with("9\r\ndata: 1\n\n\r\n")).await;
     send.send(Bytes::from_static(b"data: [DONE]\n\n"))
@@ -296,17 +319,12 @@ async fn a_streamed_response_is_chunked_and_each_frame_goes_out_as_it_comes() {
 
 #[tokio::test]
 async fn a_client_gone_mid_stream_ends_the_response_body() {
-    let (handed, frames) = oneshot::channel();
-    let (_drain, drain) = oneshot::channel();
-    let (mut client, served) = server(1 << 16, streaming(handed), drain);
-    client
-        .write_all(b"GET /s HTTP/1.1\r\n\r\n")
-        .await
-        .expect("written");
-    let (send, watch) = frames.await.expect("handler ran");
-    send.send(Bytes::from_static(b"data: 1\n\n"))
-        .await
-        .expect("sent");
+    let Streaming {
+        mut client,
+        served,
+        send,
+        watch,
+    } = stream_started(b"GET /s HTTP/1.1\r\n\r\n").await;
     // Everything sent so far is read, so the server is waiting for the next frame.
     read_until(&mut client, |seen| seen.contains("data: 1")).await;
     drop(client);
