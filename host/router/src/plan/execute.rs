@@ -94,18 +94,23 @@ impl Executor {
             id,
             cached: &cached,
         };
+        // Each flow's state boxed on its own: inline, this future (and the attempt's, which
+        // holds it) would be as large as the largest flow, MLC's three concurrent calls, and
+        // every request paid for moving that much memory whatever its plan.
         match *plan {
-            ValidPlan::Forward { endpoint } => forward::forward(&legs, endpoint, body).await,
+            ValidPlan::Forward { endpoint } => {
+                Box::pin(forward::forward(&legs, endpoint, body)).await
+            }
             ValidPlan::Disagg {
                 decode,
                 end,
                 remote_send,
-            } => mlc::disagg(&legs, decode, end, remote_send, body.mlc(id)).await,
+            } => Box::pin(mlc::disagg(&legs, decode, end, remote_send, body.mlc(id))).await,
             ValidPlan::Vllm { prefill, decode } => {
-                vllm::handoff(&legs, prefill, decode, &body).await
+                Box::pin(vllm::handoff(&legs, prefill, decode, &body)).await
             }
             ValidPlan::Sglang { prefill, decode } => {
-                sglang::handoff(&legs, prefill, decode, &body).await
+                Box::pin(sglang::handoff(&legs, prefill, decode, &body)).await
             }
         }
     }
