@@ -41,10 +41,11 @@ impl Shape {
         }
     }
 
+    /// What a response's id starts with, before its random digits.
     pub fn id_prefix(self) -> &'static str {
         match self {
-            Shape::Completion => "cmpl",
-            Shape::Chat => "chatcmpl",
+            Shape::Completion => "cmpl-",
+            Shape::Chat => "chatcmpl-",
         }
     }
 
