@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use futures::{FutureExt, StreamExt, TryStreamExt};
 use http::uri::{Authority, Scheme};
 use http_body_util::BodyExt;
@@ -617,20 +617,31 @@ async fn read_capped(
 ) -> Result<Bytes, CallError> {
     let started = tokio::time::Instant::now();
     let read = async {
-        let mut body = Vec::new();
+        // Most answers are one frame, kept as it came; only a second one makes a copy.
+        let mut first = None::<Bytes>;
+        let mut joined = BytesMut::new();
+        let mut len = 0;
         let mut frames = response.into_body();
         while let Some(frame) = frames.frame().await {
             let Ok(chunk) = frame.map_err(broken_answer)?.into_data() else {
                 continue; // trailers
             };
-            if body.len() + chunk.len() > cap {
+            len += chunk.len();
+            if len > cap {
                 return Err(CallError::Decode {
                     reason: format!("the answer is over {cap} bytes"),
                 });
             }
-            body.extend_from_slice(&chunk);
+            match first.take() {
+                None if joined.is_empty() => first = Some(chunk),
+                Some(before) => {
+                    joined.extend_from_slice(&before);
+                    joined.extend_from_slice(&chunk);
+                }
+                None => joined.extend_from_slice(&chunk),
+            }
         }
-        Ok(Bytes::from(body))
+        Ok(first.unwrap_or_else(|| joined.freeze()))
     };
     tokio::time::timeout_at(deadline, read)
         .await
