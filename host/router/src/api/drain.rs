@@ -10,8 +10,10 @@
 //!    open end with an OpenAI error event then `[DONE]`, whole responses still waiting answer
 //!    503, and the listeners drop whatever connection is left soon after.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use thread_local::ThreadLocal;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 /// How long each step of a drain lasts.
@@ -37,6 +39,10 @@ impl Default for DrainConfig {
 #[derive(Debug, Clone)]
 pub struct Drain {
     grace_over: CancellationToken,
+    /// Each thread's child of `grace_over`, which its requests wait on: a token's waiters,
+    /// clones and checks all take its lock, and every request on every worker taking the one
+    /// token's lock made the workers contend for it.
+    grace_over_here: Arc<ThreadLocal<CancellationToken>>,
     stop_accepting: CancellationToken,
     draining: CancellationToken,
 }
@@ -49,6 +55,7 @@ impl Default for Drain {
         let draining = stop_accepting.child_token();
         Drain {
             grace_over,
+            grace_over_here: Arc::default(),
             stop_accepting,
             draining,
         }
@@ -81,7 +88,10 @@ impl Drain {
 
     /// Resolves when the grace period is over; owned, for response bodies to hold.
     pub fn grace_over(&self) -> WaitForCancellationFutureOwned {
-        self.grace_over.clone().cancelled_owned()
+        self.grace_over_here
+            .get_or(|| self.grace_over.child_token())
+            .clone()
+            .cancelled_owned()
     }
 }
 
@@ -99,5 +109,31 @@ mod tests {
         let hurried = Drain::default();
         hurried.end_grace();
         assert!(hurried.is_draining() && hurried.stop_accepting.is_cancelled());
+    }
+
+    /// Each thread waits on a token of its own: the grace's end reaches the waiters of every
+    /// thread, those that began before it and those that begin after.
+    #[tokio::test]
+    async fn the_grace_ending_reaches_waiters_on_every_thread() {
+        use futures::FutureExt;
+
+        let drain = Drain::default();
+        let mut here = Box::pin(drain.grace_over());
+        let elsewhere = {
+            let drain = drain.clone();
+            std::thread::spawn(move || drain.grace_over())
+                .join()
+                .unwrap()
+        };
+        let mut elsewhere = Box::pin(elsewhere);
+        assert!((&mut here).now_or_never().is_none());
+        assert!((&mut elsewhere).now_or_never().is_none());
+        drain.end_grace();
+        assert!(here.now_or_never().is_some());
+        assert!(elsewhere.now_or_never().is_some());
+        let after = std::thread::spawn(move || drain.grace_over())
+            .join()
+            .unwrap();
+        assert!(after.now_or_never().is_some());
     }
 }
