@@ -669,10 +669,11 @@ impl<E: Execute> Router<E> {
             cached,
         };
         let id = AttemptId::new(&req.request_id, attempt);
-        // Boxed: running the plan (its legs' requests, connects and timeouts: 8 KiB of state in
-        // a debug build) is the largest state of the run by far, and lives only until the
-        // generation starts. Inline, every open stream's run kept that room for its whole life
-        // (heaptrack: 10.7 KiB per open stream, release build).
+        // Boxed: what running the plan holds until the generation starts (the attempt's body,
+        // and the box `Executor::execute` puts its flow's legs in) is not kept by every open
+        // stream's run for its whole life. Inline, the legs' requests, connects and timeouts
+        // were the run's largest state by far (heaptrack: 10.7 KiB per open stream, release
+        // build); since each flow is boxed on its own, this box holds only the rest.
         let executed = Box::pin(self.executor.execute(&plan, body, &id)).await;
         let mut generation = match executed {
             Ok(g) => {
